@@ -1,0 +1,55 @@
+"""What every command shares: the console, the error boundary, and option parsers."""
+
+from __future__ import annotations
+
+import sys
+
+import click
+from rich.console import Console
+
+from spes_p2p.errors import SpesError
+
+console = Console()
+err_console = Console(stderr=True)
+
+EXIT_ERROR = 1
+EXIT_INTERRUPTED = 130
+
+
+class SpesGroup(click.Group):
+    """A click group that turns our own errors into one red line and a non-zero exit code."""
+
+    def invoke(self, ctx: click.Context):
+        return run_guarded(lambda: super(SpesGroup, self).invoke(ctx))
+
+
+class SpesCommand(click.Command):
+    def invoke(self, ctx: click.Context):
+        return run_guarded(lambda: super(SpesCommand, self).invoke(ctx))
+
+
+def run_guarded(fn):
+    try:
+        return fn()
+    except SpesError as exc:
+        err_console.print(f"[bold red]error:[/] {exc}", highlight=False, soft_wrap=True)
+        sys.exit(EXIT_ERROR)
+    except KeyboardInterrupt:
+        err_console.print("[yellow]interrupted[/]")
+        sys.exit(EXIT_INTERRUPTED)
+
+
+def parse_shard_list(ctx, param, value: str | None) -> tuple[int, ...] | None:
+    """'1', '0,2' or '0-3' -> shard indices."""
+    if value is None:
+        return None
+    shards: list[int] = []
+    try:
+        for part in value.split(","):
+            lo, _, hi = part.strip().partition("-")
+            shards.extend(range(int(lo), int(hi or lo) + 1))
+    except ValueError:
+        raise click.BadParameter(f"{value!r} is not a list of shard indices like '1', '0,2' or '0-3'") from None
+    if not shards:
+        raise click.BadParameter("name at least one shard")
+    return tuple(shards)

@@ -1,0 +1,146 @@
+"""An OLMoE-style decoder-only transformer in plain single-device torch.
+
+RMSNorm (pre-norm), rotary position embeddings, QK-norm, causal attention through
+``scaled_dot_product_attention``, an MoE feed-forward in every layer, untied embedding and lm_head.
+
+Shape letters: B batch, S sequence, D model dim, H heads, G kv heads, Hd head dim, V vocabulary.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from spes_p2p.model.config import ModelConfig
+from spes_p2p.model.moe import MoE
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        return (x32 * torch.rsqrt(x32.square().mean(-1, keepdim=True) + self.eps)).to(x.dtype) * self.weight
+
+
+def rope_tables(head_dim: int, max_len: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin tables, each (max_len, head_dim / 2)."""
+    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
+    angles = torch.outer(torch.arange(max_len, dtype=torch.float64), inv_freq)
+    return angles.cos().float(), angles.sin().float()
+
+
+def apply_rope(x_BHSHd: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotates the two halves of each head dim (GPT-NeoX layout)."""
+    x1, x2 = x_BHSHd.chunk(2, dim=-1)
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x_BHSHd.dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.n_heads, self.n_kv, self.head_dim = cfg.n_heads, cfg.kv_heads, cfg.head_dim
+        self.q_proj = nn.Linear(cfg.d_model, cfg.n_heads * cfg.head_dim, bias=False)
+        self.k_proj = nn.Linear(cfg.d_model, cfg.kv_heads * cfg.head_dim, bias=False)
+        self.v_proj = nn.Linear(cfg.d_model, cfg.kv_heads * cfg.head_dim, bias=False)
+        self.o_proj = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.d_model, bias=False)
+        # QK-norm keeps attention logits bounded, which OLMoE found stabilizes MoE training
+        self.q_norm = RMSNorm(cfg.head_dim, cfg.norm_eps)
+        self.k_norm = RMSNorm(cfg.head_dim, cfg.norm_eps)
+
+    def forward(self, x_BSD: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        B, S, _ = x_BSD.shape
+        q_BHSHd = self.q_norm(self.q_proj(x_BSD).view(B, S, self.n_heads, self.head_dim)).transpose(1, 2)
+        k_BGSHd = self.k_norm(self.k_proj(x_BSD).view(B, S, self.n_kv, self.head_dim)).transpose(1, 2)
+        v_BGSHd = self.v_proj(x_BSD).view(B, S, self.n_kv, self.head_dim).transpose(1, 2)
+        q_BHSHd, k_BGSHd = apply_rope(q_BHSHd, cos, sin), apply_rope(k_BGSHd, cos, sin)
+        out_BHSHd = F.scaled_dot_product_attention(
+            q_BHSHd, k_BGSHd, v_BGSHd, is_causal=True, enable_gqa=self.n_kv != self.n_heads
+        )
+        return self.o_proj(out_BHSHd.transpose(1, 2).reshape(B, S, -1))
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.attn = Attention(cfg)
+        self.moe_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.moe = MoE(cfg)
+
+    def forward(self, x_BSD: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        x_BSD = x_BSD + self.attn(self.attn_norm(x_BSD), cos, sin)
+        y_TD, aux = self.moe(self.moe_norm(x_BSD).flatten(0, 1))
+        return x_BSD + y_TD.view_as(x_BSD), aux
+
+
+@dataclass
+class LMOutput:
+    logits: torch.Tensor  # (B, S, V)
+    loss: torch.Tensor | None = None  # the training objective: ce + weighted auxiliary losses
+    parts: dict[str, torch.Tensor] | None = None  # unweighted: ce, load_balance, router_z, logit_z
+
+
+class MoETransformer(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.embed = nn.Embedding(cfg.vocab_size, cfg.d_model)
+        self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
+        self.norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+        cos, sin = rope_tables(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta)
+        self.register_buffer("rope_cos", cos, persistent=False)
+        self.register_buffer("rope_sin", sin, persistent=False)
+        self.reset_parameters()
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        std = self.cfg.init_std
+        # residual-branch outputs are scaled down with depth, as in GPT-2 and OLMo
+        out_std = std / math.sqrt(2 * self.cfg.n_layers)
+        for name, p in self.named_parameters():
+            if name.endswith("norm.weight"):
+                p.fill_(1.0)
+            elif name.endswith(("o_proj.weight", ".w2")):
+                p.normal_(0.0, out_std)
+            else:
+                p.normal_(0.0, std)
+
+    def forward(self, tokens_BS: torch.Tensor, targets_BS: torch.Tensor | None = None) -> LMOutput:
+        S = tokens_BS.shape[1]
+        if S > self.cfg.max_seq_len:
+            raise ValueError(f"sequence length {S} exceeds max_seq_len {self.cfg.max_seq_len}")
+        cos, sin = self.rope_cos[:S], self.rope_sin[:S]
+        x_BSD = self.embed(tokens_BS)
+        aux_sums: dict[str, torch.Tensor] = {}
+        for layer in self.layers:
+            x_BSD, aux = layer(x_BSD, cos, sin)
+            for key, value in aux.items():
+                aux_sums[key] = aux_sums.get(key, 0.0) + value
+        logits_BSV = self.lm_head(self.norm(x_BSD))
+        if targets_BS is None:
+            return LMOutput(logits_BSV)
+        parts = {key: value / len(self.layers) for key, value in aux_sums.items()}
+        logits_NV = logits_BSV.flatten(0, 1).float()
+        parts["ce"] = F.cross_entropy(logits_NV, targets_BS.flatten())
+        parts["logit_z"] = torch.logsumexp(logits_NV, dim=-1).square().mean()
+        loss = (parts["ce"] + self.cfg.load_balance_coef * parts["load_balance"]
+                + self.cfg.router_z_coef * parts["router_z"] + self.cfg.logit_z_coef * parts["logit_z"])
+        return LMOutput(logits_BSV, loss, parts)
+
+    def num_params(self) -> int:
+        return sum(p.numel() for p in self.parameters())
+
+    def num_active_params(self) -> int:
+        """Parameters used per token: everything but the experts a token is not routed to."""
+        per_expert = sum(p.numel() for p in self.layers[0].moe.experts[0].parameters())
+        unused = self.cfg.n_layers * (self.cfg.n_experts - self.cfg.top_k) * per_expert
+        return self.num_params() - unused

@@ -1,0 +1,62 @@
+"""Memory accounting: the bytes a peer allocates for weights, gradients and optimizer state.
+
+Measured, not estimated: the model and optimizer are built for the given ownership and take one real step,
+then every allocated tensor is counted. Parameters below 4096 elements keep 32-bit state even with the 8-bit
+optimizer (a bitsandbytes default); that is counted too.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from spes_p2p.errors import ConfigError
+from spes_p2p.model import ModelConfig, MoETransformer, UnitLayout
+from spes_p2p.train.optim import tensor_bytes
+from spes_p2p.train.trainer import Trainer, TrainConfig
+
+KEYS = ("total_params", "trainable_params", "weights_bytes", "grads_bytes", "optimizer_bytes", "total_bytes")
+
+
+def measure(model_cfg: ModelConfig, layout: UnitLayout, units: list[str], optimizer: str,
+            batch_size: int = 1, seq_len: int = 32) -> dict[str, int]:
+    """Allocated bytes after one real step of a trainer that owns ``units``."""
+    _check_fits(model_cfg)
+    torch.manual_seed(0)
+    model = MoETransformer(model_cfg)
+    trainer = Trainer(model, layout, units, TrainConfig(optimizer=optimizer, warmup_steps=0))
+    tokens = torch.randint(0, model_cfg.vocab_size, (batch_size, seq_len + 1))
+    out = model(tokens[:, :-1], tokens[:, 1:])
+    out.loss.backward()
+    grads = sum(tensor_bytes(p.grad) for p in model.parameters() if p.grad is not None)
+    trainer.optimizer.step()  # creates the optimizer state
+    report = {
+        "total_params": model.num_params(),
+        "trainable_params": sum(p.numel() for p in trainer.trainable),
+        "weights_bytes": sum(tensor_bytes(p) for p in model.parameters()),
+        "grads_bytes": grads,
+        "optimizer_bytes": tensor_bytes(list(trainer.optimizer.state.values())),
+    }
+    report["total_bytes"] = report["weights_bytes"] + report["grads_bytes"] + report["optimizer_bytes"]
+    return report
+
+
+def compare(model_cfg: ModelConfig, layout: UnitLayout, units: list[str], optimizer: str) -> dict:
+    """The peer's figures next to those of a trainer that owns every unit, and their ratio."""
+    report = measure(model_cfg, layout, units, optimizer)
+    report["full"] = measure(model_cfg, layout, layout.units, optimizer)
+    report["ratio_vs_full"] = report["total_bytes"] / report["full"]["total_bytes"]
+    return report
+
+
+def _check_fits(model_cfg: ModelConfig) -> None:
+    import psutil
+
+    with torch.device("meta"):
+        n = MoETransformer(model_cfg).num_params()
+    need = n * 4 * 3  # fp32 weights, gradients and (at worst) one more copy of state
+    available = psutil.virtual_memory().available
+    if need > available:
+        raise ConfigError(
+            f"this preset has {n / 1e9:.2f}B parameters and needs about {need / 2**30:.0f} GiB to measure, "
+            f"but only {available / 2**30:.0f} GiB is free; measure a smaller preset or use a larger machine"
+        )

@@ -1,0 +1,55 @@
+"""The optimizer over a peer's trainable parameters, and the learning-rate schedule."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from spes_p2p.errors import ConfigError
+
+OPTIMIZERS = ("adamw8bit", "adamw")
+
+
+def lr_at(step: int, *, peak: float, warmup_steps: int, max_steps: int, min_ratio: float) -> float:
+    """Linear warmup to ``peak``, then cosine decay to ``min_ratio * peak`` at ``max_steps``."""
+    if step < warmup_steps:
+        return peak * (step + 1) / warmup_steps
+    progress = min((step - warmup_steps) / max(1, max_steps - warmup_steps), 1.0)
+    return peak * (min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
+
+
+def build_optimizer(
+    named_params: list[tuple[str, nn.Parameter]], *, kind: str, lr: float, betas: tuple[float, float],
+    weight_decay: float, eps: float = 1e-8,
+) -> torch.optim.Optimizer:
+    """AdamW (8-bit blockwise state from bitsandbytes, or torch's) over the given parameters only.
+
+    Norm weights (1-D) get no weight decay.
+    """
+    if kind not in OPTIMIZERS:
+        raise ConfigError(f"unknown optimizer {kind!r}; choose one of: {', '.join(OPTIMIZERS)}")
+    if not named_params:
+        raise ConfigError("nothing to train: the owned units have no parameters")
+    groups = [
+        {"params": [p for _, p in named_params if p.ndim >= 2], "weight_decay": weight_decay},
+        {"params": [p for _, p in named_params if p.ndim < 2], "weight_decay": 0.0},
+    ]
+    groups = [g for g in groups if g["params"]]
+    if kind == "adamw":
+        return torch.optim.AdamW(groups, lr=lr, betas=betas, eps=eps)
+    import bitsandbytes as bnb  # imported here: it is slow to import and prints notices
+
+    return bnb.optim.AdamW8bit(groups, lr=lr, betas=betas, eps=eps)
+
+
+def tensor_bytes(obj) -> int:
+    """Bytes held by every tensor inside a (nested) dict/list, e.g. an optimizer's state."""
+    if isinstance(obj, torch.Tensor):
+        return obj.numel() * obj.element_size()
+    if isinstance(obj, dict):
+        return sum(tensor_bytes(v) for v in obj.values())
+    if isinstance(obj, (list, tuple)):
+        return sum(tensor_bytes(v) for v in obj)
+    return 0

@@ -1,0 +1,188 @@
+"""A single-process training run: the centralized baseline, or one peer's units trained alone.
+
+Owns the run folder: ``metrics.jsonl`` (one JSON object per logged step) and ``checkpoints/``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from spes_p2p.errors import CheckpointError, ConfigError
+from spes_p2p.model import ModelConfig, MoETransformer, UnitLayout, get_preset
+from spes_p2p.train.checkpoint import list_checkpoints, load_checkpoint, save_checkpoint
+from spes_p2p.train.data import DataConfig
+from spes_p2p.train.dataset import BatchSampler, DataShard, prepare_data, validation_batches
+from spes_p2p.train.trainer import StepResult, Trainer, TrainConfig, evaluate
+
+
+@dataclass(frozen=True, kw_only=True)
+class RunConfig:
+    preset: str = "tiny"
+    model: ModelConfig | None = None  # None: the preset's
+    n_shards: int = 4
+    owned_shards: tuple[int, ...] | None = None  # None: train every unit (the centralized baseline)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+
+    def model_config(self) -> ModelConfig:
+        return self.model or get_preset(self.preset)
+
+    def layout(self) -> UnitLayout:
+        return UnitLayout(self.model_config().n_experts, self.n_shards)
+
+    def units(self) -> list[str]:
+        """Owned shards plus the dense part (SPES trains the dense part on every peer)."""
+        layout = self.layout()
+        if self.owned_shards is None:
+            return layout.units
+        return ["dense/0", *layout.shard_units(list(self.owned_shards))]
+
+
+class TrainingRun:
+    """Prepares data, model and trainer (restoring the newest checkpoint when resuming), then trains."""
+
+    def __init__(self, cfg: RunConfig, out_dir: Path, *, resume: bool = False,
+                 data_shard: DataShard = DataShard()) -> None:
+        self.cfg, self.out_dir = cfg, Path(out_dir)
+        model_cfg = cfg.model_config()
+        if cfg.train.seq_len > model_cfg.max_seq_len:
+            raise ConfigError(f"seq_len ({cfg.train.seq_len}) exceeds the model's max_seq_len ({model_cfg.max_seq_len})")
+        layout, units = cfg.layout(), cfg.units()
+        self.data = prepare_data(cfg.data, model_cfg.vocab_size)
+        torch.manual_seed(cfg.train.seed)
+        self.model = MoETransformer(model_cfg)
+        self.trainer = Trainer(self.model, layout, units, cfg.train)
+        self.sampler = BatchSampler(self.data.train_ids, cfg.train.seq_len, cfg.train.batch_size, cfg.train.seed,
+                                    data_shard)
+        self.val_batches = validation_batches(self.data.val_ids, cfg.train.seq_len, cfg.train.batch_size,
+                                              cfg.train.eval_batches)
+        self.out_dir.mkdir(parents=True, exist_ok=True)
+        if resume:
+            self._restore()
+        elif list_checkpoints(self.out_dir):
+            raise ConfigError(f"{self.out_dir} already holds checkpoints: pass --resume to continue, or pick another --out")
+
+    @property
+    def metrics_path(self) -> Path:
+        return self.out_dir / "metrics.jsonl"
+
+    def meta(self) -> dict:
+        return {
+            "preset": self.cfg.preset,
+            "model_config": self.cfg.model_config().to_dict(),
+            "train_config": self.cfg.train.to_dict(),
+            "data_config": self.cfg.data.to_dict(),
+            "n_shards": self.cfg.n_shards,
+            "units": self.trainer.units,
+            "tokens": self.trainer.tokens,
+            "data_position": self.sampler.state_dict(),
+            "corpus_hash": self.data.corpus_hash,
+            "tokenizer_hash": self.data.tokenizer_hash,
+        }
+
+    def save(self) -> Path:
+        return save_checkpoint(
+            self.out_dir, self.trainer.step, self.model, self.trainer.optimizer, self.meta(),
+            extra_files={"tokenizer.json": self.data.tokenizer.to_str().encode()},
+            keep=self.cfg.train.keep_checkpoints,
+        )
+
+    def _restore(self) -> None:
+        if not list_checkpoints(self.out_dir):
+            raise CheckpointError(f"nothing to resume: {self.out_dir} holds no checkpoint")
+        ckpt = load_checkpoint(self.out_dir)
+        expected = self.meta()
+        for key in ("model_config", "units", "n_shards", "corpus_hash", "tokenizer_hash"):
+            if ckpt.meta.get(key) != expected[key]:
+                raise CheckpointError(f"cannot resume from {ckpt.path}: its {key} differs from this run's settings")
+        if ckpt.meta["train_config"]["optimizer"] != self.cfg.train.optimizer:
+            raise CheckpointError(f"cannot resume from {ckpt.path}: it was trained with optimizer "
+                                  f"{ckpt.meta['train_config']['optimizer']!r}")
+        self.model.load_state_dict(ckpt.model)
+        self.trainer.optimizer.load_state_dict(ckpt.optimizer)
+        self.trainer.step, self.trainer.tokens = ckpt.meta["step"], ckpt.meta["tokens"]
+        self.sampler.load_state_dict(ckpt.meta["data_position"])
+        self._truncate_metrics(self.trainer.step)
+
+    def _truncate_metrics(self, step: int) -> None:
+        """Drops metric rows logged after the checkpoint we resume from, so the file tells one history."""
+        if not self.metrics_path.exists():
+            return
+        rows = [line for line in self.metrics_path.read_text().splitlines()
+                if line.strip() and json.loads(line)["step"] <= step]
+        self.metrics_path.write_text("".join(row + "\n" for row in rows))
+
+    def evaluate(self) -> float:
+        return self.trainer.evaluate(self.val_batches)
+
+    def run(self, *, stop_after: int | None = None, on_log: Callable[[dict], None] | None = None) -> dict:
+        """Trains until ``max_steps`` (or ``stop_after`` more steps), logging, evaluating and checkpointing.
+
+        On KeyboardInterrupt a checkpoint is written before the interrupt propagates.
+        """
+        cfg = self.cfg.train
+        last = cfg.max_steps if stop_after is None else min(cfg.max_steps, self.trainer.step + stop_after)
+        window: list[StepResult] = []
+        started = time.perf_counter()
+        record: dict = {}
+        try:
+            while self.trainer.step < last:
+                window.append(self.trainer.train_step(*self.sampler.next_batch()))
+                step = self.trainer.step
+                evaluating = step % cfg.eval_every == 0 or step == cfg.max_steps
+                if step % cfg.log_every == 0 or evaluating or step == last:
+                    elapsed = time.perf_counter() - started
+                    record = self._record(window, elapsed, self.evaluate() if evaluating else None)
+                    self._append_metrics(record)
+                    if on_log:
+                        on_log(record)
+                    window, started = [], time.perf_counter()
+                if step % cfg.checkpoint_every == 0 or step == last:
+                    self.save()
+        except KeyboardInterrupt:
+            self.save()
+            raise
+        return record
+
+    def _record(self, window: list[StepResult], elapsed: float, val_loss: float | None) -> dict:
+        record = {
+            "step": self.trainer.step,
+            "tokens": self.trainer.tokens,
+            "loss": sum(r.loss for r in window) / len(window),
+            "ce": sum(r.ce for r in window) / len(window),
+            "lr": window[-1].lr,
+            "grad_norm": window[-1].grad_norm,
+            "tokens_per_s": sum(r.tokens for r in window) / max(elapsed, 1e-9),
+        }
+        if val_loss is not None:
+            record["val_loss"] = val_loss
+        return record
+
+    def _append_metrics(self, record: dict) -> None:
+        with open(self.metrics_path, "a") as f:
+            f.write(json.dumps(record) + "\n")
+
+
+def evaluate_checkpoint(path: Path, corpus: str | None = None, eval_batches: int | None = None) -> dict:
+    """Validation loss and perplexity of a checkpoint on its run's validation split (or another corpus)."""
+    ckpt = load_checkpoint(path)
+    meta = ckpt.meta
+    model_cfg = ModelConfig.from_dict(meta["model_config"])
+    data_cfg = DataConfig(**{**meta["data_config"], **({"corpus": corpus} if corpus else {})})
+    train_cfg = TrainConfig(**{**meta["train_config"], **({"eval_batches": eval_batches} if eval_batches else {})})
+    tok_file = ckpt.path / "tokenizer.json"
+    data = prepare_data(dataclasses.replace(data_cfg, tokenizer=str(tok_file)), model_cfg.vocab_size)
+    model = MoETransformer(model_cfg)
+    model.load_state_dict(ckpt.model)
+    batches = validation_batches(data.val_ids, train_cfg.seq_len, train_cfg.batch_size, train_cfg.eval_batches)
+    val_loss = evaluate(model, batches)
+    return {"checkpoint": str(ckpt.path), "step": meta["step"], "tokens": meta["tokens"],
+            "val_loss": val_loss, "perplexity": math.exp(val_loss), "val_tokens": sum(t.numel() for _, t in batches)}

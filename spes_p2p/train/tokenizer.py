@@ -1,0 +1,73 @@
+"""Byte-level BPE tokenizers: trained on the corpus (deterministically, cached) or loaded from a file."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import tempfile
+from pathlib import Path
+
+import numpy as np
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+from spes_p2p.errors import ConfigError, DataError
+from spes_p2p.train.data import EOS, Document
+
+
+def train_tokenizer(docs: list[Document], vocab_size: int) -> Tokenizer:
+    """Byte-level BPE with one special token, EOS. Deterministic for the same documents in the same order."""
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=[EOS],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator((d.text for d in docs), trainer, length=len(docs))
+    return tok
+
+
+def load_tokenizer(path: str | Path, max_vocab: int) -> Tokenizer:
+    try:
+        tok = Tokenizer.from_file(str(path))
+    except Exception as exc:  # tokenizers raises a bare Exception for a bad file
+        raise DataError(f"cannot load tokenizer {path}: {exc}") from None
+    if tok.get_vocab_size() > max_vocab:
+        raise ConfigError(
+            f"tokenizer {path} has {tok.get_vocab_size()} tokens but the model's vocab_size is {max_vocab}; "
+            "pick a preset with a larger vocabulary or a smaller tokenizer"
+        )
+    if tok.token_to_id(EOS) is None:
+        raise DataError(f"tokenizer {path} has no {EOS} token; add it as a special token")
+    return tok
+
+
+def tokenizer_hash(tok: Tokenizer) -> str:
+    return hashlib.sha256(tok.to_str().encode()).hexdigest()
+
+
+def encode_documents(tok: Tokenizer, docs: list[Document]) -> np.ndarray:
+    """One stream of token ids, each document followed by EOS."""
+    eos = tok.token_to_id(EOS)
+    dtype = np.uint16 if tok.get_vocab_size() <= 2**16 else np.int32
+    parts = []
+    for enc in tok.encode_batch([d.text for d in docs]):
+        parts.append(np.asarray(enc.ids + [eos], dtype=dtype))
+    return np.concatenate(parts)
+
+
+def atomic_write_bytes(path: Path, data: bytes) -> None:
+    """Writes ``data`` to a temporary file beside ``path`` and renames it over ``path``."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise

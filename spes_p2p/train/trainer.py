@@ -1,0 +1,109 @@
+"""The local trainer: trains only the units a peer owns, with every other parameter frozen.
+
+Frozen experts still take part in the forward pass (routing is not masked), so gradients flow through them to
+the router and attention; they simply get no gradient buffers and no optimizer state of their own.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import torch
+
+from spes_p2p.errors import ConfigError
+from spes_p2p.model import MoETransformer, UnitLayout, set_trainable
+from spes_p2p.train.optim import OPTIMIZERS, build_optimizer, lr_at
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainConfig:
+    optimizer: str = "adamw8bit"
+    lr: float = 1e-3
+    min_lr_ratio: float = 0.1
+    warmup_steps: int = 50
+    max_steps: int = 300
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.95
+    grad_clip: float = 1.0
+    batch_size: int = 8
+    seq_len: int = 128
+    seed: int = 0
+    log_every: int = 10
+    eval_every: int = 100
+    eval_batches: int = 8
+    checkpoint_every: int = 100
+    keep_checkpoints: int = 2
+
+    def __post_init__(self) -> None:
+        if self.optimizer not in OPTIMIZERS:
+            raise ConfigError(f"optimizer must be one of {', '.join(OPTIMIZERS)}, got {self.optimizer!r}")
+        for name in ("max_steps", "batch_size", "seq_len", "log_every", "eval_every", "eval_batches",
+                     "checkpoint_every", "keep_checkpoints"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{name} must be at least 1, got {getattr(self, name)}")
+        if self.warmup_steps < 0 or self.lr <= 0:
+            raise ConfigError("warmup_steps must be >= 0 and lr > 0")
+        if not 0 <= self.min_lr_ratio <= 1:
+            raise ConfigError(f"min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+@dataclass
+class StepResult:
+    loss: float  # the full objective
+    ce: float  # cross-entropy alone
+    lr: float
+    grad_norm: float
+    tokens: int
+
+
+class Trainer:
+    """Owns the optimizer for one peer's trainable units and counts steps and tokens."""
+
+    def __init__(self, model: MoETransformer, layout: UnitLayout, units: list[str], cfg: TrainConfig) -> None:
+        self.model, self.layout, self.cfg = model, layout, cfg
+        self.units = sorted(set(units))
+        self.trainable = set_trainable(model, layout, self.units)
+        named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        self.optimizer = build_optimizer(
+            named, kind=cfg.optimizer, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), weight_decay=cfg.weight_decay
+        )
+        self.step = 0
+        self.tokens = 0
+
+    def lr(self) -> float:
+        c = self.cfg
+        return lr_at(self.step, peak=c.lr, warmup_steps=c.warmup_steps, max_steps=c.max_steps,
+                     min_ratio=c.min_lr_ratio)
+
+    def train_step(self, inputs_BS: torch.Tensor, targets_BS: torch.Tensor) -> StepResult:
+        self.model.train()
+        lr = self.lr()
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        out = self.model(inputs_BS, targets_BS)
+        out.loss.backward()
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.trainable, self.cfg.grad_clip)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.step += 1
+        self.tokens += inputs_BS.numel()
+        return StepResult(out.loss.item(), out.parts["ce"].item(), lr, grad_norm.item(), inputs_BS.numel())
+
+    def evaluate(self, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> float:
+        return evaluate(self.model, batches)
+
+
+@torch.no_grad()
+def evaluate(model: MoETransformer, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> float:
+    """Mean cross-entropy over the given batches, weighted by tokens."""
+    model.eval()
+    total, count = 0.0, 0
+    for inputs_BS, targets_BS in batches:
+        total += model(inputs_BS, targets_BS).parts["ce"].item() * targets_BS.numel()
+        count += targets_BS.numel()
+    return total / count
