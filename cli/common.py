@@ -49,7 +49,9 @@ def parse_shard_list(ctx, param, value: str | None) -> tuple[int, ...] | None:
             lo, _, hi = part.strip().partition("-")
             shards.extend(range(int(lo), int(hi or lo) + 1))
     except ValueError:
-        raise click.BadParameter(f"{value!r} is not a list of shard indices like '1', '0,2' or '0-3'") from None
+        raise click.BadParameter(
+            f"{value!r} is not a list of shard indices like '1', '0,2' or '0-3'"
+        ) from None
     if not shards:
         raise click.BadParameter("name at least one shard")
     return tuple(shards)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import click
-
 from spes_cli.common import SpesCommand, err_console
 
 
@@ -14,6 +13,8 @@ def spes_join() -> None:
 
     Not available in this version: the swarm layer is the next milestone. Train locally with `spes train`.
     """
-    err_console.print("[bold red]error:[/] spes-join is not available in spes-p2p 0.1.0 yet (the swarm layer is "
-                      "the next milestone); train locally with `spes train`")
+    err_console.print(
+        "[bold red]error:[/] spes-join is not available in spes-p2p 0.1.0 yet (the swarm layer is "
+        "the next milestone); train locally with `spes train`"
+    )
     raise SystemExit(2)

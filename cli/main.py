@@ -6,10 +6,15 @@ import json
 from pathlib import Path
 
 import click
-
 from spes_cli.common import SpesGroup, console, parse_shard_list
 
-PRESET_NAMES = ("tiny", "small", "1b", "2b", "7b")  # mirrored from spes_p2p.model.config; a test keeps them equal
+PRESET_NAMES = (
+    "tiny",
+    "small",
+    "1b",
+    "2b",
+    "7b",
+)  # mirrored from spes_p2p.model.config; a test keeps them equal
 
 
 @click.group(cls=SpesGroup, context_settings={"help_option_names": ["-h", "--help"]})
@@ -20,19 +25,35 @@ def spes() -> None:
 
 @spes.command()
 @click.option("--preset", default="tiny", show_default=True, help=f"Model preset: {', '.join(PRESET_NAMES)}.")
-@click.option("--shards", default=4, show_default=True, help="Number of expert shards the experts split into.")
-@click.option("--owned-shards", callback=parse_shard_list, metavar="LIST",
-              help="Train only these expert shards (plus the dense part), e.g. '1' or '0,2'. Default: everything.")
-@click.option("--max-steps", default=300, show_default=True, help="Length of the schedule in optimizer steps.")
-@click.option("--stop-after", type=int, help="Stop (with a checkpoint) after this many steps of this invocation.")
+@click.option(
+    "--shards", default=4, show_default=True, help="Number of expert shards the experts split into."
+)
+@click.option(
+    "--owned-shards",
+    callback=parse_shard_list,
+    metavar="LIST",
+    help="Train only these expert shards (plus the dense part), e.g. '1' or '0,2'. Default: everything.",
+)
+@click.option(
+    "--max-steps", default=300, show_default=True, help="Length of the schedule in optimizer steps."
+)
+@click.option(
+    "--stop-after", type=int, help="Stop (with a checkpoint) after this many steps of this invocation."
+)
 @click.option("--out", type=click.Path(path_type=Path), help="Run folder. Default: runs/train-<preset>.")
 @click.option("--resume", is_flag=True, help="Continue from the newest checkpoint in --out.")
-@click.option("--corpus", default="stdlib", show_default=True,
-              help="'stdlib', a text/.jsonl file or folder, or hf:NAME[:SPLIT].")
+@click.option(
+    "--corpus",
+    default="stdlib",
+    show_default=True,
+    help="'stdlib', a text/.jsonl file or folder, or hf:NAME[:SPLIT].",
+)
 @click.option("--max-corpus-mb", type=float, help="Read at most this many MB of the corpus.")
 @click.option("--tokenizer", type=click.Path(exists=True, dir_okay=False), help="A tokenizer.json to use.")
 @click.option("--cache-dir", type=click.Path(file_okay=False), help="Tokenizer and token cache folder.")
-@click.option("--optimizer", type=click.Choice(["adamw8bit", "adamw"]), default="adamw8bit", show_default=True)
+@click.option(
+    "--optimizer", type=click.Choice(["adamw8bit", "adamw"]), default="adamw8bit", show_default=True
+)
 @click.option("--lr", default=1e-3, show_default=True)
 @click.option("--warmup-steps", default=50, show_default=True)
 @click.option("--batch-size", default=8, show_default=True)
@@ -41,42 +62,86 @@ def spes() -> None:
 @click.option("--eval-every", default=100, show_default=True)
 @click.option("--checkpoint-every", default=100, show_default=True)
 @click.option("--seed", default=0, show_default=True)
-def train(preset, shards, owned_shards, max_steps, stop_after, out, resume, corpus, max_corpus_mb, tokenizer,
-          cache_dir, optimizer, lr, warmup_steps, batch_size, seq_len, log_every, eval_every, checkpoint_every,
-          seed) -> None:
+def train(
+    preset,
+    shards,
+    owned_shards,
+    max_steps,
+    stop_after,
+    out,
+    resume,
+    corpus,
+    max_corpus_mb,
+    tokenizer,
+    cache_dir,
+    optimizer,
+    lr,
+    warmup_steps,
+    batch_size,
+    seq_len,
+    log_every,
+    eval_every,
+    checkpoint_every,
+    seed,
+) -> None:
     """Train in one process: every unit (the centralized baseline), or only --owned-shards."""
     from spes_cli.render import TrainProgress
+
     from spes_p2p.train.data import DataConfig
     from spes_p2p.train.run import RunConfig, TrainingRun
     from spes_p2p.train.trainer import TrainConfig
 
     cfg = RunConfig(
-        preset=preset, n_shards=shards, owned_shards=owned_shards,
-        train=TrainConfig(optimizer=optimizer, lr=lr, warmup_steps=warmup_steps, max_steps=max_steps,
-                          batch_size=batch_size, seq_len=seq_len, seed=seed, log_every=log_every,
-                          eval_every=eval_every, checkpoint_every=checkpoint_every),
-        data=DataConfig(corpus=corpus, max_bytes=int(max_corpus_mb * 1e6) if max_corpus_mb else None,
-                        tokenizer=tokenizer, cache_dir=cache_dir, seed=seed),
+        preset=preset,
+        n_shards=shards,
+        owned_shards=owned_shards,
+        train=TrainConfig(
+            optimizer=optimizer,
+            lr=lr,
+            warmup_steps=warmup_steps,
+            max_steps=max_steps,
+            batch_size=batch_size,
+            seq_len=seq_len,
+            seed=seed,
+            log_every=log_every,
+            eval_every=eval_every,
+            checkpoint_every=checkpoint_every,
+        ),
+        data=DataConfig(
+            corpus=corpus,
+            max_bytes=int(max_corpus_mb * 1e6) if max_corpus_mb else None,
+            tokenizer=tokenizer,
+            cache_dir=cache_dir,
+            seed=seed,
+        ),
     )
     out = out or Path("runs") / f"train-{preset}"
     with console.status(f"Preparing the {corpus} corpus and the {preset} model..."):
         run = TrainingRun(cfg, out, resume=resume)
-    console.print(f"[bold]{preset}[/]: {run.model.num_params() / 1e6:.2f}M parameters, "
-                  f"training {', '.join(run.trainer.units)} with {optimizer}; "
-                  f"{len(run.data.train_ids) / 1e6:.2f}M training tokens")
+    console.print(
+        f"[bold]{preset}[/]: {run.model.num_params() / 1e6:.2f}M parameters, "
+        f"training {', '.join(run.trainer.units)} with {optimizer}; "
+        f"{len(run.data.train_ids) / 1e6:.2f}M training tokens"
+    )
     with TrainProgress(console, total=max_steps, start=run.trainer.step) as progress:
         try:
             final = run.run(stop_after=stop_after, on_log=progress.update)
         except KeyboardInterrupt:
-            console.print(f"[yellow]interrupted at step {run.trainer.step}[/]: checkpoint saved; "
-                          f"continue with the same command plus --resume")
+            console.print(
+                f"[yellow]interrupted at step {run.trainer.step}[/]: checkpoint saved; "
+                f"continue with the same command plus --resume"
+            )
             raise
     progress.summary(final, out)
 
 
 @spes.command(name="eval")
-@click.option("--checkpoint", required=True, type=click.Path(exists=True, path_type=Path),
-              help="A checkpoint folder, or a run folder (its newest checkpoint).")
+@click.option(
+    "--checkpoint",
+    required=True,
+    type=click.Path(exists=True, path_type=Path),
+    help="A checkpoint folder, or a run folder (its newest checkpoint).",
+)
 @click.option("--corpus", help="Evaluate on this corpus's validation split instead of the run's.")
 @click.option("--batches", type=int, help="Number of validation batches (default: the run's).")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
@@ -89,21 +154,34 @@ def eval_(checkpoint, corpus, batches, as_json) -> None:
     if as_json:
         click.echo(json.dumps(result))
     else:
-        console.print(f"{result['checkpoint']} (step {result['step']}, {result['tokens']:,} tokens): "
-                      f"val_loss [bold]{result['val_loss']:.4f}[/], perplexity [bold]{result['perplexity']:.2f}[/] "
-                      f"over {result['val_tokens']:,} tokens")
+        console.print(
+            f"{result['checkpoint']} (step {result['step']}, {result['tokens']:,} tokens): "
+            f"val_loss [bold]{result['val_loss']:.4f}[/], perplexity [bold]{result['perplexity']:.2f}[/] "
+            f"over {result['val_tokens']:,} tokens"
+        )
 
 
 @spes.command()
-@click.option("--preset", default="small", show_default=True, help=f"Model preset: {', '.join(PRESET_NAMES)}.")
+@click.option(
+    "--preset", default="small", show_default=True, help=f"Model preset: {', '.join(PRESET_NAMES)}."
+)
 @click.option("--shards", default=4, show_default=True)
-@click.option("--owned-shards", callback=parse_shard_list, default="0", show_default=True, metavar="LIST",
-              help="Expert shards the peer trains (it also trains the dense part).")
-@click.option("--optimizer", type=click.Choice(["adamw8bit", "adamw"]), default="adamw8bit", show_default=True)
+@click.option(
+    "--owned-shards",
+    callback=parse_shard_list,
+    default="0",
+    show_default=True,
+    metavar="LIST",
+    help="Expert shards the peer trains (it also trains the dense part).",
+)
+@click.option(
+    "--optimizer", type=click.Choice(["adamw8bit", "adamw"]), default="adamw8bit", show_default=True
+)
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
 def memory(preset, shards, owned_shards, optimizer, as_json) -> None:
     """Allocated bytes of a peer owning --owned-shards, next to a peer that trains everything."""
     from spes_cli.render import memory_table
+
     from spes_p2p.model import UnitLayout, get_preset
     from spes_p2p.train import memory as mem
 

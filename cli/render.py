@@ -15,9 +15,12 @@ class TrainProgress:
     def __init__(self, console: Console, total: int, start: int) -> None:
         self.console = console
         self.progress = Progress(
-            TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(),
+            TextColumn("[bold]train"),
+            BarColumn(),
+            MofNCompleteColumn(),
             TextColumn("loss {task.fields[loss]}  val {task.fields[val]}  {task.fields[tps]} tok/s"),
-            TimeRemainingColumn(), console=console,
+            TimeRemainingColumn(),
+            console=console,
         )
         self.task = self.progress.add_task("train", total=total, completed=start, loss="-", val="-", tps="-")
 
@@ -39,14 +42,18 @@ class TrainProgress:
             self.console.print(f"nothing to do: the run in {out} is already at its last step")
             return
         val = f", val_loss {final['val_loss']:.4f}" if "val_loss" in final else ""
-        self.console.print(f"[green]done[/] at step {final['step']}: loss {final['loss']:.4f}{val}, "
-                           f"{final['tokens_per_s']:,.0f} tokens/s. Metrics: {out / 'metrics.jsonl'}, "
-                           f"checkpoints: {out / 'checkpoints'}")
+        self.console.print(
+            f"[green]done[/] at step {final['step']}: loss {final['loss']:.4f}{val}, "
+            f"{final['tokens_per_s']:,.0f} tokens/s. Metrics: {out / 'metrics.jsonl'}, "
+            f"checkpoints: {out / 'checkpoints'}"
+        )
 
 
 def memory_table(report: dict) -> Table:
-    table = Table(title=f"{report['preset']}: {report['optimizer']}, {report['shards']} shards, "
-                        f"owning {', '.join(report['owned_units'])}")
+    table = Table(
+        title=f"{report['preset']}: {report['optimizer']}, {report['shards']} shards, "
+        f"owning {', '.join(report['owned_units'])}"
+    )
     table.add_column("")
     table.add_column("this peer", justify="right")
     table.add_column("trains everything", justify="right")
@@ -54,9 +61,15 @@ def memory_table(report: dict) -> Table:
     for key, label in (("total_params", "parameters"), ("trainable_params", "trainable parameters")):
         table.add_row(label, f"{report[key] / 1e6:,.2f}M", f"{full[key] / 1e6:,.2f}M")
     for key in ("weights_bytes", "grads_bytes", "optimizer_bytes", "total_bytes"):
-        table.add_row(key.replace("_bytes", "").replace("grads", "gradients"),
-                      _mib(report[key]), _mib(full[key]), style="bold" if key == "total_bytes" else None)
-    table.caption = f"this peer uses {report['ratio_vs_full']:.2f}x the memory of a peer that trains everything"
+        table.add_row(
+            key.replace("_bytes", "").replace("grads", "gradients"),
+            _mib(report[key]),
+            _mib(full[key]),
+            style="bold" if key == "total_bytes" else None,
+        )
+    table.caption = (
+        f"this peer uses {report['ratio_vs_full']:.2f}x the memory of a peer that trains everything"
+    )
     return table
 
 

@@ -8,6 +8,14 @@ from spes_p2p.model.transformer import LMOutput, MoETransformer
 from spes_p2p.model.units import UnitLayout, read_unit, set_trainable, unit_parameters, write_unit
 
 __all__ = [
-    "PRESETS", "LMOutput", "ModelConfig", "MoETransformer", "UnitLayout", "get_preset", "read_unit",
-    "set_trainable", "unit_parameters", "write_unit",
+    "PRESETS",
+    "LMOutput",
+    "MoETransformer",
+    "ModelConfig",
+    "UnitLayout",
+    "get_preset",
+    "read_unit",
+    "set_trainable",
+    "unit_parameters",
+    "write_unit",
 ]

@@ -35,8 +35,16 @@ class ModelConfig:
     logit_z_coef: float = 1e-5
 
     def __post_init__(self) -> None:
-        for name in ("vocab_size", "d_model", "n_layers", "n_heads", "n_experts", "top_k", "expert_dim",
-                     "max_seq_len"):
+        for name in (
+            "vocab_size",
+            "d_model",
+            "n_layers",
+            "n_heads",
+            "n_experts",
+            "top_k",
+            "expert_dim",
+            "max_seq_len",
+        ):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be at least 1, got {getattr(self, name)}")
         if self.top_k > self.n_experts:
@@ -76,20 +84,60 @@ class ModelConfig:
 
 PRESETS: dict[str, ModelConfig] = {
     # tests and the quick start: about 0.6M parameters
-    "tiny": ModelConfig(vocab_size=1024, d_model=64, n_layers=2, n_heads=4, n_experts=8, top_k=2,
-                        expert_dim=128, max_seq_len=256),
+    "tiny": ModelConfig(
+        vocab_size=1024,
+        d_model=64,
+        n_layers=2,
+        n_heads=4,
+        n_experts=8,
+        top_k=2,
+        expert_dim=128,
+        max_seq_len=256,
+    ),
     # CPU demo: about 15M parameters
-    "small": ModelConfig(vocab_size=4096, d_model=256, n_layers=4, n_heads=4, n_experts=8, top_k=2,
-                         expert_dim=512, max_seq_len=512),
+    "small": ModelConfig(
+        vocab_size=4096,
+        d_model=256,
+        n_layers=4,
+        n_heads=4,
+        n_experts=8,
+        top_k=2,
+        expert_dim=512,
+        max_seq_len=512,
+    ),
     # the paper's 1B config: 4 nodes x 4 experts
-    "1b": ModelConfig(vocab_size=50304, d_model=768, n_layers=12, n_heads=12, n_experts=16, top_k=2,
-                      expert_dim=2048, max_seq_len=2048),
+    "1b": ModelConfig(
+        vocab_size=50304,
+        d_model=768,
+        n_layers=12,
+        n_heads=12,
+        n_experts=16,
+        top_k=2,
+        expert_dim=2048,
+        max_seq_len=2048,
+    ),
     # our reconstruction of the paper's headline 2B model (config not published)
-    "2b": ModelConfig(vocab_size=50304, d_model=1024, n_layers=18, n_heads=16, n_experts=16, top_k=2,
-                      expert_dim=2048, max_seq_len=2048),
+    "2b": ModelConfig(
+        vocab_size=50304,
+        d_model=1024,
+        n_layers=18,
+        n_heads=16,
+        n_experts=16,
+        top_k=2,
+        expert_dim=2048,
+        max_seq_len=2048,
+    ),
     # the paper's 7B config: 4 nodes x 8 experts
-    "7b": ModelConfig(vocab_size=50304, d_model=2048, n_layers=16, n_heads=16, n_experts=32, top_k=4,
-                      expert_dim=2048, max_seq_len=2048),
+    "7b": ModelConfig(
+        vocab_size=50304,
+        d_model=2048,
+        n_layers=16,
+        n_heads=16,
+        n_experts=32,
+        top_k=4,
+        expert_dim=2048,
+        max_seq_len=2048,
+    ),
 }
 
 

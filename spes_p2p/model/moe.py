@@ -64,7 +64,9 @@ class MoE(nn.Module):
         y_TD = self.dispatch(x_TD, weights_TK, experts_TK)
         return y_TD, self.aux_losses(experts_TK, probs_TE, logits_TE)
 
-    def dispatch(self, x_TD: torch.Tensor, weights_TK: torch.Tensor, experts_TK: torch.Tensor) -> torch.Tensor:
+    def dispatch(
+        self, x_TD: torch.Tensor, weights_TK: torch.Tensor, experts_TK: torch.Tensor
+    ) -> torch.Tensor:
         """Groups the routed (token, expert) pairs by expert, runs each expert once on its group."""
         top_k = experts_TK.shape[1]
         expert_N = experts_TK.reshape(-1)
@@ -76,10 +78,13 @@ class MoE(nn.Module):
         y_ND = torch.cat(outputs) * weights_TK.reshape(-1)[order_N, None].to(x_TD.dtype)
         return torch.zeros_like(x_TD).index_add_(0, token_N, y_ND)
 
-    def aux_losses(self, experts_TK: torch.Tensor, probs_TE: torch.Tensor,
-                   logits_TE: torch.Tensor) -> dict[str, torch.Tensor]:
+    def aux_losses(
+        self, experts_TK: torch.Tensor, probs_TE: torch.Tensor, logits_TE: torch.Tensor
+    ) -> dict[str, torch.Tensor]:
         # Switch-style balance loss over all experts: E * sum_e (share of routed pairs) * (mean router prob).
-        share_E = torch.bincount(experts_TK.reshape(-1), minlength=self.n_experts).float() / experts_TK.numel()
+        share_E = (
+            torch.bincount(experts_TK.reshape(-1), minlength=self.n_experts).float() / experts_TK.numel()
+        )
         load_balance = self.n_experts * (share_E * probs_TE.mean(dim=0)).sum()
         router_z = torch.logsumexp(logits_TE, dim=-1).square().mean()
         return {"load_balance": load_balance, "router_z": router_z}

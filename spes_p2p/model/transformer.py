@@ -132,8 +132,12 @@ class MoETransformer(nn.Module):
         logits_NV = logits_BSV.flatten(0, 1).float()
         parts["ce"] = F.cross_entropy(logits_NV, targets_BS.flatten())
         parts["logit_z"] = torch.logsumexp(logits_NV, dim=-1).square().mean()
-        loss = (parts["ce"] + self.cfg.load_balance_coef * parts["load_balance"]
-                + self.cfg.router_z_coef * parts["router_z"] + self.cfg.logit_z_coef * parts["logit_z"])
+        loss = (
+            parts["ce"]
+            + self.cfg.load_balance_coef * parts["load_balance"]
+            + self.cfg.router_z_coef * parts["router_z"]
+            + self.cfg.logit_z_coef * parts["logit_z"]
+        )
         return LMOutput(logits_BSV, loss, parts)
 
     def num_params(self) -> int:

@@ -83,7 +83,9 @@ def write_unit(model: nn.Module, layout: UnitLayout, unit: str, tensors: dict[st
     params = unit_parameters(model, layout, unit)
     if set(tensors) != set(params):
         missing, extra = sorted(set(params) - set(tensors)), sorted(set(tensors) - set(params))
-        raise ValueError(f"tensors for {unit} do not match its parameters: missing {missing[:3]}, extra {extra[:3]}")
+        raise ValueError(
+            f"tensors for {unit} do not match its parameters: missing {missing[:3]}, extra {extra[:3]}"
+        )
     for name, p in params.items():
         t = tensors[name]
         if t.shape != p.shape or t.dtype != p.dtype:

@@ -38,15 +38,25 @@ class Checkpoint:
     optimizer: dict  # a torch optimizer state_dict
 
 
-def save_checkpoint(run_dir: Path, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                    meta: dict, extra_files: dict[str, bytes] | None = None, keep: int = 2) -> Path:
+def save_checkpoint(
+    run_dir: Path,
+    step: int,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    meta: dict,
+    extra_files: dict[str, bytes] | None = None,
+    keep: int = 2,
+) -> Path:
     """Writes checkpoint ``step`` under ``run_dir/checkpoints`` and prunes all but the newest ``keep``."""
     root = Path(run_dir) / "checkpoints"
     root.mkdir(parents=True, exist_ok=True)
     final = root / f"{_PREFIX}{step:06d}"
     tmp = Path(tempfile.mkdtemp(dir=root, prefix=f".tmp-{final.name}-"))
+    tmp.chmod(0o755)
     try:
-        save_file({k: v.detach().contiguous() for k, v in model.state_dict().items()}, tmp / "model.safetensors")
+        save_file(
+            {k: v.detach().contiguous() for k, v in model.state_dict().items()}, tmp / "model.safetensors"
+        )
         opt_tensors, opt_rest = flatten_state(optimizer.state_dict())
         save_file(opt_tensors, tmp / "optimizer.safetensors")
         for name, data in (extra_files or {}).items():
@@ -93,7 +103,9 @@ def load_checkpoint(path: Path) -> Checkpoint:
         if not (path / name).is_file():
             raise CheckpointError(f"checkpoint {path} is incomplete: {name} is missing{_fallback_hint(path)}")
         if _sha256(path / name) != digest:
-            raise CheckpointError(f"checkpoint {path} is corrupt: {name} fails its checksum{_fallback_hint(path)}")
+            raise CheckpointError(
+                f"checkpoint {path} is corrupt: {name} fails its checksum{_fallback_hint(path)}"
+            )
     try:
         model = load_file(path / "model.safetensors")
         opt_tensors = load_file(path / "optimizer.safetensors")
@@ -108,7 +120,9 @@ def read_meta(path: Path) -> dict:
     except FileNotFoundError:
         raise CheckpointError(f"{path} is not a checkpoint: meta.json is missing") from None
     except (json.JSONDecodeError, UnicodeDecodeError):
-        raise CheckpointError(f"checkpoint {path} is corrupt: meta.json is not valid JSON{_fallback_hint(path)}") from None
+        raise CheckpointError(
+            f"checkpoint {path} is corrupt: meta.json is not valid JSON{_fallback_hint(path)}"
+        ) from None
     if not isinstance(meta, dict) or meta.get("format") != FORMAT or not isinstance(meta.get("files"), dict):
         raise CheckpointError(f"checkpoint {path} has an unknown format (expected format {FORMAT})")
     return meta
@@ -138,14 +152,21 @@ def _fsync_dir_contents(folder: Path) -> None:
 # ------------------------------------------------------------------ optimizer state <-> safetensors + JSON
 
 
-def flatten_state(obj, prefix: str = "") -> tuple[dict[str, torch.Tensor], object]:
-    """Splits a nested state into dotted-name tensors and a JSON-able skeleton that refers to them."""
+def flatten_state(obj, prefix: str = "", _seen: dict | None = None) -> tuple[dict[str, torch.Tensor], object]:
+    """Splits a nested state into dotted-name tensors and a JSON-able skeleton that refers to them.
+
+    A tensor shared between entries (bitsandbytes shares its quantization maps) is stored once.
+    """
+    seen = {} if _seen is None else _seen
     if isinstance(obj, torch.Tensor):
+        if obj.data_ptr() in seen:
+            return {}, {"__tensor__": seen[obj.data_ptr()]}
+        seen[obj.data_ptr()] = prefix
         return {prefix: obj.detach().contiguous().cpu()}, {"__tensor__": prefix}
     if isinstance(obj, dict):
         tensors, skeleton = {}, {}
         for key, value in obj.items():
-            sub_t, sub_s = flatten_state(value, f"{prefix}.{key}" if prefix else str(key))
+            sub_t, sub_s = flatten_state(value, f"{prefix}.{key}" if prefix else str(key), seen)
             tensors.update(sub_t)
             skeleton[str(key)] = sub_s
         # torch keys optimizer state by integer parameter index; JSON keys are strings, so record the types
@@ -153,7 +174,7 @@ def flatten_state(obj, prefix: str = "") -> tuple[dict[str, torch.Tensor], objec
     if isinstance(obj, (list, tuple)):
         tensors, items = {}, []
         for i, value in enumerate(obj):
-            sub_t, sub_s = flatten_state(value, f"{prefix}.{i}")
+            sub_t, sub_s = flatten_state(value, f"{prefix}.{i}", seen)
             tensors.update(sub_t)
             items.append(sub_s)
         return tensors, {"__tuple__" if isinstance(obj, tuple) else "__list__": items}
@@ -168,8 +189,10 @@ def unflatten_state(tensors: dict[str, torch.Tensor], skeleton):
             return tensors[skeleton["__tensor__"]]
         if "__dict__" in skeleton:
             int_keys = set(skeleton["__int_keys__"])
-            return {int(k) if k in int_keys else k: unflatten_state(tensors, v)
-                    for k, v in skeleton["__dict__"].items()}
+            return {
+                int(k) if k in int_keys else k: unflatten_state(tensors, v)
+                for k, v in skeleton["__dict__"].items()
+            }
         if "__tuple__" in skeleton:
             return tuple(unflatten_state(tensors, v) for v in skeleton["__tuple__"])
         if "__list__" in skeleton:

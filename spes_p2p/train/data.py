@@ -16,11 +16,8 @@ import hashlib
 import json
 import os
 import sysconfig
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-
-import numpy as np
 
 from spes_p2p.errors import ConfigError, DataError
 
@@ -57,7 +54,7 @@ class Document:
     text: str
 
 
-# ---------------------------------------------------------------------------------------------- corpus sources
+# ------------------------------------------------------------------------------------------ corpus sources
 
 
 def load_documents(corpus: str, max_bytes: int | None = None) -> list[Document]:
@@ -73,7 +70,9 @@ def load_documents(corpus: str, max_bytes: int | None = None) -> list[Document]:
         files = [path] if path.is_file() else sorted(p for p in path.rglob("*") if p.suffix in TEXT_SUFFIXES)
         docs = _read_files(files, root=path if path.is_dir() else path.parent, max_bytes=max_bytes)
     if not docs:
-        raise DataError(f"corpus {corpus!r} has no text: expected non-empty files ending in {', '.join(TEXT_SUFFIXES)}")
+        raise DataError(
+            f"corpus {corpus!r} has no text: expected non-empty files ending in {', '.join(TEXT_SUFFIXES)}"
+        )
     return docs
 
 
@@ -137,7 +136,9 @@ def _read_hf(spec: str, max_bytes: int | None) -> list[Document]:
     return docs
 
 
-def split_documents(docs: list[Document], val_percent: float, seed: int) -> tuple[list[Document], list[Document]]:
+def split_documents(
+    docs: list[Document], val_percent: float, seed: int
+) -> tuple[list[Document], list[Document]]:
     """A deterministic split by document: the same document always lands on the same side."""
 
     def bucket(doc: Document) -> float:

@@ -91,13 +91,15 @@ class DataShard:
 class BatchSampler:
     """Yields (inputs_BS, targets_BS) batches; its position can be saved and restored exactly."""
 
-    def __init__(self, ids: np.ndarray, seq_len: int, batch_size: int, seed: int, shard: DataShard = DataShard()):
+    def __init__(
+        self, ids: np.ndarray, seq_len: int, batch_size: int, seed: int, shard: DataShard = DataShard()
+    ):
         self.ids, self.seq_len, self.batch_size, self.seed, self.shard = ids, seq_len, batch_size, seed, shard
         self.n_windows = (len(ids) - 1) // seq_len
         if self.n_windows // shard.count < batch_size:
             raise DataError(
-                f"the training split has {self.n_windows} windows of {seq_len} tokens, too few for batches of "
-                f"{batch_size} across {shard.count} shard(s); use a larger corpus or a smaller batch/seq_len"
+                f"the training split has {self.n_windows} windows of {seq_len} tokens, too few for batches "
+                f"of {batch_size} across {shard.count} shard(s); use a larger corpus or smaller batches"
             )
         self.epoch, self.cursor = 0, 0
         self._order = self._epoch_order()
@@ -136,4 +138,6 @@ def validation_batches(ids: np.ndarray, seq_len: int, batch_size: int, max_batch
     if n_windows < 1:
         raise DataError(f"the validation split has fewer than {seq_len + 1} tokens; use a larger corpus")
     starts = [w * seq_len for w in range(min(n_windows, batch_size * max_batches))]
-    return [windows_to_batch(ids, starts[i : i + batch_size], seq_len) for i in range(0, len(starts), batch_size)]
+    return [
+        windows_to_batch(ids, starts[i : i + batch_size], seq_len) for i in range(0, len(starts), batch_size)
+    ]

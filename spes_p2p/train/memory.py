@@ -12,13 +12,19 @@ import torch
 from spes_p2p.errors import ConfigError
 from spes_p2p.model import ModelConfig, MoETransformer, UnitLayout
 from spes_p2p.train.optim import tensor_bytes
-from spes_p2p.train.trainer import Trainer, TrainConfig
+from spes_p2p.train.trainer import TrainConfig, Trainer
 
 KEYS = ("total_params", "trainable_params", "weights_bytes", "grads_bytes", "optimizer_bytes", "total_bytes")
 
 
-def measure(model_cfg: ModelConfig, layout: UnitLayout, units: list[str], optimizer: str,
-            batch_size: int = 1, seq_len: int = 32) -> dict[str, int]:
+def measure(
+    model_cfg: ModelConfig,
+    layout: UnitLayout,
+    units: list[str],
+    optimizer: str,
+    batch_size: int = 1,
+    seq_len: int = 32,
+) -> dict[str, int]:
     """Allocated bytes after one real step of a trainer that owns ``units``."""
     _check_fits(model_cfg)
     torch.manual_seed(0)

@@ -7,6 +7,7 @@ import math
 import torch
 from torch import nn
 
+from spes_p2p.compat import bitsandbytes
 from spes_p2p.errors import ConfigError
 
 OPTIMIZERS = ("adamw8bit", "adamw")
@@ -21,8 +22,13 @@ def lr_at(step: int, *, peak: float, warmup_steps: int, max_steps: int, min_rati
 
 
 def build_optimizer(
-    named_params: list[tuple[str, nn.Parameter]], *, kind: str, lr: float, betas: tuple[float, float],
-    weight_decay: float, eps: float = 1e-8,
+    named_params: list[tuple[str, nn.Parameter]],
+    *,
+    kind: str,
+    lr: float,
+    betas: tuple[float, float],
+    weight_decay: float,
+    eps: float = 1e-8,
 ) -> torch.optim.Optimizer:
     """AdamW (8-bit blockwise state from bitsandbytes, or torch's) over the given parameters only.
 
@@ -39,17 +45,21 @@ def build_optimizer(
     groups = [g for g in groups if g["params"]]
     if kind == "adamw":
         return torch.optim.AdamW(groups, lr=lr, betas=betas, eps=eps)
-    import bitsandbytes as bnb  # imported here: it is slow to import and prints notices
-
-    return bnb.optim.AdamW8bit(groups, lr=lr, betas=betas, eps=eps)
+    return bitsandbytes().optim.AdamW8bit(groups, lr=lr, betas=betas, eps=eps)
 
 
 def tensor_bytes(obj) -> int:
-    """Bytes held by every tensor inside a (nested) dict/list, e.g. an optimizer's state."""
+    """Bytes held by the distinct tensors inside a (nested) dict/list, e.g. an optimizer's state."""
+    return sum(t.numel() * t.element_size() for t in _distinct_tensors(obj, {}).values())
+
+
+def _distinct_tensors(obj, found: dict[int, torch.Tensor]) -> dict[int, torch.Tensor]:
     if isinstance(obj, torch.Tensor):
-        return obj.numel() * obj.element_size()
-    if isinstance(obj, dict):
-        return sum(tensor_bytes(v) for v in obj.values())
-    if isinstance(obj, (list, tuple)):
-        return sum(tensor_bytes(v) for v in obj)
-    return 0
+        found.setdefault(obj.data_ptr(), obj)
+    elif isinstance(obj, dict):
+        for value in obj.values():
+            _distinct_tensors(value, found)
+    elif isinstance(obj, (list, tuple)):
+        for value in obj:
+            _distinct_tensors(value, found)
+    return found

@@ -20,7 +20,7 @@ from spes_p2p.model import ModelConfig, MoETransformer, UnitLayout, get_preset
 from spes_p2p.train.checkpoint import list_checkpoints, load_checkpoint, save_checkpoint
 from spes_p2p.train.data import DataConfig
 from spes_p2p.train.dataset import BatchSampler, DataShard, prepare_data, validation_batches
-from spes_p2p.train.trainer import StepResult, Trainer, TrainConfig, evaluate
+from spes_p2p.train.trainer import StepResult, TrainConfig, Trainer, evaluate
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -49,26 +49,34 @@ class RunConfig:
 class TrainingRun:
     """Prepares data, model and trainer (restoring the newest checkpoint when resuming), then trains."""
 
-    def __init__(self, cfg: RunConfig, out_dir: Path, *, resume: bool = False,
-                 data_shard: DataShard = DataShard()) -> None:
+    def __init__(
+        self, cfg: RunConfig, out_dir: Path, *, resume: bool = False, data_shard: DataShard | None = None
+    ) -> None:
         self.cfg, self.out_dir = cfg, Path(out_dir)
         model_cfg = cfg.model_config()
         if cfg.train.seq_len > model_cfg.max_seq_len:
-            raise ConfigError(f"seq_len ({cfg.train.seq_len}) exceeds the model's max_seq_len ({model_cfg.max_seq_len})")
+            raise ConfigError(
+                f"seq_len ({cfg.train.seq_len}) exceeds the model's max_seq_len ({model_cfg.max_seq_len})"
+            )
         layout, units = cfg.layout(), cfg.units()
         self.data = prepare_data(cfg.data, model_cfg.vocab_size)
         torch.manual_seed(cfg.train.seed)
         self.model = MoETransformer(model_cfg)
         self.trainer = Trainer(self.model, layout, units, cfg.train)
-        self.sampler = BatchSampler(self.data.train_ids, cfg.train.seq_len, cfg.train.batch_size, cfg.train.seed,
-                                    data_shard)
-        self.val_batches = validation_batches(self.data.val_ids, cfg.train.seq_len, cfg.train.batch_size,
-                                              cfg.train.eval_batches)
+        shard = data_shard or DataShard()
+        self.sampler = BatchSampler(
+            self.data.train_ids, cfg.train.seq_len, cfg.train.batch_size, cfg.train.seed, shard
+        )
+        self.val_batches = validation_batches(
+            self.data.val_ids, cfg.train.seq_len, cfg.train.batch_size, cfg.train.eval_batches
+        )
         self.out_dir.mkdir(parents=True, exist_ok=True)
         if resume:
             self._restore()
         elif list_checkpoints(self.out_dir):
-            raise ConfigError(f"{self.out_dir} already holds checkpoints: pass --resume to continue, or pick another --out")
+            raise ConfigError(
+                f"{self.out_dir} already holds checkpoints: pass --resume to continue, or pick another --out"
+            )
 
     @property
     def metrics_path(self) -> Path:
@@ -90,7 +98,11 @@ class TrainingRun:
 
     def save(self) -> Path:
         return save_checkpoint(
-            self.out_dir, self.trainer.step, self.model, self.trainer.optimizer, self.meta(),
+            self.out_dir,
+            self.trainer.step,
+            self.model,
+            self.trainer.optimizer,
+            self.meta(),
             extra_files={"tokenizer.json": self.data.tokenizer.to_str().encode()},
             keep=self.cfg.train.keep_checkpoints,
         )
@@ -102,10 +114,14 @@ class TrainingRun:
         expected = self.meta()
         for key in ("model_config", "units", "n_shards", "corpus_hash", "tokenizer_hash"):
             if ckpt.meta.get(key) != expected[key]:
-                raise CheckpointError(f"cannot resume from {ckpt.path}: its {key} differs from this run's settings")
+                raise CheckpointError(
+                    f"cannot resume from {ckpt.path}: its {key} differs from this run's settings"
+                )
         if ckpt.meta["train_config"]["optimizer"] != self.cfg.train.optimizer:
-            raise CheckpointError(f"cannot resume from {ckpt.path}: it was trained with optimizer "
-                                  f"{ckpt.meta['train_config']['optimizer']!r}")
+            raise CheckpointError(
+                f"cannot resume from {ckpt.path}: it was trained with optimizer "
+                f"{ckpt.meta['train_config']['optimizer']!r}"
+            )
         self.model.load_state_dict(ckpt.model)
         self.trainer.optimizer.load_state_dict(ckpt.optimizer)
         self.trainer.step, self.trainer.tokens = ckpt.meta["step"], ckpt.meta["tokens"]
@@ -116,8 +132,11 @@ class TrainingRun:
         """Drops metric rows logged after the checkpoint we resume from, so the file tells one history."""
         if not self.metrics_path.exists():
             return
-        rows = [line for line in self.metrics_path.read_text().splitlines()
-                if line.strip() and json.loads(line)["step"] <= step]
+        rows = [
+            line
+            for line in self.metrics_path.read_text().splitlines()
+            if line.strip() and json.loads(line)["step"] <= step
+        ]
         self.metrics_path.write_text("".join(row + "\n" for row in rows))
 
     def evaluate(self) -> float:
@@ -177,12 +196,22 @@ def evaluate_checkpoint(path: Path, corpus: str | None = None, eval_batches: int
     meta = ckpt.meta
     model_cfg = ModelConfig.from_dict(meta["model_config"])
     data_cfg = DataConfig(**{**meta["data_config"], **({"corpus": corpus} if corpus else {})})
-    train_cfg = TrainConfig(**{**meta["train_config"], **({"eval_batches": eval_batches} if eval_batches else {})})
+    train_cfg = TrainConfig(
+        **{**meta["train_config"], **({"eval_batches": eval_batches} if eval_batches else {})}
+    )
     tok_file = ckpt.path / "tokenizer.json"
     data = prepare_data(dataclasses.replace(data_cfg, tokenizer=str(tok_file)), model_cfg.vocab_size)
     model = MoETransformer(model_cfg)
     model.load_state_dict(ckpt.model)
-    batches = validation_batches(data.val_ids, train_cfg.seq_len, train_cfg.batch_size, train_cfg.eval_batches)
+    batches = validation_batches(
+        data.val_ids, train_cfg.seq_len, train_cfg.batch_size, train_cfg.eval_batches
+    )
     val_loss = evaluate(model, batches)
-    return {"checkpoint": str(ckpt.path), "step": meta["step"], "tokens": meta["tokens"],
-            "val_loss": val_loss, "perplexity": math.exp(val_loss), "val_tokens": sum(t.numel() for _, t in batches)}
+    return {
+        "checkpoint": str(ckpt.path),
+        "step": meta["step"],
+        "tokens": meta["tokens"],
+        "val_loss": val_loss,
+        "perplexity": math.exp(val_loss),
+        "val_tokens": sum(t.numel() for _, t in batches),
+    }

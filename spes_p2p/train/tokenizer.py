@@ -54,7 +54,7 @@ def encode_documents(tok: Tokenizer, docs: list[Document]) -> np.ndarray:
     dtype = np.uint16 if tok.get_vocab_size() <= 2**16 else np.int32
     parts = []
     for enc in tok.encode_batch([d.text for d in docs]):
-        parts.append(np.asarray(enc.ids + [eos], dtype=dtype))
+        parts.append(np.asarray([*enc.ids, eos], dtype=dtype))
     return np.concatenate(parts)
 
 

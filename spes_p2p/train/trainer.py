@@ -39,8 +39,16 @@ class TrainConfig:
     def __post_init__(self) -> None:
         if self.optimizer not in OPTIMIZERS:
             raise ConfigError(f"optimizer must be one of {', '.join(OPTIMIZERS)}, got {self.optimizer!r}")
-        for name in ("max_steps", "batch_size", "seq_len", "log_every", "eval_every", "eval_batches",
-                     "checkpoint_every", "keep_checkpoints"):
+        for name in (
+            "max_steps",
+            "batch_size",
+            "seq_len",
+            "log_every",
+            "eval_every",
+            "eval_batches",
+            "checkpoint_every",
+            "keep_checkpoints",
+        ):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be at least 1, got {getattr(self, name)}")
         if self.warmup_steps < 0 or self.lr <= 0:
@@ -77,8 +85,9 @@ class Trainer:
 
     def lr(self) -> float:
         c = self.cfg
-        return lr_at(self.step, peak=c.lr, warmup_steps=c.warmup_steps, max_steps=c.max_steps,
-                     min_ratio=c.min_lr_ratio)
+        return lr_at(
+            self.step, peak=c.lr, warmup_steps=c.warmup_steps, max_steps=c.max_steps, min_ratio=c.min_lr_ratio
+        )
 
     def train_step(self, inputs_BS: torch.Tensor, targets_BS: torch.Tensor) -> StepResult:
         self.model.train()
