@@ -53,6 +53,13 @@ class TrainingRun:
         self, cfg: RunConfig, out_dir: Path, *, resume: bool = False, data_shard: DataShard | None = None
     ) -> None:
         self.cfg, self.out_dir = cfg, Path(out_dir)
+        has_checkpoints = bool(list_checkpoints(self.out_dir))
+        if resume and not has_checkpoints:
+            raise CheckpointError(f"nothing to resume: {self.out_dir} holds no checkpoint")
+        if not resume and has_checkpoints:
+            raise ConfigError(
+                f"{self.out_dir} already holds checkpoints: pass --resume to continue, or pick another --out"
+            )
         model_cfg = cfg.model_config()
         if cfg.train.seq_len > model_cfg.max_seq_len:
             raise ConfigError(
@@ -73,10 +80,6 @@ class TrainingRun:
         self.out_dir.mkdir(parents=True, exist_ok=True)
         if resume:
             self._restore()
-        elif list_checkpoints(self.out_dir):
-            raise ConfigError(
-                f"{self.out_dir} already holds checkpoints: pass --resume to continue, or pick another --out"
-            )
 
     @property
     def metrics_path(self) -> Path:
@@ -108,8 +111,6 @@ class TrainingRun:
         )
 
     def _restore(self) -> None:
-        if not list_checkpoints(self.out_dir):
-            raise CheckpointError(f"nothing to resume: {self.out_dir} holds no checkpoint")
         ckpt = load_checkpoint(self.out_dir)
         expected = self.meta()
         for key in ("model_config", "units", "n_shards", "corpus_hash", "tokenizer_hash"):

@@ -1,0 +1,3 @@
+from spes_cli.main import spes
+
+spes(prog_name="spes")

@@ -1,0 +1,17 @@
+import pytest
+
+from spes_p2p.train.data import DataConfig
+
+# A slice of the embedded default corpus: big enough to learn from, small enough to tokenize in seconds.
+STDLIB_TEST_BYTES = 2_000_000
+
+
+@pytest.fixture(scope="session")
+def cache_dir(tmp_path_factory) -> str:
+    """One tokenizer/token cache for the whole session, so the tokenizer is trained once."""
+    return str(tmp_path_factory.mktemp("spes-cache"))
+
+
+@pytest.fixture(scope="session")
+def stdlib_data(cache_dir) -> DataConfig:
+    return DataConfig(corpus="stdlib", max_bytes=STDLIB_TEST_BYTES, cache_dir=cache_dir)

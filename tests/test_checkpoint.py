@@ -1,0 +1,121 @@
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from spes_p2p.errors import CheckpointError
+from spes_p2p.train import checkpoint as ckpt_mod
+from spes_p2p.train.checkpoint import flatten_state, list_checkpoints, load_checkpoint, unflatten_state
+from spes_p2p.train.run import RunConfig, TrainingRun, evaluate_checkpoint
+from spes_p2p.train.trainer import TrainConfig
+
+
+def run_config(stdlib_data, **train) -> RunConfig:
+    base = {"max_steps": 24, "warmup_steps": 4, "batch_size": 4, "seq_len": 32, "log_every": 1, "eval_every": 12,
+            "eval_batches": 2, "checkpoint_every": 6, "lr": 3e-3}
+    return RunConfig(preset="tiny", owned_shards=(1,), train=TrainConfig(**{**base, **train}), data=stdlib_data)
+
+
+def losses(path) -> list[tuple[int, float]]:
+    return [(r["step"], r["loss"]) for r in map(json.loads, (path / "metrics.jsonl").read_text().splitlines())]
+
+
+@pytest.mark.parametrize("optimizer", ["adamw8bit", "adamw"])
+def test_resume_equals_continue(tmp_path, stdlib_data, optimizer):
+    cfg = run_config(stdlib_data, optimizer=optimizer)
+    straight = TrainingRun(cfg, tmp_path / "straight")
+    straight.run()
+
+    first = TrainingRun(cfg, tmp_path / "resumed")
+    first.run(stop_after=12)
+    del first
+    resumed = TrainingRun(cfg, tmp_path / "resumed", resume=True)
+    assert resumed.trainer.step == 12
+    resumed.run()
+
+    assert losses(tmp_path / "resumed") == losses(tmp_path / "straight")
+    assert len(losses(tmp_path / "straight")) == 24
+    for (name, a), b in zip(straight.model.state_dict().items(), resumed.model.state_dict().values(), strict=True):
+        assert torch.equal(a, b), name
+
+
+def test_state_flattening_round_trip_keeps_sharing():
+    shared = torch.arange(4.0)
+    state = {"state": {0: {"step": 3, "m": torch.ones(2), "q": shared}, 1: {"q": shared}},
+             "param_groups": [{"betas": (0.9, 0.95), "params": [0, 1], "name": None}]}
+    tensors, skeleton = flatten_state(state)
+    assert len(tensors) == 2  # the shared tensor is stored once
+    back = unflatten_state(tensors, json.loads(json.dumps(skeleton)))
+    assert back["state"][0]["step"] == 3 and isinstance(back["param_groups"][0]["betas"], tuple)
+    assert back["state"][1]["q"] is back["state"][0]["q"] and torch.equal(back["state"][1]["q"], shared)
+    assert set(back["state"]) == {0, 1}
+
+
+def test_crash_mid_checkpoint_leaves_the_previous_one(tmp_path, stdlib_data, monkeypatch):
+    run = TrainingRun(run_config(stdlib_data, max_steps=12), tmp_path)
+    run.run(stop_after=6)
+    assert [p.name for p in list_checkpoints(tmp_path)] == ["step-000006"]
+
+    real_save = ckpt_mod.save_file
+
+    def crash_after_model(tensors, path):
+        real_save(tensors, path)
+        if path.name == "optimizer.safetensors":
+            raise OSError("disk full")
+
+    monkeypatch.setattr(ckpt_mod, "save_file", crash_after_model)
+    with pytest.raises(OSError, match="disk full"):
+        run.run(stop_after=6)
+    assert [p.name for p in (tmp_path / "checkpoints").iterdir()] == ["step-000006"]  # no temp folder left
+    assert load_checkpoint(tmp_path).meta["step"] == 6
+
+
+def test_corrupt_checkpoint_is_reported_and_the_previous_kept(tmp_path, stdlib_data):
+    TrainingRun(run_config(stdlib_data, max_steps=12), tmp_path).run()
+    newest = list_checkpoints(tmp_path)[-1]
+    data = (newest / "model.safetensors").read_bytes()
+    (newest / "model.safetensors").write_bytes(data[: len(data) // 2])  # truncated
+    with pytest.raises(CheckpointError, match="step-000012 is corrupt: model.safetensors fails its checksum"):
+        load_checkpoint(tmp_path)
+    assert load_checkpoint(list_checkpoints(tmp_path)[0]).meta["step"] == 6
+
+
+def spes(*args: str, cwd=None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "spes_cli", *args], capture_output=True, text=True, cwd=cwd,
+                          timeout=240)
+
+
+@pytest.mark.slow
+def test_cli_train_resume_corrupt_and_eval(tmp_path, cache_dir):
+    common = ["--preset", "tiny", "--max-steps", "12", "--checkpoint-every", "6", "--eval-every", "6",
+              "--batch-size", "4", "--seq-len", "32", "--max-corpus-mb", "2", "--cache-dir", cache_dir,
+              "--out", str(tmp_path / "run")]
+    first = spes("train", *common, "--stop-after", "6")
+    assert first.returncode == 0, first.stderr
+    second = spes("train", *common, "--resume")
+    assert second.returncode == 0, second.stderr
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows if "val_loss" in r] == [6, 12]
+
+    result = spes("eval", "--checkpoint", str(tmp_path / "run"), "--json")
+    assert result.returncode == 0, result.stderr
+    evaluation = json.loads(result.stdout)
+    assert evaluation["step"] == 12 and evaluation["val_loss"] == pytest.approx(rows[-1]["val_loss"], rel=1e-5)
+
+    newest = tmp_path / "run" / "checkpoints" / "step-000012"
+    (newest / "meta.json").write_text("{ truncated")
+    failed = spes("train", *common, "--resume")
+    assert failed.returncode == 1
+    assert "Traceback" not in failed.stderr
+    assert "step-000012 is corrupt" in failed.stderr and "step-000006 is intact" in failed.stderr
+    assert (tmp_path / "run" / "checkpoints" / "step-000006" / "model.safetensors").exists()
+
+
+def test_evaluate_checkpoint_matches_the_run(tmp_path, stdlib_data):
+    run = TrainingRun(run_config(stdlib_data, max_steps=6), tmp_path)
+    final = run.run()
+    result = evaluate_checkpoint(tmp_path)
+    assert result["step"] == 6
+    assert result["val_loss"] == pytest.approx(final["val_loss"], rel=1e-6)

@@ -1,0 +1,104 @@
+import json
+import sys
+
+import numpy as np
+import pytest
+
+from spes_p2p.errors import DataError
+from spes_p2p.train.data import DataConfig, Document, load_documents, split_documents
+from spes_p2p.train.dataset import BatchSampler, DataShard, prepare_data
+from spes_p2p.train.tokenizer import train_tokenizer
+
+
+def docs(n: int) -> list[Document]:
+    return [Document(f"doc{i}.txt", f"def f{i}(x):\n    return x * {i}\n" * 20) for i in range(n)]
+
+
+def test_split_is_deterministic_and_disjoint():
+    d = docs(200)
+    train, val = split_documents(d, 10.0, seed=0)
+    train2, val2 = split_documents(list(reversed(d)), 10.0, seed=0)
+    assert {x.name for x in val} == {x.name for x in val2}
+    assert {x.name for x in train} | {x.name for x in val} == {x.name for x in d}
+    assert not {x.name for x in train} & {x.name for x in val}
+    assert 5 <= len(val) <= 40
+    assert {x.name for x in split_documents(d, 10.0, seed=1)[1]} != {x.name for x in val}
+
+
+def test_tokenizer_training_is_deterministic():
+    d = docs(50)
+    assert train_tokenizer(d, 300).to_str() == train_tokenizer(d, 300).to_str()
+
+
+def test_prepare_data_caches_and_reuses(tmp_path):
+    (tmp_path / "corpus").mkdir()
+    for i, doc in enumerate(docs(30)):
+        (tmp_path / "corpus" / f"{i}.txt").write_text(doc.text)
+    cfg = DataConfig(corpus=str(tmp_path / "corpus"), cache_dir=str(tmp_path / "cache"))
+    first = prepare_data(cfg, vocab_size=300)
+    cached = sorted(p.name for p in (tmp_path / "cache").iterdir())
+    assert any(n.startswith("tokenizer-") for n in cached) and any(n.endswith("-train.npy") for n in cached)
+    second = prepare_data(cfg, vocab_size=300)
+    assert np.array_equal(first.train_ids, second.train_ids) and first.tokenizer_hash == second.tokenizer_hash
+    assert first.tokenizer.get_vocab_size() <= 300
+
+
+def test_jsonl_and_errors(tmp_path):
+    good = tmp_path / "good.jsonl"
+    good.write_text(json.dumps({"text": "hello"}) + "\n\n" + json.dumps({"text": "world"}) + "\n")
+    assert [d.text for d in load_documents(str(good))] == ["hello", "world"]
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(json.dumps({"text": "ok"}) + "\n{not json\n")
+    with pytest.raises(DataError, match=r"bad.jsonl:2: not valid JSON"):
+        load_documents(str(bad))
+    with pytest.raises(DataError, match="does not exist"):
+        load_documents(str(tmp_path / "nope"))
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "empty" / "blank.txt").write_text("   \n")
+    with pytest.raises(DataError, match="has no text"):
+        load_documents(str(tmp_path / "empty"))
+
+
+def test_stdlib_corpus_excludes_site_packages():
+    names = [d.name for d in load_documents("stdlib", max_bytes=3_000_000)]
+    assert names and not any("site-packages" in n for n in names)
+    assert names == sorted(names)
+
+
+def test_hf_without_the_extra_says_how_to_install(monkeypatch):
+    monkeypatch.setitem(sys.modules, "datasets", None)  # makes `import datasets` fail
+    with pytest.raises(DataError, match=r"spes-p2p\[hf\]"):
+        load_documents("hf:some/dataset")
+
+
+def windows_of(sampler: BatchSampler, n_batches: int) -> list[int]:
+    starts = []
+    for _ in range(n_batches):
+        inputs, _ = sampler.next_batch()
+        starts.extend(inputs[:, 0].tolist())
+    return starts
+
+
+def test_data_shards_are_disjoint_and_resume_exactly():
+    ids = np.arange(10_001, dtype=np.int64)  # token value == position, so a window's first token is its start
+    shards = [BatchSampler(ids, 10, 5, seed=3, shard=DataShard(index=i, count=3)) for i in range(3)]
+    seen = [set(windows_of(s, 60)) for s in shards]  # 300 windows each of 1000: within one epoch
+    assert not (seen[0] & seen[1] or seen[0] & seen[2] or seen[1] & seen[2])
+    a = BatchSampler(ids, 10, 5, seed=3, shard=DataShard.for_peer_id("peer-a"))
+    b = BatchSampler(ids, 10, 5, seed=3, shard=DataShard.for_peer_id("peer-b"))
+    assert windows_of(a, 4) != windows_of(b, 4)
+    # position round trip, across an epoch boundary
+    s = BatchSampler(ids, 10, 7, seed=1)
+    windows_of(s, 140)
+    state = s.state_dict()
+    expected = windows_of(s, 10)
+    t = BatchSampler(ids, 10, 7, seed=1)
+    t.load_state_dict(state)
+    assert windows_of(t, 10) == expected
+
+
+def test_targets_are_inputs_shifted():
+    ids = np.arange(1000, dtype=np.int64)
+    inputs, targets = BatchSampler(ids, 16, 2, seed=0).next_batch()
+    assert inputs.shape == targets.shape == (2, 16)
+    assert (targets[:, :-1] == inputs[:, 1:]).all()
