@@ -13,13 +13,26 @@ from spes_p2p.train.trainer import TrainConfig
 
 
 def run_config(stdlib_data, **train) -> RunConfig:
-    base = {"max_steps": 24, "warmup_steps": 4, "batch_size": 4, "seq_len": 32, "log_every": 1, "eval_every": 12,
-            "eval_batches": 2, "checkpoint_every": 6, "lr": 3e-3}
-    return RunConfig(preset="tiny", owned_shards=(1,), train=TrainConfig(**{**base, **train}), data=stdlib_data)
+    base = {
+        "max_steps": 24,
+        "warmup_steps": 4,
+        "batch_size": 4,
+        "seq_len": 32,
+        "log_every": 1,
+        "eval_every": 12,
+        "eval_batches": 2,
+        "checkpoint_every": 6,
+        "lr": 3e-3,
+    }
+    return RunConfig(
+        preset="tiny", owned_shards=(1,), train=TrainConfig(**{**base, **train}), data=stdlib_data
+    )
 
 
 def losses(path) -> list[tuple[int, float]]:
-    return [(r["step"], r["loss"]) for r in map(json.loads, (path / "metrics.jsonl").read_text().splitlines())]
+    return [
+        (r["step"], r["loss"]) for r in map(json.loads, (path / "metrics.jsonl").read_text().splitlines())
+    ]
 
 
 @pytest.mark.parametrize("optimizer", ["adamw8bit", "adamw"])
@@ -37,14 +50,18 @@ def test_resume_equals_continue(tmp_path, stdlib_data, optimizer):
 
     assert losses(tmp_path / "resumed") == losses(tmp_path / "straight")
     assert len(losses(tmp_path / "straight")) == 24
-    for (name, a), b in zip(straight.model.state_dict().items(), resumed.model.state_dict().values(), strict=True):
+    for (name, a), b in zip(
+        straight.model.state_dict().items(), resumed.model.state_dict().values(), strict=True
+    ):
         assert torch.equal(a, b), name
 
 
 def test_state_flattening_round_trip_keeps_sharing():
     shared = torch.arange(4.0)
-    state = {"state": {0: {"step": 3, "m": torch.ones(2), "q": shared}, 1: {"q": shared}},
-             "param_groups": [{"betas": (0.9, 0.95), "params": [0, 1], "name": None}]}
+    state = {
+        "state": {0: {"step": 3, "m": torch.ones(2), "q": shared}, 1: {"q": shared}},
+        "param_groups": [{"betas": (0.9, 0.95), "params": [0, 1], "name": None}],
+    }
     tensors, skeleton = flatten_state(state)
     assert len(tensors) == 2  # the shared tensor is stored once
     back = unflatten_state(tensors, json.loads(json.dumps(skeleton)))
@@ -77,21 +94,41 @@ def test_corrupt_checkpoint_is_reported_and_the_previous_kept(tmp_path, stdlib_d
     newest = list_checkpoints(tmp_path)[-1]
     data = (newest / "model.safetensors").read_bytes()
     (newest / "model.safetensors").write_bytes(data[: len(data) // 2])  # truncated
-    with pytest.raises(CheckpointError, match="step-000012 is corrupt: model.safetensors fails its checksum"):
+    with pytest.raises(
+        CheckpointError, match=r"step-000012 is corrupt: model\.safetensors fails its checksum"
+    ):
         load_checkpoint(tmp_path)
     assert load_checkpoint(list_checkpoints(tmp_path)[0]).meta["step"] == 6
 
 
 def spes(*args: str, cwd=None) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "spes_cli", *args], capture_output=True, text=True, cwd=cwd,
-                          timeout=240)
+    return subprocess.run(
+        [sys.executable, "-m", "spes_cli", *args], capture_output=True, text=True, cwd=cwd, timeout=240
+    )
 
 
 @pytest.mark.slow
 def test_cli_train_resume_corrupt_and_eval(tmp_path, cache_dir):
-    common = ["--preset", "tiny", "--max-steps", "12", "--checkpoint-every", "6", "--eval-every", "6",
-              "--batch-size", "4", "--seq-len", "32", "--max-corpus-mb", "2", "--cache-dir", cache_dir,
-              "--out", str(tmp_path / "run")]
+    common = [
+        "--preset",
+        "tiny",
+        "--max-steps",
+        "12",
+        "--checkpoint-every",
+        "6",
+        "--eval-every",
+        "6",
+        "--batch-size",
+        "4",
+        "--seq-len",
+        "32",
+        "--max-corpus-mb",
+        "2",
+        "--cache-dir",
+        cache_dir,
+        "--out",
+        str(tmp_path / "run"),
+    ]
     first = spes("train", *common, "--stop-after", "6")
     assert first.returncode == 0, first.stderr
     second = spes("train", *common, "--resume")
@@ -102,7 +139,9 @@ def test_cli_train_resume_corrupt_and_eval(tmp_path, cache_dir):
     result = spes("eval", "--checkpoint", str(tmp_path / "run"), "--json")
     assert result.returncode == 0, result.stderr
     evaluation = json.loads(result.stdout)
-    assert evaluation["step"] == 12 and evaluation["val_loss"] == pytest.approx(rows[-1]["val_loss"], rel=1e-5)
+    assert evaluation["step"] == 12 and evaluation["val_loss"] == pytest.approx(
+        rows[-1]["val_loss"], rel=1e-5
+    )
 
     newest = tmp_path / "run" / "checkpoints" / "step-000012"
     (newest / "meta.json").write_text("{ truncated")

@@ -5,8 +5,8 @@ from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
-
 from spes_cli.main import PRESET_NAMES, spes
+
 from spes_p2p.model import PRESETS
 
 HEAVY = ("torch", "hivemind", "bitsandbytes", "libp2p", "numpy")
@@ -40,11 +40,30 @@ def test_preset_names_mirror_the_model_presets():
 
 def test_memory_json_counts_what_is_allocated():
     result = CliRunner().invoke(
-        spes, ["memory", "--preset", "tiny", "--shards", "4", "--owned-shards", "1", "--optimizer", "adamw", "--json"]
+        spes,
+        [
+            "memory",
+            "--preset",
+            "tiny",
+            "--shards",
+            "4",
+            "--owned-shards",
+            "1",
+            "--optimizer",
+            "adamw",
+            "--json",
+        ],
     )
     assert result.exit_code == 0, result.output
     report = json.loads(result.output)
-    keys = ("total_params", "trainable_params", "weights_bytes", "grads_bytes", "optimizer_bytes", "total_bytes")
+    keys = (
+        "total_params",
+        "trainable_params",
+        "weights_bytes",
+        "grads_bytes",
+        "optimizer_bytes",
+        "total_bytes",
+    )
     for key in keys:
         assert key in report and key in report["full"]
     full = report["full"]
@@ -55,8 +74,12 @@ def test_memory_json_counts_what_is_allocated():
     n_tensors = (report["optimizer_bytes"] - 8 * report["trainable_params"]) // 4
     assert report["optimizer_bytes"] == 8 * report["trainable_params"] + 4 * n_tensors and 0 < n_tensors < 100
     per_expert = 3 * 64 * 128
-    assert full["trainable_params"] - report["trainable_params"] == 3 * 2 * 2 * per_expert  # 3 shards x 2 layers x 2
-    assert report["total_bytes"] == report["weights_bytes"] + report["grads_bytes"] + report["optimizer_bytes"]
+    assert (
+        full["trainable_params"] - report["trainable_params"] == 3 * 2 * 2 * per_expert
+    )  # 3 shards x 2 layers x 2
+    assert (
+        report["total_bytes"] == report["weights_bytes"] + report["grads_bytes"] + report["optimizer_bytes"]
+    )
     assert report["total_bytes"] < full["total_bytes"]
 
 
@@ -83,7 +106,9 @@ def test_bad_input_gets_one_clear_line(args, message, tmp_path, cache_dir):
     args = [a.replace("{tmp}", str(tmp_path / "run")) for a in args]
     if args[0] == "train":
         args += ["--max-corpus-mb", "1", "--cache-dir", cache_dir]
-    out = subprocess.run([sys.executable, "-m", "spes_cli", *args], capture_output=True, text=True, timeout=120)
+    out = subprocess.run(
+        [sys.executable, "-m", "spes_cli", *args], capture_output=True, text=True, timeout=120
+    )
     assert out.returncode == 1, out.stderr
     assert "Traceback" not in out.stderr
     assert message in " ".join(out.stderr.split())

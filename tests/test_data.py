@@ -17,7 +17,7 @@ def docs(n: int) -> list[Document]:
 def test_split_is_deterministic_and_disjoint():
     d = docs(200)
     train, val = split_documents(d, 10.0, seed=0)
-    train2, val2 = split_documents(list(reversed(d)), 10.0, seed=0)
+    _train2, val2 = split_documents(list(reversed(d)), 10.0, seed=0)
     assert {x.name for x in val} == {x.name for x in val2}
     assert {x.name for x in train} | {x.name for x in val} == {x.name for x in d}
     assert not {x.name for x in train} & {x.name for x in val}

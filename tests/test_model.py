@@ -108,7 +108,12 @@ def test_unknown_preset_lists_the_presets():
 
 @pytest.mark.parametrize(
     ("changes", "field"),
-    [({"top_k": 9}, "top_k"), ({"n_heads": 5}, "n_heads"), ({"n_kv_heads": 3}, "n_kv_heads"), ({"d_model": 0}, "d_model")],
+    [
+        ({"top_k": 9}, "top_k"),
+        ({"n_heads": 5}, "n_heads"),
+        ({"n_kv_heads": 3}, "n_kv_heads"),
+        ({"d_model": 0}, "d_model"),
+    ],
 )
 def test_bad_model_config_names_the_field(changes, field):
     with pytest.raises(ValueError, match=field):

@@ -1,10 +1,12 @@
+import itertools
+
 import pytest
 import torch
 
 from spes_p2p.model import MoETransformer, UnitLayout, get_preset, unit_parameters
 from spes_p2p.train.optim import lr_at
 from spes_p2p.train.run import RunConfig, TrainingRun
-from spes_p2p.train.trainer import Trainer, TrainConfig
+from spes_p2p.train.trainer import TrainConfig, Trainer
 
 TINY = get_preset("tiny")
 LAYOUT = UnitLayout(TINY.n_experts, 4)
@@ -75,14 +77,22 @@ def test_lr_schedule_warmup_then_cosine_to_ten_percent():
     assert lr_at(110, **kw) == pytest.approx(0.1)
     assert lr_at(500, **kw) == pytest.approx(0.1)
     values = [lr_at(s, **kw) for s in range(10, 111)]
-    assert all(a >= b for a, b in zip(values, values[1:]))
+    assert all(a >= b for a, b in itertools.pairwise(values))
 
 
 def test_loss_falls_on_the_stdlib_corpus(tmp_path, stdlib_data):
     cfg = RunConfig(
         preset="tiny",
-        train=TrainConfig(max_steps=80, warmup_steps=10, lr=3e-3, batch_size=8, seq_len=64, log_every=10,
-                          eval_every=40, checkpoint_every=80),
+        train=TrainConfig(
+            max_steps=80,
+            warmup_steps=10,
+            lr=3e-3,
+            batch_size=8,
+            seq_len=64,
+            log_every=10,
+            eval_every=40,
+            checkpoint_every=80,
+        ),
         data=stdlib_data,
     )
     run = TrainingRun(cfg, tmp_path)

@@ -22,7 +22,12 @@ def test_expert_shard_spans_every_layer():
     model = MoETransformer(TINY)
     layout = UnitLayout(TINY.n_experts, 4)  # 2 experts per shard
     names = set(unit_parameters(model, layout, "experts/1"))
-    expected = {f"layers.{l}.moe.experts.{e}.{w}" for l in range(2) for e in (2, 3) for w in ("w1", "w2", "w3")}
+    expected = {
+        f"layers.{layer}.moe.experts.{e}.{w}"
+        for layer in range(2)
+        for e in (2, 3)
+        for w in ("w1", "w2", "w3")
+    }
     assert names == expected
     dense = unit_parameters(model, layout, "dense/0")
     assert "layers.0.moe.router.weight" in dense and "embed.weight" in dense and "lm_head.weight" in dense

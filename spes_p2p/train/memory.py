@@ -22,10 +22,14 @@ def measure(
     layout: UnitLayout,
     units: list[str],
     optimizer: str,
-    batch_size: int = 1,
-    seq_len: int = 32,
+    batch_size: int = 4,
+    seq_len: int = 128,
 ) -> dict[str, int]:
-    """Allocated bytes after one real step of a trainer that owns ``units``."""
+    """Allocated bytes after one real step of a trainer that owns ``units``.
+
+    The step's batch routes enough tokens that every expert gets some, as in real training; an expert that
+    got none would have no gradient buffer in this step.
+    """
     _check_fits(model_cfg)
     torch.manual_seed(0)
     model = MoETransformer(model_cfg)

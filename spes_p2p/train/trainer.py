@@ -7,6 +7,7 @@ the router and attention; they simply get no gradient buffers and no optimizer s
 from __future__ import annotations
 
 import dataclasses
+import time
 from dataclasses import dataclass
 
 import torch
@@ -67,6 +68,7 @@ class StepResult:
     lr: float
     grad_norm: float
     tokens: int
+    seconds: float  # wall time of the step
 
 
 class Trainer:
@@ -90,6 +92,7 @@ class Trainer:
         )
 
     def train_step(self, inputs_BS: torch.Tensor, targets_BS: torch.Tensor) -> StepResult:
+        started = time.perf_counter()
         self.model.train()
         lr = self.lr()
         for group in self.optimizer.param_groups:
@@ -101,7 +104,14 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         self.step += 1
         self.tokens += inputs_BS.numel()
-        return StepResult(out.loss.item(), out.parts["ce"].item(), lr, grad_norm.item(), inputs_BS.numel())
+        return StepResult(
+            out.loss.item(),
+            out.parts["ce"].item(),
+            lr,
+            grad_norm.item(),
+            inputs_BS.numel(),
+            time.perf_counter() - started,
+        )
 
     def evaluate(self, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> float:
         return evaluate(self.model, batches)
