@@ -182,15 +182,10 @@ def memory(preset, shards, owned_shards, optimizer, as_json) -> None:
     """Allocated bytes of a peer owning --owned-shards, next to a peer that trains everything."""
     from spes_cli.render import memory_table
 
-    from spes_p2p.model import UnitLayout, get_preset
     from spes_p2p.train import memory as mem
 
-    model_cfg = get_preset(preset)
-    layout = UnitLayout(model_cfg.n_experts, shards)
-    units = ["dense/0", *layout.shard_units(list(owned_shards))]
     with console.status(f"Measuring {preset} with {optimizer}..."):
-        report = mem.compare(model_cfg, layout, units, optimizer)
-    report.update(preset=preset, shards=shards, owned_units=units, optimizer=optimizer)
+        report = mem.compare(preset, shards, list(owned_shards), optimizer)
     if as_json:
         click.echo(json.dumps(report))
     else:

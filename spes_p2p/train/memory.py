@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from spes_p2p.errors import ConfigError
-from spes_p2p.model import ModelConfig, MoETransformer, UnitLayout
+from spes_p2p.model import ModelConfig, MoETransformer, UnitLayout, get_preset
 from spes_p2p.train.optim import tensor_bytes
 from spes_p2p.train.trainer import TrainConfig, Trainer
 
@@ -50,11 +50,15 @@ def measure(
     return report
 
 
-def compare(model_cfg: ModelConfig, layout: UnitLayout, units: list[str], optimizer: str) -> dict:
-    """The peer's figures next to those of a trainer that owns every unit, and their ratio."""
+def compare(preset: str, n_shards: int, owned_shards: list[int], optimizer: str) -> dict:
+    """A peer owning the dense part and ``owned_shards``, next to a trainer that owns every unit."""
+    model_cfg = get_preset(preset)
+    layout = UnitLayout(model_cfg.n_experts, n_shards)
+    units = ["dense/0", *layout.shard_units(owned_shards)]
     report = measure(model_cfg, layout, units, optimizer)
     report["full"] = measure(model_cfg, layout, layout.units, optimizer)
     report["ratio_vs_full"] = report["total_bytes"] / report["full"]["total_bytes"]
+    report.update(preset=preset, shards=n_shards, owned_units=units, optimizer=optimizer)
     return report
 
 
