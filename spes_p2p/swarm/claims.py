@@ -1,0 +1,85 @@
+"""Which units a peer holds: a pure policy over the swarm's coverage.
+
+Rules, in order:
+1. A peer below its capacity takes the least-covered units first (uncovered ones before anything else).
+   Ties break on a hash of (peer id, unit): deterministic for a peer, different across peers, so peers that
+   join at the same moment spread out instead of piling onto one unit.
+2. A peer at capacity moves only as part of a **plan** that every peer computes alike from the same view:
+   while some unit is uncovered and another has two or more holders, or the least-covered unit is below the
+   target replication and the most-covered one has ``2 + hysteresis`` more holders, one holder of the
+   most-covered unit (the one with the lowest hash for the destination) moves to the least-covered one.
+   Each peer moves at most once per evaluation, and a move never uncovers a unit.
+3. A peer above its capacity drops its most-covered units.
+
+Evaluated at sync boundaries; hysteresis keeps peers from flapping on small differences.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Iterable, Mapping
+
+
+def tiebreak(peer_id: str, unit: str) -> int:
+    return int.from_bytes(hashlib.sha256(f"{peer_id}|{unit}".encode()).digest()[:8], "big")
+
+
+def choose_units(
+    *,
+    me: str,
+    held: Iterable[str],
+    units: list[str],
+    holders: Mapping[str, Iterable[str]],
+    capacity: int,
+    target: int,
+    hysteresis: int = 1,
+) -> set[str]:
+    """The units ``me`` should hold next, given who holds what (``holders`` may or may not include me)."""
+    mine = {u for u in held if u in units}
+    view = {u: set(holders.get(u, ())) - {me} for u in units}
+    for u in mine:
+        view[u].add(me)
+
+    def others(u: str) -> int:
+        return len(view[u] - {me})
+
+    while len(mine) > capacity:
+        drop = max(mine, key=lambda u: (others(u), tiebreak(me, u)))
+        mine.remove(drop)
+        view[drop].discard(me)
+    if len(mine) < capacity:
+        free = sorted((u for u in units if u not in mine), key=lambda u: (others(u), tiebreak(me, u)))
+        return mine | set(free[: capacity - len(mine)])
+    for peer, src, dst in plan_moves(view, target=target, hysteresis=hysteresis):
+        if peer == me:
+            return (mine - {src}) | {dst}
+    return mine
+
+
+def plan_moves(
+    holders: Mapping[str, Iterable[str]], *, target: int, hysteresis: int
+) -> list[tuple[str, str, str]]:
+    """Moves (peer, from, to) that rebalance coverage; every peer with the same view computes the same."""
+    view = {u: set(h) for u, h in holders.items()}
+    order = {u: i for i, u in enumerate(sorted(view))}
+    moved: set[str] = set()
+    moves = []
+    while True:
+        dst = min(view, key=lambda u: (len(view[u]), order[u]))
+        sources = sorted(view, key=lambda u: (-len(view[u]), order[u]))
+        gap_needed = 2 if not view[dst] else 2 + hysteresis
+        move = None
+        for src in sources:
+            if len(view[src]) - len(view[dst]) < gap_needed or (view[dst] and len(view[dst]) >= target):
+                break
+            movers = [p for p in view[src] if p not in moved and p not in view[dst]]
+            if movers:
+                move = (min(movers, key=lambda p: tiebreak(p, dst)), src, dst)
+                break
+        if move is None:
+            return moves
+        peer, src, dst = move
+        view[src].remove(peer)
+        view[dst].add(peer)
+        moved.add(peer)
+        moves.append(move)

@@ -1,0 +1,290 @@
+"""The hivemind backend: hivemind's Kademlia DHT plus libp2p streams through its p2pd daemon.
+
+Process layout: ``hivemind.DHT`` runs in a child process that owns the p2pd daemon; this process talks to the
+DHT through hivemind's pipe and opens its own connection to the same daemon (``replicate_p2p``) for streams,
+on an asyncio loop in a background thread. Handlers therefore run here, next to the model.
+
+Records are signed: every entry is stored under the subkey ``<peer id>[owner:<RSA public key>]`` and
+hivemind's ``RSASignatureValidator`` on every DHT node rejects writes to it that the owner did not sign. The
+RSA key is the peer's libp2p identity key, so a restarted peer keeps both its peer id and its records.
+
+Stream framing (both directions): an 8-byte big-endian length, then the payload. An answer starts with one
+status byte: 0 = ok, 1 = the handler failed (the payload is its message, UTF-8).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ctypes
+import logging
+import signal
+import threading
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import hivemind
+from hivemind.dht.crypto import RSASignatureValidator
+from hivemind.p2p import P2P, PeerID
+from hivemind.p2p.p2p_daemon_bindings.utils import P2PDaemonError
+from hivemind.proto import crypto_pb2
+from hivemind.utils.crypto import RSAPrivateKey
+from hivemind.utils.timed_storage import get_dht_time
+
+from spes_p2p.errors import ConfigError
+from spes_p2p.swarm.transport import (
+    DEFAULT_MAX_MESSAGE_BYTES,
+    BootstrapError,
+    Entry,
+    Handler,
+    ListenError,
+    MessageTooLarge,
+    PeerUnreachable,
+    RemoteError,
+    RequestTimeout,
+    Transport,
+    TransportError,
+    TransportStats,
+    encode_record,
+)
+
+logger = logging.getLogger(__name__)
+
+DHT_TIMEOUT = 10.0  # one DHT store or get
+STARTUP_TIMEOUT = 20.0  # starting p2pd and reaching the initial peers
+_OK, _FAILED = b"\x00", b"\x01"
+_CHUNK = 1 << 16
+
+
+def ensure_identity(path: Path) -> Path:
+    """Creates the peer's private key file at ``path`` if it does not exist yet (mode 0400)."""
+    path = Path(path).expanduser()
+    if not path.exists():
+        path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+        P2P.generate_identity(str(path))
+    return path
+
+
+def _signing_key(identity_path: Path):
+    """The RSA private key inside a libp2p identity file, as hivemind's RSAPrivateKey."""
+    proto = crypto_pb2.PrivateKey.FromString(Path(identity_path).read_bytes())
+    key = RSAPrivateKey.__new__(RSAPrivateKey)
+    key.__setstate__({"_private_key": proto.data})  # the pickling path: DER bytes -> key
+    return key
+
+
+def _die_with_parent() -> None:
+    """Linux: ask the kernel to kill this process when its parent dies (no orphaned DHT after a crash)."""
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+
+
+class HivemindTransport(Transport):
+    def __init__(
+        self,
+        *,
+        initial_peers: Sequence[str] = (),
+        listen: Sequence[str] = ("/ip4/127.0.0.1/tcp/0",),
+        announce: Sequence[str] = (),
+        identity_path: Path | None = None,
+        client_mode: bool = False,
+        use_relay: bool = False,
+        startup_timeout: float = STARTUP_TIMEOUT,
+    ) -> None:
+        self.stats = TransportStats()
+        identity_path = ensure_identity(identity_path) if identity_path else None
+        key = _signing_key(identity_path) if identity_path else None
+        self._validator = RSASignatureValidator(key)
+        try:
+            self.dht = _DHT(
+                initial_peers=list(initial_peers),
+                start=True,
+                client_mode=client_mode,
+                host_maddrs=list(listen),
+                announce_maddrs=list(announce) or None,
+                identity_path=str(identity_path) if identity_path else None,
+                use_auto_relay=use_relay,
+                use_relay=True,
+                startup_timeout=startup_timeout,
+                record_validators=[self._validator],
+                await_ready=False,
+            )
+            self.dht.wait_until_ready(timeout=startup_timeout + 5)
+        except P2PDaemonError as exc:
+            raise _daemon_error(exc, initial_peers) from None
+        except TimeoutError:
+            self._kill_dht()
+            raise BootstrapError(f"the peer did not start within {startup_timeout:.0f}s") from None
+        self.peer_id = str(self.dht.peer_id)
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="spes-p2p", daemon=True)
+        self._thread.start()
+        self._p2p = self._run(self.dht.replicate_p2p(), timeout=startup_timeout)
+
+    # -------------------------------------------------------------------------------------------- DHT
+
+    def addresses(self) -> list[str]:
+        return [str(m) for m in self.dht.get_visible_maddrs()]
+
+    def now(self) -> float:
+        return get_dht_time()
+
+    def publish(self, key: str, value: Any, expires_at: float) -> bool:
+        encode_record(value)  # size check before it reaches the DHT
+        subkey = self.peer_id.encode() + self._validator.local_public_key
+        future = self.dht.store(key, value, expires_at, subkey=subkey, return_future=True)
+        try:
+            return bool(future.result(timeout=DHT_TIMEOUT))
+        except TimeoutError:
+            logger.warning("DHT store of %s timed out after %.0fs", key, DHT_TIMEOUT)
+            return False
+
+    def read(self, key: str) -> dict[str, Entry]:
+        future = self.dht.get(key, latest=True, return_future=True)
+        try:
+            found = future.result(timeout=DHT_TIMEOUT)
+        except TimeoutError:
+            logger.warning("DHT get of %s timed out after %.0fs", key, DHT_TIMEOUT)
+            return {}
+        if found is None or not isinstance(found.value, dict):
+            return {}
+        entries: dict[str, Entry] = {}
+        for subkey, item in found.value.items():
+            peer = _owner_peer_id(subkey)
+            if peer is None:
+                logger.debug("ignoring an unsigned entry under %s", key)
+                continue
+            if peer not in entries or item.expiration_time > entries[peer].expires_at:
+                entries[peer] = Entry(item.value, item.expiration_time)
+        return entries
+
+    # --------------------------------------------------------------------------------------- streams
+
+    def serve(self, name: str, handler: Handler, max_request_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> None:
+        async def rpc_handler(info, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            caller = str(info.peer_id)
+            try:
+                request = await _read_frame(reader, max_request_bytes)
+                self.stats.bytes_received += len(request)
+                try:
+                    response = _OK + await self._loop.run_in_executor(None, handler, caller, request)
+                except Exception as exc:  # the caller learns that we failed, and why
+                    logger.warning("handler %s failed for %s: %s", name, caller, exc, exc_info=True)
+                    response = _FAILED + str(exc).encode()
+                await _write_frame(writer, response)
+                self.stats.bytes_sent += len(response) - 1
+                self.stats.requests_served += 1
+            except (asyncio.IncompleteReadError, ConnectionError, MessageTooLarge) as exc:
+                logger.info("dropped a %s request from %s: %s", name, caller, exc)
+            finally:
+                writer.close()
+
+        self._run(self._p2p.add_binary_stream_handler(name, rpc_handler), timeout=DHT_TIMEOUT)
+
+    def request(
+        self,
+        peer_id: str,
+        name: str,
+        payload: bytes,
+        *,
+        timeout: float,
+        max_response_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+    ) -> bytes:
+        async def call_rpc() -> bytes:
+            _, reader, writer = await self._p2p.call_binary_stream_handler(PeerID.from_base58(peer_id), name)
+            try:
+                await _write_frame(writer, payload)
+                return await _read_frame(reader, max_response_bytes + 1)
+            finally:
+                writer.close()
+
+        try:
+            answer = self._run(call_rpc(), timeout=timeout)
+        except TimeoutError:
+            raise RequestTimeout(f"{name} to {peer_id} timed out after {timeout:.1f}s") from None
+        except (asyncio.IncompleteReadError, ConnectionError) as exc:
+            raise PeerUnreachable(f"{peer_id} closed the {name} stream: {exc}") from None
+        except MessageTooLarge:
+            raise
+        except Exception as exc:  # p2pd reports dial failures as ControlFailure and friends
+            raise PeerUnreachable(f"cannot reach {peer_id} for {name}: {exc}") from None
+        if answer[:1] != _OK:
+            raise RemoteError(f"{peer_id} failed to answer {name}: {answer[1:].decode(errors='replace')}")
+        self.stats.bytes_sent += len(payload)
+        self.stats.bytes_received += len(answer) - 1
+        self.stats.requests_sent += 1
+        return answer[1:]
+
+    # ------------------------------------------------------------------------------------- lifecycle
+
+    def _run(self, coro, timeout: float):
+        return asyncio.run_coroutine_threadsafe(asyncio.wait_for(coro, timeout), self._loop).result(
+            timeout + 1
+        )
+
+    def shutdown(self, timeout: float = 5.0) -> None:
+        """Bounded: the DHT process gets ``timeout`` seconds to leave, then is killed."""
+        with contextlib.suppress(Exception):
+            self._run(self._p2p.shutdown(), timeout=1.0)
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self.dht.shutdown_timeout = timeout
+        with contextlib.suppress(Exception):
+            self.dht.shutdown()
+        self._kill_dht()
+
+    def _kill_dht(self) -> None:
+        if self.dht.is_alive():
+            self.dht.kill()
+            self.dht.join(1.0)
+
+
+class _DHT(hivemind.DHT):
+    """hivemind's DHT process, made to die with this process even when it is SIGKILLed."""
+
+    def run(self) -> None:
+        _die_with_parent()
+        super().run()
+
+
+def _owner_peer_id(subkey) -> str | None:
+    """The peer id in a signed subkey ``<peer id>[owner:...]``; None for unsigned subkeys."""
+    raw = subkey if isinstance(subkey, bytes) else str(subkey).encode()
+    peer, marker, _ = raw.partition(b"[owner:")
+    return peer.decode(errors="replace") if marker and peer else None
+
+
+def _daemon_error(exc: Exception, initial_peers: Sequence[str]) -> TransportError:
+    text = str(exc)
+    if "failed to connect to bootstrap peers" in text:
+        return BootstrapError(
+            f"none of the initial peers answered ({', '.join(initial_peers)}); check the addresses, or start "
+            "a new swarm with --new-swarm"
+        )
+    if "address already in use" in text:
+        return ListenError(
+            f"cannot listen: the port is already in use ({_tail(text)}); pick another --listen "
+            "port, or port 0 for any free one"
+        )
+    if "failed to parse multiaddr" in text:
+        return ConfigError(f"malformed multiaddr: {_tail(text)}")
+    return ListenError(f"the p2p daemon failed to start: {_tail(text)}")
+
+
+def _tail(text: str) -> str:
+    return text.rsplit(" failed to ", 1)[-1].strip() if " failed to " in text else text.strip()
+
+
+async def _write_frame(writer: asyncio.StreamWriter, data: bytes) -> None:
+    writer.write(len(data).to_bytes(8, "big"))
+    for start in range(0, len(data), _CHUNK):
+        writer.write(data[start : start + _CHUNK])
+        await writer.drain()
+    await writer.drain()
+
+
+async def _read_frame(reader: asyncio.StreamReader, limit: int) -> bytes:
+    size = int.from_bytes(await reader.readexactly(8), "big")
+    if size > limit:
+        raise MessageTooLarge(f"a {size}-byte message exceeds the {limit}-byte limit")
+    return await reader.readexactly(size)

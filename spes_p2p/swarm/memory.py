@@ -1,0 +1,179 @@
+"""The in-process backend: every peer of a ``MemoryNetwork`` lives in one process.
+
+Deterministic for a given seed, and instant unless told otherwise. Fault hooks act on requests: ``drop``
+(the call times out), ``delay`` (seconds added to each call), ``corrupt`` (one byte of the answer flipped)
+and ``partition`` (peers in different groups neither reach each other nor see each other's records).
+The clock is injectable, so record expiry can be tested without waiting.
+"""
+
+from __future__ import annotations
+
+import random
+import threading
+import time
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import msgpack
+
+from spes_p2p.swarm.transport import (
+    DEFAULT_MAX_MESSAGE_BYTES,
+    Entry,
+    Handler,
+    MessageTooLarge,
+    PeerUnreachable,
+    RemoteError,
+    RequestTimeout,
+    Transport,
+    TransportStats,
+    encode_record,
+)
+
+
+class FakeClock:
+    """A clock that moves only when told to."""
+
+    def __init__(self, start: float = 1000.0) -> None:
+        self.t = start
+
+    def __call__(self) -> float:
+        return self.t
+
+    def advance(self, seconds: float) -> None:
+        self.t += seconds
+
+
+class MemoryNetwork:
+    """The shared medium: records, live peers, and the faults applied to requests."""
+
+    def __init__(self, seed: int = 0, clock: Callable[[], float] = time.time) -> None:
+        self.clock = clock
+        self.rng = random.Random(seed)
+        self.lock = threading.RLock()
+        self.records: dict[str, dict[str, Entry]] = {}
+        self.peers: dict[str, MemoryTransport] = {}
+        self.drop = 0.0  # probability that a request is lost
+        self.delay = 0.0  # seconds added to every request
+        self.corrupt = 0.0  # probability that a response has one byte flipped
+        self.groups: dict[str, int] = {}  # peer id -> partition group; empty: fully connected
+        self.faults = {"dropped": 0, "corrupted": 0, "partitioned": 0}
+
+    def join(self, peer_id: str) -> MemoryTransport:
+        with self.lock:
+            if peer_id in self.peers:
+                raise ValueError(f"peer id {peer_id!r} is already on this network")
+            transport = MemoryTransport(self, peer_id)
+            self.peers[peer_id] = transport
+            return transport
+
+    def partition(self, *groups: Iterable[str]) -> None:
+        """Splits the network: peers reach only peers of their own group (unlisted peers: group -1)."""
+        with self.lock:
+            self.groups = {peer: i for i, group in enumerate(groups) for peer in group}
+
+    def heal(self) -> None:
+        with self.lock:
+            self.groups = {}
+
+    def connected(self, a: str, b: str) -> bool:
+        return not self.groups or self.groups.get(a, -1) == self.groups.get(b, -1)
+
+    def _roll(self, probability: float) -> bool:
+        with self.lock:
+            return probability > 0 and self.rng.random() < probability
+
+
+class MemoryTransport(Transport):
+    def __init__(self, network: MemoryNetwork, peer_id: str) -> None:
+        self.network, self.peer_id = network, peer_id
+        self.handlers: dict[str, tuple[Handler, int]] = {}
+        self.stats = TransportStats()
+        self.alive = True
+
+    def addresses(self) -> list[str]:
+        return [f"/memory/p2p/{self.peer_id}"]
+
+    def now(self) -> float:
+        return self.network.clock()
+
+    def publish(self, key: str, value: Any, expires_at: float) -> bool:
+        data = encode_record(value)  # enforces the size limit and msgpack-ability, like the real DHT
+        with self.network.lock:
+            entries = self.network.records.setdefault(key, {})
+            old = entries.get(self.peer_id)
+            if old is not None and old.expires_at > expires_at:
+                return False  # like hivemind's DHT: the entry that expires later wins
+            entries[self.peer_id] = Entry(msgpack.unpackb(data), expires_at)
+        return True
+
+    def read(self, key: str) -> dict[str, Entry]:
+        now = self.now()
+        with self.network.lock:
+            entries = dict(self.network.records.get(key, {}))
+        return {
+            peer: entry
+            for peer, entry in entries.items()
+            if entry.expires_at > now and self.network.connected(self.peer_id, peer)
+        }
+
+    def serve(self, name: str, handler: Handler, max_request_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> None:
+        self.handlers[name] = (handler, max_request_bytes)
+
+    def request(
+        self,
+        peer_id: str,
+        name: str,
+        payload: bytes,
+        *,
+        timeout: float,
+        max_response_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+    ) -> bytes:
+        net = self.network
+        target = net.peers.get(peer_id)
+        if target is None or not target.alive or name not in target.handlers:
+            raise PeerUnreachable(f"peer {peer_id} is not reachable (or does not serve {name!r})")
+        if not net.connected(self.peer_id, peer_id):
+            net.faults["partitioned"] += 1
+            raise PeerUnreachable(f"peer {peer_id} is on the other side of a network partition")
+        if net.delay:
+            time.sleep(min(net.delay, timeout))
+            if net.delay >= timeout:
+                raise RequestTimeout(f"{name} to {peer_id} timed out after {timeout:.1f}s")
+        if net._roll(net.drop):
+            net.faults["dropped"] += 1
+            raise RequestTimeout(f"{name} to {peer_id} timed out (message dropped)")
+        handler, max_request = target.handlers[name]
+        if len(payload) > max_request:
+            raise RemoteError(f"{peer_id} refused a {len(payload)}-byte {name} request (limit {max_request})")
+        try:
+            response = handler(self.peer_id, payload)
+        except Exception as exc:  # a failing remote handler is the remote's problem, reported to the caller
+            raise RemoteError(f"{peer_id} failed to answer {name}: {exc}") from None
+        if len(response) > max_response_bytes:
+            raise MessageTooLarge(
+                f"{name} answer from {peer_id} has {len(response)} bytes, over {max_response_bytes}"
+            )
+        if net._roll(net.corrupt):
+            net.faults["corrupted"] += 1
+            response = _flip_one_byte(response, net)
+        self.stats.bytes_sent += len(payload)
+        self.stats.bytes_received += len(response)
+        self.stats.requests_sent += 1
+        target.stats.bytes_received += len(payload)
+        target.stats.bytes_sent += len(response)
+        target.stats.requests_served += 1
+        return response
+
+    def shutdown(self, timeout: float = 5.0) -> None:
+        """Stops answering; records stay until they expire, as in a real DHT."""
+        self.alive = False
+        with self.network.lock:
+            self.network.peers.pop(self.peer_id, None)
+
+
+def _flip_one_byte(data: bytes, net: MemoryNetwork) -> bytes:
+    if not data:
+        return data
+    with net.lock:
+        i = net.rng.randrange(len(data))
+    return data[:i] + bytes([data[i] ^ 0xFF]) + data[i + 1 :]

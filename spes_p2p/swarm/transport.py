@@ -1,0 +1,136 @@
+"""The seam between the swarm protocol and the network.
+
+A Transport gives a peer three things, whatever the backend:
+
+- a small DHT of expiring records, where every peer writes its **own entry** under a shared key
+  (``publish``) and anyone reads all live entries of a key (``read``);
+- request/response of bytes with named handlers (``serve`` / ``request``), streamed for large payloads,
+  with a timeout and a size limit on every call;
+- its own peer id and dialable addresses, and a bounded ``shutdown``.
+
+Errors (all ``TransportError``, a ``SpesError``)::
+
+    TransportError
+     +-- BootstrapError     no initial peer answered
+     +-- ListenError        cannot listen on the requested address (port in use, bad address)
+     +-- PeerUnreachable    the remote peer cannot be reached, or it has no such handler
+     +-- RequestTimeout     no complete answer within the timeout
+     +-- MessageTooLarge    a request, response or record over its size limit
+     +-- RemoteError        the remote handler failed; the message is the remote's
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import msgpack
+
+from spes_p2p.errors import SpesError
+
+# DHT records are small by design: values over about 64 KB kill hivemind's DHT loop (FACTS.md).
+MAX_RECORD_BYTES = 16 * 1024
+DEFAULT_MAX_MESSAGE_BYTES = 1 << 30
+
+Handler = Callable[[str, bytes], bytes]  # (caller's peer id, request) -> response
+
+
+class TransportError(SpesError):
+    pass
+
+
+class BootstrapError(TransportError):
+    pass
+
+
+class ListenError(TransportError):
+    pass
+
+
+class PeerUnreachable(TransportError):
+    pass
+
+
+class RequestTimeout(TransportError):
+    pass
+
+
+class MessageTooLarge(TransportError):
+    pass
+
+
+class RemoteError(TransportError):
+    pass
+
+
+@dataclass
+class TransportStats:
+    """Payload bytes this peer moved through requests (records not counted)."""
+
+    bytes_sent: int = 0
+    bytes_received: int = 0
+    requests_sent: int = 0
+    requests_served: int = 0
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One peer's entry under a DHT key."""
+
+    value: Any  # msgpack-able: dict, list, str, int, float, bool, None
+    expires_at: float  # in the transport's clock (``Transport.now``)
+
+
+def encode_record(value: Any) -> bytes:
+    """The record's wire form; raises MessageTooLarge past MAX_RECORD_BYTES."""
+    data = msgpack.packb(value, use_bin_type=True)
+    if len(data) > MAX_RECORD_BYTES:
+        raise MessageTooLarge(
+            f"DHT record of {len(data)} bytes exceeds {MAX_RECORD_BYTES}; keep records small"
+        )
+    return data
+
+
+class Transport(ABC):
+    """One peer's connection to the swarm. Thread-safe; every call returns within its timeout."""
+
+    peer_id: str
+    stats: TransportStats
+
+    @abstractmethod
+    def addresses(self) -> list[str]:
+        """Multiaddrs other peers can dial, each ending in /p2p/<peer id>."""
+
+    @abstractmethod
+    def now(self) -> float:
+        """The clock record expiry is measured in (shared across peers, roughly)."""
+
+    @abstractmethod
+    def publish(self, key: str, value: Any, expires_at: float) -> bool:
+        """Writes this peer's own entry under ``key``; True when the DHT accepted it."""
+
+    @abstractmethod
+    def read(self, key: str) -> dict[str, Entry]:
+        """All live entries under ``key``, by the peer id that wrote them."""
+
+    @abstractmethod
+    def serve(self, name: str, handler: Handler, max_request_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> None:
+        """Answers requests named ``name``; the handler runs on a worker thread."""
+
+    @abstractmethod
+    def request(
+        self,
+        peer_id: str,
+        name: str,
+        payload: bytes,
+        *,
+        timeout: float,
+        max_response_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+    ) -> bytes:
+        """Sends ``payload`` to ``peer_id``'s handler ``name`` and returns its answer."""
+
+    @abstractmethod
+    def shutdown(self, timeout: float = 5.0) -> None:
+        """Stops serving and leaves the network within ``timeout`` seconds."""
