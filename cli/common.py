@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 
 import click
 from rich.console import Console
@@ -37,6 +38,42 @@ def run_guarded(fn):
     except KeyboardInterrupt:
         err_console.print("[yellow]interrupted[/]")
         sys.exit(EXIT_INTERRUPTED)
+
+
+def swarm_options(fn):
+    """Options shared by the commands that talk to a swarm."""
+    options = [
+        click.option(
+            "--config",
+            type=click.Path(exists=True, dir_okay=False, path_type=Path),
+            help="Settings file (default: ./peers.toml when present).",
+        ),
+        click.option(
+            "--peers",
+            multiple=True,
+            metavar="MULTIADDR",
+            help="A running peer's multiaddr (repeatable); overrides initial_peers.",
+        ),
+        click.option("--run-id", help="The swarm's name."),
+        click.option(
+            "--log-level",
+            type=click.Choice(["debug", "info", "warning", "error"]),
+            default="warning",
+            show_default=True,
+        ),
+    ]
+    for option in reversed(options):
+        fn = option(fn)
+    return fn
+
+
+def setup_logging(level: str) -> None:
+    """Our logs and hivemind's through one handler, at ``level``."""
+    import logging
+    import os
+
+    os.environ.setdefault("HIVEMIND_LOGLEVEL", level.upper())
+    logging.basicConfig(level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
 
 def parse_shard_list(ctx, param, value: str | None) -> tuple[int, ...] | None:

@@ -1,20 +1,118 @@
-"""``spes-join``: join a swarm and train its experts with the other volunteers."""
+"""``spes-join``: join a swarm (or start one), claim the expert shards it needs most, keep them alive."""
 
 from __future__ import annotations
 
+import logging
+import os
+import signal
+import threading
+from pathlib import Path
+
 import click
-from spes_cli.common import SpesCommand, err_console
+from spes_cli.common import SpesCommand, console, err_console, swarm_options
 
 
 @click.command(cls=SpesCommand, context_settings={"help_option_names": ["-h", "--help"]})
+@click.option("--new-swarm", is_flag=True, help="Start the first peer of a new swarm (dial nobody).")
+@click.option(
+    "--addr-file",
+    type=click.Path(dir_okay=False, path_type=Path),
+    help="Write this peer's dialable multiaddrs here, one per line, once it is up.",
+)
+@swarm_options
+@click.option("--preset", help="Model preset (must match the swarm).")
+@click.option("--shards", type=int, help="Number of expert shards (must match the swarm).")
+@click.option("--capacity", type=int, help="Expert shards this peer trains at once.")
+@click.option("--replication", type=int, help="Target number of holders per expert shard.")
+@click.option("--identity", help="Private key file (created if missing); keeps the peer id across restarts.")
+@click.option(
+    "--listen", multiple=True, metavar="MULTIADDR", help="Where to accept connections (repeatable)."
+)
+@click.option(
+    "--announce", multiple=True, metavar="MULTIADDR", help="Public address to advertise (repeatable)."
+)
+@click.option("--client-mode", is_flag=True, default=None, help="Dial out only; hold no shard.")
+@click.option("--use-relay", is_flag=True, default=None, help="Use relays to get through NAT.")
+@click.option("--heartbeat", type=float, help="Seconds between record refreshes.")
+@click.option("--record-ttl", type=float, help="Seconds before a silent peer's records vanish.")
 @click.version_option(package_name="spes-p2p")
-def spes_join() -> None:
-    """Join a swarm, claim the expert shard it needs most, and train it with the peers that hold it.
+def spes_join(
+    new_swarm,
+    addr_file,
+    config,
+    peers,
+    run_id,
+    log_level,
+    preset,
+    shards,
+    capacity,
+    replication,
+    identity,
+    listen,
+    announce,
+    client_mode,
+    use_relay,
+    heartbeat,
+    record_ttl,
+) -> None:
+    """Join a swarm, claim the expert shard it needs most, and keep it until stopped (Ctrl-C)."""
+    from spes_cli.common import setup_logging
+    from spes_cli.render import SwarmLive, print_joined
 
-    Not available in this version: the swarm layer is the next milestone. Train locally with `spes train`.
-    """
-    err_console.print(
-        "[bold red]error:[/] spes-join is not available in spes-p2p 0.1.0 yet (the swarm layer is "
-        "the next milestone); train locally with `spes train`"
+    from spes_p2p.peer import Peer, open_transport
+    from spes_p2p.settings import load_settings
+
+    setup_logging(log_level)
+    settings = load_settings(config).override(
+        swarm__run_id=run_id,
+        swarm__initial_peers=tuple(peers) or None,
+        model__preset=preset,
+        model__shards=shards,
+        peer__capacity=capacity,
+        swarm__target_replication=replication,
+        network__identity=identity,
+        network__listen=tuple(listen) or None,
+        network__announce=tuple(announce) or None,
+        network__client_mode=client_mode,
+        network__use_relay=use_relay,
+        swarm__heartbeat_seconds=heartbeat,
+        swarm__record_ttl_seconds=record_ttl,
     )
-    raise SystemExit(2)
+    stop = _stop_on_signals()
+    with console.status("Starting the peer and joining the swarm..."):
+        transport = open_transport(settings, new_swarm=new_swarm)
+    peer = Peer(settings, transport)
+    try:
+        status = peer.join()
+        if addr_file:
+            _write_lines(addr_file, status.addresses)
+        print_joined(console, settings, status, peer.reachability(), new_swarm)
+        with SwarmLive(console, settings) as live:
+            live.update(status)
+            peer.run(stop, on_update=live.update)
+    finally:
+        with console.status("Releasing claims and leaving..."):
+            peer.close()
+    console.print("[green]left the swarm[/]")
+
+
+def _stop_on_signals() -> threading.Event:
+    """SIGINT and SIGTERM ask for a clean stop; a second one stops at once."""
+    stop = threading.Event()
+
+    def handle(signum, frame) -> None:
+        if stop.is_set():
+            raise KeyboardInterrupt
+        err_console.print(f"[yellow]{signal.Signals(signum).name}: leaving the swarm...[/]")
+        stop.set()
+
+    signal.signal(signal.SIGINT, handle)
+    signal.signal(signal.SIGTERM, handle)
+    return stop
+
+
+def _write_lines(path: Path, lines: list[str]) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text("".join(line + "\n" for line in lines))
+    os.replace(tmp, path)
+    logging.getLogger(__name__).info("wrote %d address(es) to %s", len(lines), path)

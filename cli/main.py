@@ -6,7 +6,7 @@ import json
 from pathlib import Path
 
 import click
-from spes_cli.common import SpesGroup, console, parse_shard_list
+from spes_cli.common import SpesGroup, console, parse_shard_list, swarm_options
 
 PRESET_NAMES = (
     "tiny",
@@ -190,3 +190,31 @@ def memory(preset, shards, owned_shards, optimizer, as_json) -> None:
         click.echo(json.dumps(report))
     else:
         console.print(memory_table(report))
+
+
+@spes.command()
+@swarm_options
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
+def status(config, peers, run_id, log_level, as_json) -> None:
+    """Show a swarm: its peers, and the holders of every unit (joins the DHT as a client)."""
+    from spes_cli.common import setup_logging
+    from spes_cli.render import status_tables
+
+    from spes_p2p.peer import open_transport, swarm_summary
+    from spes_p2p.settings import load_settings
+
+    setup_logging(log_level)
+    settings = load_settings(config).override(swarm__run_id=run_id, swarm__initial_peers=tuple(peers) or None)
+    with console.status("Reading the swarm..."):
+        transport = open_transport(settings, new_swarm=False, client=True)
+        try:
+            summary = swarm_summary(transport, settings.swarm.run_id)
+        finally:
+            transport.shutdown()
+    if as_json:
+        click.echo(json.dumps(summary))
+        return
+    if not summary["config_hashes"]:
+        console.print(f"[yellow]no peer of swarm {settings.swarm.run_id!r} found[/] (check --run-id)")
+    for table in status_tables(summary):
+        console.print(table)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 
 from rich.console import Console
@@ -75,3 +76,95 @@ def memory_table(report: dict) -> Table:
 
 def _mib(n: int) -> str:
     return f"{n / 2**20:,.1f} MiB"
+
+
+# ------------------------------------------------------------------------------------------------- swarm
+
+
+def print_joined(console: Console, settings, status, reachability, new_swarm: bool) -> None:
+    from spes_p2p.peer import share_snippet
+
+    console.print(
+        f"peer [bold]{status.peer_id}[/] in swarm [bold]{settings.swarm.run_id}[/], "
+        f"holding [bold]{', '.join(status.units) or 'nothing'}[/]"
+    )
+    for addr in status.addresses:
+        console.print(f"  dial me at {addr}", highlight=False)
+    color = "green" if reachability.reachable else "yellow"
+    console.print(f"[{color}]{reachability.message}[/]")
+    if new_swarm:
+        console.print(
+            "New swarm started. Others join with `spes-join --peers ADDR`, or with this in their peers.toml:"
+        )
+        console.print(share_snippet(settings, status.addresses), highlight=False, markup=False)
+
+
+class SwarmLive:
+    """A live table of the swarm on a terminal; one line per change otherwise (logs, tests)."""
+
+    def __init__(self, console: Console, settings) -> None:
+        from rich.live import Live
+
+        self.console, self.settings = console, settings
+        self.live = Live(console=console, auto_refresh=False) if console.is_terminal else None
+        self.last_line = ""
+
+    def __enter__(self) -> SwarmLive:
+        if self.live:
+            self.live.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.live:
+            self.live.__exit__(*exc)
+
+    def update(self, status) -> None:
+        if self.live:
+            self.live.update(swarm_table(self.settings.swarm.run_id, status), refresh=True)
+            return
+        coverage = " ".join(f"{u}={len(h)}" for u, h in status.view.holders.items())
+        line = f"holding {', '.join(status.units)}; {len(status.view.peers)} peers; coverage {coverage}"
+        if line != self.last_line:
+            self.console.print(line, highlight=False, soft_wrap=True)
+            self.last_line = line
+
+
+def swarm_table(run_id: str, status) -> Table:
+    table = Table(title=f"swarm {run_id}: peer {status.peer_id}", caption="Ctrl-C leaves the swarm")
+    table.add_column("unit")
+    table.add_column("holders", justify="right")
+    table.add_column("peers")
+    for unit, holders in status.view.holders.items():
+        mine = " (this peer)" if unit in status.units else ""
+        style = "bold red" if not holders else ("green" if mine else None)
+        table.add_row(
+            unit + mine,
+            str(len(holders)),
+            " ".join(sorted(h[-8:] for h in holders)) or "UNCOVERED",
+            style=style,
+        )
+    table.add_section()
+    table.add_row("peers seen", str(len(status.view.peers)), f"heartbeats: {status.heartbeats}")
+    return table
+
+
+def status_tables(summary: dict) -> list[Table]:
+    peers = Table(title=f"swarm {summary['run_id']}: {len(summary['peers'])} peers")
+    for col in ("peer", "units", "round", "tokens/s", "loss", "version"):
+        peers.add_column(col)
+    for p in summary["peers"]:
+        loss = "-" if p["loss"] is None else f"{p['loss']:.3f}"
+        peers.add_row(
+            p["peer_id"],
+            ", ".join(p["units"]),
+            str(p["round"]),
+            f"{p['tokens_per_s']:,.0f}",
+            loss,
+            p["version"],
+        )
+    units = Table(title="units")
+    units.add_column("unit")
+    units.add_column("holders")
+    for unit, holders in summary["units"].items():
+        units.add_row(unit, ", ".join(holders) or "UNCOVERED", style="bold red" if not holders else None)
+    return [peers, units]

@@ -244,6 +244,9 @@ class _DHT(hivemind.DHT):
 
     def run(self) -> None:
         _die_with_parent()
+        # Ctrl-C reaches the whole process group; the parent shuts this process down in order instead.
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
         super().run()
 
 

@@ -109,7 +109,7 @@ class SwarmMember:
         view = self.view()
         self.held = self._choose(view)
         self.heartbeat()
-        return view
+        return self.view()
 
     def view(self) -> SwarmView:
         self.last_view = read_view(self.transport, self.cfg.run_id, self.units)
