@@ -84,19 +84,18 @@ def _mib(n: int) -> str:
 def print_joined(console: Console, settings, status, reachability, new_swarm: bool) -> None:
     from spes_p2p.peer import share_snippet
 
-    console.print(
+    say = functools.partial(console.print, soft_wrap=True, highlight=False)  # addresses must stay copyable
+    say(
         f"peer [bold]{status.peer_id}[/] in swarm [bold]{settings.swarm.run_id}[/], "
         f"holding [bold]{', '.join(status.units) or 'nothing'}[/]"
     )
     for addr in status.addresses:
-        console.print(f"  dial me at {addr}", highlight=False)
+        say(f"  dial me at {addr}")
     color = "green" if reachability.reachable else "yellow"
-    console.print(f"[{color}]{reachability.message}[/]")
+    say(f"[{color}]{reachability.message}[/]")
     if new_swarm:
-        console.print(
-            "New swarm started. Others join with `spes-join --peers ADDR`, or with this in their peers.toml:"
-        )
-        console.print(share_snippet(settings, status.addresses), highlight=False, markup=False)
+        say("New swarm started. Others join with `spes-join --peers ADDR`, or with this in their peers.toml:")
+        say(share_snippet(settings, status.addresses), markup=False)
 
 
 class SwarmLive:
