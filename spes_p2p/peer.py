@@ -98,6 +98,7 @@ class Peer:
         self.identity = swarm_identity(settings)
         self.member = SwarmMember(transport, self.identity, member_config(settings, self.identity))
         self.heartbeats = 0
+        self.joined = False
 
     def reachability(self) -> Reachability:
         net = self.settings.network
@@ -110,6 +111,7 @@ class Peer:
 
     def join(self) -> PeerStatus:
         self.member.join()
+        self.joined = True
         return self.status()
 
     def run(self, stop: threading.Event, on_update: Callable[[PeerStatus], None] | None = None) -> None:
@@ -133,12 +135,20 @@ class Peer:
         )
 
     def close(self, timeout: float = 5.0) -> None:
-        """Releases claims, then leaves the network; bounded by the transport's timeouts and ``timeout``."""
+        """Releases claims (if it joined), then leaves the network; returns within about 2 x ``timeout``."""
+        if self.joined:
+            releasing = threading.Thread(target=self._release, name="release-claims", daemon=True)
+            releasing.start()
+            releasing.join(timeout)
+            if releasing.is_alive():
+                logger.warning("releasing claims took over %.0fs; they will expire by themselves", timeout)
+        self.transport.shutdown(timeout)
+
+    def _release(self) -> None:
         try:
             self.member.leave()
         except Exception:  # leaving must not fail: the records expire on their own anyway
             logger.exception("could not release claims; they expire by themselves")
-        self.transport.shutdown(timeout)
 
 
 def swarm_summary(transport: Transport, run_id: str) -> dict:

@@ -119,7 +119,7 @@ class Settings:
                 self, **{s: dataclasses.replace(getattr(self, s), **kv) for s, kv in sections.items()}
             )
         except _FieldError as exc:
-            raise ConfigError(f"{exc.field}: {exc.problem}") from None
+            raise ConfigError(f"{exc.field} {exc.problem}") from None
 
 
 def load_settings(path: Path | None = None) -> Settings:

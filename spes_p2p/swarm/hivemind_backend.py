@@ -18,6 +18,7 @@ import asyncio
 import contextlib
 import ctypes
 import logging
+import os
 import signal
 import threading
 from collections.abc import Sequence
@@ -227,7 +228,12 @@ class HivemindTransport(Transport):
         """Bounded: the DHT process gets ``timeout`` seconds to leave, then is killed."""
         with contextlib.suppress(Exception):
             self._run(self._p2p.shutdown(), timeout=1.0)
+        with contextlib.suppress(Exception):
+            self._run(_cancel_other_tasks(), timeout=1.0)
         self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(timeout=2.0)
+        if not self._loop.is_running():
+            self._loop.close()
         self.dht.shutdown_timeout = timeout
         with contextlib.suppress(Exception):
             self.dht.shutdown()
@@ -244,10 +250,20 @@ class _DHT(hivemind.DHT):
 
     def run(self) -> None:
         _die_with_parent()
-        # Ctrl-C reaches the whole process group; the parent shuts this process down in order instead.
+        # Ctrl-C reaches the terminal's whole process group. Leaving it (with p2pd, started below) lets the
+        # parent release its claims through this DHT before shutting it down in order.
+        os.setpgrp()
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
         super().run()
+
+
+async def _cancel_other_tasks() -> None:
+    """Cancels the p2p client's background tasks, so the loop can close without orphaned tasks."""
+    tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+    for task in tasks:
+        task.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
 
 
 def _owner_peer_id(subkey) -> str | None:

@@ -1,0 +1,150 @@
+"""The claim policy, on plain values: many peers, simultaneous joins, departures, uneven capacities."""
+
+import random
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from spes_p2p.swarm.claims import choose_units, plan_moves
+
+UNITS = [f"experts/{i}" for i in range(4)]
+
+
+def holders_of(choices: dict[str, set[str]], units=UNITS) -> dict[str, set[str]]:
+    return {u: {p for p, held in choices.items() if u in held} for u in units}
+
+
+def evaluate_all(choices, capacity, target=2, hysteresis=1, units=UNITS):
+    """Every peer re-evaluates from the same view (a sync boundary)."""
+    view = holders_of(choices, units)
+    return {
+        p: choose_units(
+            me=p,
+            held=held,
+            units=units,
+            holders=view,
+            capacity=capacity.get(p, 1) if isinstance(capacity, dict) else capacity,
+            target=target,
+            hysteresis=hysteresis,
+        )
+        for p, held in choices.items()
+    }
+
+
+def settle(choices, capacity=1, rounds=10, **kw):
+    for _ in range(rounds):
+        new = evaluate_all(choices, capacity, **kw)
+        if new == choices:
+            return choices
+        choices = new
+    raise AssertionError(f"claims did not settle in {rounds} rounds: {choices}")
+
+
+def test_sequential_joins_spread_evenly():
+    choices: dict[str, set[str]] = {}
+    for i in range(12):
+        me = f"peer-{i}"
+        choices[me] = choose_units(
+            me=me, held=(), units=UNITS, holders=holders_of(choices), capacity=1, target=3
+        )
+    counts = sorted(len(h) for h in holders_of(choices).values())
+    assert counts == [3, 3, 3, 3]
+
+
+def test_first_peer_takes_an_uncovered_unit_and_late_joiner_fills_the_gap():
+    choices = {"a": {"experts/0"}, "b": {"experts/1"}, "c": {"experts/2"}, "d": {"experts/0"}}
+    got = choose_units(me="e", held=(), units=UNITS, holders=holders_of(choices), capacity=1, target=2)
+    assert got == {"experts/3"}
+
+
+def test_simultaneous_joins_cover_everything_after_one_boundary_and_stay_put():
+    peers = [f"p{i}" for i in range(6)]
+    empty = holders_of({})
+    choices = {
+        p: choose_units(me=p, held=(), units=UNITS, holders=empty, capacity=1, target=2) for p in peers
+    }
+    settled = settle(choices)
+    assert all(len(h) >= 1 for h in holders_of(settled).values())
+    assert evaluate_all(settled, 1) == settled  # no flapping
+
+
+def test_everyone_but_one_leaving():
+    choices = settle({f"p{i}": set() for i in range(8)}, capacity=1)
+    survivor = {"p3": choices["p3"]}
+    # a peer with room for every unit takes the uncovered ones at its next boundary
+    after = evaluate_all(survivor, capacity=4)
+    assert after["p3"] == set(UNITS)
+    # a peer with room for one keeps its unit: moving would only uncover it
+    assert evaluate_all(survivor, capacity=1) == survivor
+
+
+def test_uncovered_unit_is_taken_over_by_a_holder_of_an_over_covered_one():
+    choices = {"a": {"experts/0"}, "b": {"experts/0"}, "c": {"experts/1"}, "d": {"experts/2"}}
+    after = evaluate_all(choices, capacity=1)
+    assert holders_of(after)["experts/3"], after
+    assert sum(after[p] != choices[p] for p in choices) == 1  # exactly one peer moved
+    assert holders_of(after)["experts/0"]  # and it did not uncover what it left
+
+
+def test_hysteresis_prevents_small_rebalances():
+    # 3 vs 1 holders: a gap of 2 is not worth a move with hysteresis 1, but is with hysteresis 0
+    choices = {"a": {"experts/0"}, "b": {"experts/0"}, "c": {"experts/0"}, "d": {"experts/1"}}
+    two_units = UNITS[:2]
+    assert evaluate_all(choices, 1, target=3, hysteresis=1, units=two_units) == choices
+    moved = evaluate_all(choices, 1, target=3, hysteresis=0, units=two_units)
+    assert sorted(len(h) for h in holders_of(moved, two_units).values()) == [2, 2]
+
+
+def test_uneven_capacities():
+    capacity = {"big": 3, "s1": 1, "s2": 1}
+    choices = {p: set() for p in capacity}
+    choices["big"] = choose_units(
+        me="big", held=(), units=UNITS, holders=holders_of({}), capacity=3, target=1
+    )
+    for p in ("s1", "s2"):
+        choices[p] = choose_units(
+            me=p, held=(), units=UNITS, holders=holders_of(choices), capacity=1, target=1
+        )
+    assert len(choices["big"]) == 3
+    assert all(holders_of(choices).values())
+    assert settle(choices, capacity=capacity, target=1)
+    # the big peer shrinks: it drops what others also hold first
+    shrunk = choose_units(
+        me="big", held=choices["big"], units=UNITS, holders=holders_of(choices), capacity=1, target=1
+    )
+    assert len(shrunk) == 1
+
+
+def test_plan_is_deterministic_and_moves_each_peer_at_most_once():
+    holders = {
+        "experts/0": {"a", "b", "c", "d", "e"},
+        "experts/1": set(),
+        "experts/2": set(),
+        "experts/3": {"f"},
+    }
+    moves = plan_moves(holders, target=2, hysteresis=1)
+    assert moves == plan_moves(
+        {u: set(reversed(sorted(h))) for u, h in holders.items()}, target=2, hysteresis=1
+    )
+    assert len({p for p, _, _ in moves}) == len(moves)
+    assert {dst for _, _, dst in moves} >= {"experts/1", "experts/2"}
+
+
+@settings(max_examples=60, deadline=None)
+@given(n_peers=st.integers(1, 10), n_units=st.integers(1, 6), seed=st.integers(0, 1000))
+def test_random_joins_and_departures_keep_every_unit_covered_when_possible(n_peers, n_units, seed):
+    rng = random.Random(seed)
+    units = [f"experts/{i}" for i in range(n_units)]
+    choices: dict[str, set[str]] = {}
+    next_id = 0
+    for _ in range(12):
+        if choices and rng.random() < 0.4:
+            del choices[rng.choice(sorted(choices))]
+        while len(choices) < n_peers and rng.random() < 0.7:
+            me, next_id = f"p{next_id}", next_id + 1
+            choices[me] = choose_units(
+                me=me, held=(), units=units, holders=holders_of(choices, units), capacity=1, target=2
+            )
+        choices = settle(choices, units=units)
+        covered = sum(1 for h in holders_of(choices, units).values() if h)
+        assert covered == min(len(choices), n_units)

@@ -1,0 +1,106 @@
+"""The hivemind backend in this process: signed records, streams, identity, and its error paths."""
+
+import os
+import socket
+import time
+
+import pytest
+
+from spes_p2p.errors import ConfigError
+from spes_p2p.swarm.hivemind_backend import HivemindTransport
+from spes_p2p.swarm.transport import (
+    BootstrapError,
+    ListenError,
+    MessageTooLarge,
+    PeerUnreachable,
+    RemoteError,
+    RequestTimeout,
+)
+
+pytestmark = pytest.mark.timeout(120)
+LOOPBACK = ["/ip4/127.0.0.1/tcp/0"]
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    key = tmp_path_factory.mktemp("identity") / "a.key"
+    a = HivemindTransport(listen=LOOPBACK, identity_path=key)
+    b = HivemindTransport(listen=LOOPBACK, initial_peers=a.addresses())
+    yield a, b, key
+    for t in (b, a):
+        t.shutdown(timeout=3)
+
+
+def test_signed_entries_by_peer_id_and_unsigned_ones_ignored(pair):
+    a, b, _ = pair
+    assert a.publish("test/records", {"who": "a"}, a.now() + 30)
+    assert b.publish("test/records", {"who": "b"}, b.now() + 30)
+    b.dht.store("test/records", {"who": "forged"}, b.now() + 30, subkey=a.peer_id)  # no owner signature
+    entries = a.read("test/records")
+    assert {p: e.value["who"] for p, e in entries.items()} == {a.peer_id: "a", b.peer_id: "b"}
+
+
+def test_streams_move_large_payloads_and_count_bytes(pair):
+    a, b, _ = pair
+    a.serve("reverse", lambda caller, data: data[::-1])
+    payload = os.urandom(8 * 2**20)
+    sent, received = b.stats.bytes_sent, b.stats.bytes_received
+    assert b.request(a.peer_id, "reverse", payload, timeout=30) == payload[::-1]
+    assert b.stats.bytes_sent - sent == len(payload) and b.stats.bytes_received - received == len(payload)
+
+
+def test_request_failures_are_named(pair):
+    a, b, _ = pair
+
+    def slow(caller, data):
+        time.sleep(2)
+        return b"late"
+
+    def boom(caller, data):
+        raise ValueError("no such unit")
+
+    a.serve("slow", slow)
+    a.serve("boom", boom)
+    a.serve("echo", lambda caller, data: data)
+    with pytest.raises(RequestTimeout):
+        b.request(a.peer_id, "slow", b"", timeout=0.5)
+    with pytest.raises(RemoteError, match="no such unit"):
+        b.request(a.peer_id, "boom", b"", timeout=5)
+    with pytest.raises(PeerUnreachable):
+        b.request(a.peer_id, "not-served", b"", timeout=5)
+    with pytest.raises(MessageTooLarge):
+        b.request(a.peer_id, "echo", b"x" * 5000, timeout=5, max_response_bytes=100)
+
+
+def test_restarted_peer_keeps_its_id(pair, tmp_path):
+    _, b, _ = pair
+    key = tmp_path / "restart.key"
+    first = HivemindTransport(listen=LOOPBACK, identity_path=key, initial_peers=b.addresses())
+    peer_id = first.peer_id
+    first.shutdown(timeout=3)
+    second = HivemindTransport(listen=LOOPBACK, identity_path=key, initial_peers=b.addresses())
+    try:
+        assert second.peer_id == peer_id
+    finally:
+        second.shutdown(timeout=3)
+
+
+def test_unreachable_bootstrap_suggests_a_new_swarm():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # nothing listens here once the socket closes
+    dead = f"/ip4/127.0.0.1/tcp/{port}/p2p/QmTJxrrywQ2EdDBm8kDofL3hoo4x2TB2JY9fh5BJVN1Yon"
+    started = time.monotonic()
+    with pytest.raises(BootstrapError, match="--new-swarm"):
+        HivemindTransport(listen=LOOPBACK, initial_peers=[dead], startup_timeout=10)
+    assert time.monotonic() - started < 20
+
+
+def test_port_in_use_and_bad_multiaddr():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        with pytest.raises(ListenError, match="already in use"):
+            HivemindTransport(listen=[f"/ip4/127.0.0.1/tcp/{s.getsockname()[1]}"])
+    with pytest.raises(ConfigError, match="malformed multiaddr"):
+        HivemindTransport(listen=["/ip4/127.0.0.1/tcp/notaport"])

@@ -1,0 +1,209 @@
+"""Three real `spes-join` processes on 127.0.0.1: claims cover every shard, a SIGKILLed sole holder's shard
+is taken over once its records expire, and SIGTERM releases claims at once."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+pytestmark = [pytest.mark.timeout(240), pytest.mark.slow]
+
+BIN = Path(sys.executable).parent
+COMMON = [
+    "--listen",
+    "/ip4/127.0.0.1/tcp/0",
+    "--shards",
+    "2",
+    "--heartbeat",
+    "0.5",
+    "--record-ttl",
+    "3",
+    "--run-id",
+    "test-swarm",
+]
+
+
+class Swarm:
+    def __init__(self, root: Path) -> None:
+        self.root, self.procs = root, {}
+        self.env = {**os.environ, "HOME": str(root), "PYTHONUNBUFFERED": "1"}
+
+    def start(self, name: str, *args: str) -> subprocess.Popen:
+        log = open(self.root / f"{name}.log", "w")
+        proc = subprocess.Popen(
+            [
+                str(BIN / "spes-join"),
+                *COMMON,
+                "--identity",
+                str(self.root / f"{name}.key"),
+                "--addr-file",
+                str(self.root / f"{name}.addr"),
+                *args,
+            ],
+            cwd=self.root,
+            env=self.env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+        self.procs[name] = proc
+        return proc
+
+    def address(self, name: str, timeout: float = 60) -> str:
+        path = self.root / f"{name}.addr"
+        deadline = time.monotonic() + timeout
+        while not path.exists():
+            assert self.procs[name].poll() is None, (self.root / f"{name}.log").read_text()
+            assert time.monotonic() < deadline, f"{name} did not come up"
+            time.sleep(0.2)
+        return path.read_text().split()[0]
+
+    def peer_id(self, name: str) -> str:
+        return self.address(name).rsplit("/p2p/", 1)[1]
+
+    def status(self, via: str) -> dict:
+        out = subprocess.run(
+            [str(BIN / "spes"), "status", "--peers", self.address(via), "--run-id", "test-swarm", "--json"],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            cwd=self.root,
+            env=self.env,
+        )
+        assert out.returncode == 0, out.stderr
+        return json.loads(out.stdout)
+
+    def wait_for(self, via: str, predicate, timeout: float = 45) -> dict:
+        deadline = time.monotonic() + timeout
+        while True:
+            summary = self.status(via)
+            if predicate(summary):
+                return summary
+            assert time.monotonic() < deadline, f"timed out; last status: {summary}"
+            time.sleep(0.5)
+
+    def kill(self, name: str, sig: int = signal.SIGKILL) -> None:
+        """Signals the peer's whole process group: the peer, its DHT process and its p2pd daemon."""
+        os.killpg(self.procs[name].pid, sig)
+
+    def stop_all(self) -> None:
+        for proc in self.procs.values():
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGTERM)
+        for proc in self.procs.values():
+            try:
+                proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait(timeout=5)
+
+
+@pytest.fixture
+def swarm(tmp_path):
+    s = Swarm(tmp_path)
+    yield s
+    s.stop_all()
+
+
+def test_three_peers_cover_the_shards_survive_a_kill_and_leave_cleanly(swarm):
+    swarm.start("a", "--new-swarm")
+    first = swarm.address("a")
+    swarm.start("b", "--peers", first)
+    swarm.start("c", "--peers", first)
+    ids = {n: swarm.peer_id(n) for n in "abc"}
+
+    summary = swarm.wait_for("a", lambda s: len(s["peers"]) == 3 and not s["uncovered"])
+    assert summary["run_id"] == "test-swarm"
+    assert {p["peer_id"] for p in summary["peers"]} == set(ids.values())
+    assert set(summary["units"]) == {"dense/0", "experts/0", "experts/1"}
+    assert sorted(summary["units"]["dense/0"]) == sorted(ids.values())
+    assert all(p["round"] == 0 and "dense/0" in p["units"] for p in summary["peers"])
+
+    # SIGKILL the sole holder of one shard; another peer takes that shard over once the records expire
+    sole_unit, (sole_id,) = next(
+        (u, h) for u, h in summary["units"].items() if u.startswith("experts/") and len(h) == 1
+    )
+    victim = next(n for n, i in ids.items() if i == sole_id)
+    alive = [n for n in "abc" if n != victim]
+    swarm.kill(victim)
+    after = swarm.wait_for(
+        alive[0],
+        lambda s: (
+            sole_id not in {p["peer_id"] for p in s["peers"]} and s["units"][sole_unit] and not s["uncovered"]
+        ),
+    )
+    assert set(after["units"][sole_unit]) <= {ids[n] for n in alive}
+
+    # SIGTERM: the peer releases its claims and exits within a bounded time; it vanishes before its TTL
+    leaver = alive[1]
+    swarm.kill(leaver, signal.SIGTERM)
+    assert swarm.procs[leaver].wait(timeout=20) == 0
+    final = swarm.status(alive[0])
+    assert {p["peer_id"] for p in final["peers"]} == {ids[alive[0]]}
+    assert "left the swarm" in (swarm.root / f"{leaver}.log").read_text()
+
+
+def test_joining_with_other_settings_is_refused(swarm):
+    swarm.start("a", "--new-swarm")
+    first = swarm.address("a")
+    swarm.wait_for("a", lambda s: len(s["peers"]) == 1)
+    out = subprocess.run(
+        [
+            str(BIN / "spes-join"),
+            "--listen",
+            "/ip4/127.0.0.1/tcp/0",
+            "--run-id",
+            "test-swarm",
+            "--shards",
+            "4",
+            "--identity",
+            str(swarm.root / "x.key"),
+            "--peers",
+            first,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=swarm.root,
+        env=swarm.env,
+    )
+    assert out.returncode == 1
+    assert "model.shards: 4 here vs 2 in the swarm" in " ".join(out.stderr.split())
+    assert "Traceback" not in out.stderr
+    assert len(swarm.status("a")["peers"]) == 1  # nothing half-claimed
+
+
+def test_unreachable_bootstrap_is_one_clear_line(tmp_path):
+    dead = "/ip4/127.0.0.1/tcp/9/p2p/QmTJxrrywQ2EdDBm8kDofL3hoo4x2TB2JY9fh5BJVN1Yon"
+    out = subprocess.run(
+        [
+            str(BIN / "spes-join"),
+            "--listen",
+            "/ip4/127.0.0.1/tcp/0",
+            "--peers",
+            dead,
+            "--identity",
+            str(tmp_path / "k.key"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=90,
+        cwd=tmp_path,
+        env={**os.environ, "HOME": str(tmp_path)},
+    )
+    assert out.returncode == 1 and "Traceback" not in out.stderr
+    assert "--new-swarm" in out.stderr
+    bad = subprocess.run(
+        [str(BIN / "spes-join"), "--peers", "/ip4/1.2.3.4/tcp/x"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=tmp_path,
+        env={**os.environ, "HOME": str(tmp_path)},
+    )
+    assert bad.returncode == 1 and "malformed multiaddr" in bad.stderr and "Traceback" not in bad.stderr

@@ -1,0 +1,175 @@
+"""The swarm layer on the in-process backend: records, claims, expiry, rebalance, partitions, faults."""
+
+import logging
+
+import pytest
+
+from spes_p2p.peer import member_config, swarm_identity
+from spes_p2p.settings import Settings
+from spes_p2p.swarm.member import SwarmMember, SwarmMismatch, read_view
+from spes_p2p.swarm.memory import FakeClock, MemoryNetwork
+from spes_p2p.swarm.records import config_key, peers_key
+from spes_p2p.swarm.transport import MessageTooLarge, PeerUnreachable, RemoteError, RequestTimeout
+
+TTL = 20.0
+
+
+@pytest.fixture
+def clock():
+    return FakeClock()
+
+
+@pytest.fixture
+def net(clock):
+    return MemoryNetwork(seed=0, clock=clock)
+
+
+def make_settings(shards=2, **swarm) -> Settings:
+    return Settings().override(model__shards=shards, swarm__record_ttl_seconds=TTL, **swarm)
+
+
+def member(net, name, settings=None) -> SwarmMember:
+    settings = settings or make_settings()
+    identity = swarm_identity(settings)
+    return SwarmMember(net.join(name), identity, member_config(settings, identity))
+
+
+def coverage(m: SwarmMember) -> dict[str, int]:
+    return {u: len(h) for u, h in m.view().holders.items()}
+
+
+# ------------------------------------------------------------------------------------------- transport
+
+
+def test_records_expire_and_the_later_expiry_wins(net, clock):
+    a, b = net.join("a"), net.join("b")
+    assert a.publish("k", {"v": 1}, clock() + 10)
+    assert b.publish("k", {"v": 2}, clock() + 30)
+    assert {p: e.value for p, e in a.read("k").items()} == {"a": {"v": 1}, "b": {"v": 2}}
+    assert not a.publish("k", {"v": 3}, clock() + 5)  # older expiry than what is stored: refused
+    clock.advance(11)
+    assert set(b.read("k")) == {"b"}
+    with pytest.raises(MessageTooLarge):
+        a.publish("k", {"blob": "x" * 20_000}, clock() + 10)
+
+
+def test_requests_count_bytes_and_report_failures(net):
+    a, b = net.join("a"), net.join("b")
+    a.serve("echo", lambda caller, data: caller.encode() + data)
+    assert b.request("a", "echo", b"hello", timeout=1) == b"bhello"
+    assert (b.stats.bytes_sent, b.stats.bytes_received) == (5, 6)
+    assert (a.stats.bytes_received, a.stats.bytes_sent, a.stats.requests_served) == (5, 6, 1)
+
+    def boom(caller, data):
+        raise ValueError("bad request")
+
+    a.serve("boom", boom)
+    with pytest.raises(RemoteError, match="bad request"):
+        b.request("a", "boom", b"", timeout=1)
+    with pytest.raises(PeerUnreachable):
+        b.request("a", "missing", b"", timeout=1)
+    with pytest.raises(MessageTooLarge):
+        b.request("a", "echo", b"x" * 100, timeout=1, max_response_bytes=10)
+    a.shutdown()
+    with pytest.raises(PeerUnreachable):
+        b.request("a", "echo", b"", timeout=1)
+
+
+def test_fault_hooks(net):
+    a, b = net.join("a"), net.join("b")
+    a.serve("echo", lambda caller, data: data)
+    net.drop = 1.0
+    with pytest.raises(RequestTimeout):
+        b.request("a", "echo", b"x", timeout=1)
+    net.drop, net.corrupt = 0.0, 1.0
+    assert b.request("a", "echo", b"abcdef", timeout=1) != b"abcdef"
+    net.corrupt, net.delay = 0.0, 0.05
+    with pytest.raises(RequestTimeout):
+        b.request("a", "echo", b"x", timeout=0.01)
+    assert b.request("a", "echo", b"x", timeout=1) == b"x"
+    assert net.faults["dropped"] == 1 and net.faults["corrupted"] == 1
+
+
+# ------------------------------------------------------------------------------------------ membership
+
+
+def test_join_and_claim_cover_every_shard(net):
+    members = [member(net, f"p{i}") for i in range(4)]
+    for m in members:
+        m.join()
+    view = members[0].view()
+    assert set(view.peers) == {"p0", "p1", "p2", "p3"}
+    assert {u: len(h) for u, h in view.holders.items()} == {"dense/0": 4, "experts/0": 2, "experts/1": 2}
+    record = view.peers["p2"]
+    assert record.units == members[2].units_held and record.addresses == ["/memory/p2p/p2"]
+
+
+def test_silent_peer_expires_and_its_sole_unit_is_taken_over(net, clock):
+    members = [member(net, f"p{i}") for i in range(3)]
+    for m in members:
+        m.join()
+    sole = next(u for u, h in members[0].view().holders.items() if len(h) == 1 and u.startswith("experts/"))
+    (victim,) = members[0].view().holders[sole]
+    survivors = [m for m in members if m.transport.peer_id != victim]
+    clock.advance(TTL / 2)
+    for m in survivors:
+        m.heartbeat()
+    clock.advance(TTL / 2 + 1)  # the victim's records are past their expiry, the survivors' are not
+    assert victim not in survivors[0].view().peers
+    assert survivors[0].view().holders[sole] == set()
+    for m in survivors:
+        m.rebalance()
+    assert all(n >= 1 for n in coverage(survivors[0]).values())
+
+
+def test_leaving_releases_claims_at_once(net):
+    a, b = member(net, "a"), member(net, "b")
+    a.join()
+    b.join()
+    a.leave()
+    view = b.view()
+    assert set(view.peers) == {"b"}
+    assert all("a" not in h for h in view.holders.values())
+
+
+def test_mismatched_settings_are_refused_naming_the_fields_and_write_nothing(net):
+    member(net, "a").join()
+    stranger = member(net, "b", make_settings(shards=4))
+    with pytest.raises(SwarmMismatch, match=r"model\.shards: 4 here vs 2 in the swarm"):
+        stranger.join()
+    assert set(stranger.transport.read(peers_key("spes-demo"))) == {"a"}
+    assert set(stranger.transport.read(config_key("spes-demo"))) == {"a"}
+
+
+def test_records_of_the_wrong_schema_are_ignored_and_logged(net, caplog):
+    good = member(net, "good")
+    good.join()
+    evil = net.join("evil")
+    evil.publish(peers_key("spes-demo"), {"peer_id": "evil", "units": "experts/0"}, net.clock() + TTL)
+    evil.publish(config_key("spes-demo"), {"hash": "0", "fields": {"model.shards": 9}}, net.clock() + TTL)
+    with caplog.at_level(logging.WARNING):
+        view = good.view()
+        good.check_identity()  # the bogus config entry fails its own hash check and is not trusted
+    assert set(view.peers) == {"good"}
+    assert "ignoring the peer record of evil" in caplog.text
+    assert "ignoring the config record of evil" in caplog.text
+
+
+def test_partition_hides_the_other_side_until_healed(net):
+    members = [member(net, f"p{i}") for i in range(4)]
+    for m in members:
+        m.join()
+    net.partition(["p0", "p1"], ["p2", "p3"])
+    assert set(members[0].view().peers) == {"p0", "p1"}
+    assert set(members[3].view().peers) == {"p2", "p3"}
+    with pytest.raises(PeerUnreachable):
+        members[0].transport.request("p2", "anything", b"", timeout=1)
+    net.heal()
+    assert set(members[0].view().peers) == {"p0", "p1", "p2", "p3"}
+
+
+def test_view_reads_only_active_holders(net):
+    a = member(net, "a")
+    a.join()
+    view = read_view(net.join("observer"), "spes-demo", a.units)
+    assert view.holders["dense/0"] == {"a"} and len(view.uncovered()) == 1
