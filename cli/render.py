@@ -129,7 +129,7 @@ class SwarmLive:
 
 
 def swarm_table(run_id: str, status) -> Table:
-    table = Table(title=f"swarm {run_id}: peer {status.peer_id}", caption="Ctrl-C leaves the swarm")
+    table = Table(title=f"swarm {run_id}", caption=f"this peer: {status.peer_id}; Ctrl-C leaves the swarm")
     table.add_column("unit")
     table.add_column("holders", justify="right")
     table.add_column("peers")
@@ -149,7 +149,8 @@ def swarm_table(run_id: str, status) -> Table:
 
 def status_tables(summary: dict) -> list[Table]:
     peers = Table(title=f"swarm {summary['run_id']}: {len(summary['peers'])} peers")
-    for col in ("peer", "units", "round", "tokens/s", "loss", "version"):
+    peers.add_column("peer", overflow="fold")
+    for col in ("units", "round", "tokens/s", "loss", "version"):
         peers.add_column(col)
     for p in summary["peers"]:
         loss = "-" if p["loss"] is None else f"{p['loss']:.3f}"

@@ -18,8 +18,8 @@ def test_help_does_not_import_the_heavy_stack():
         "from click.testing import CliRunner\n"
         "from spes_cli.main import spes\n"
         "from spes_cli.join import spes_join\n"
-        "for cmd in (spes, spes_join):\n"
-        "    assert CliRunner().invoke(cmd, ['--help']).exit_code == 0\n"
+        "for cmd, args in ((spes, []), (spes, ['status']), (spes, ['train']), (spes_join, [])):\n"
+        "    assert CliRunner().invoke(cmd, [*args, '--help']).exit_code == 0\n"
         f"print([m for m in {HEAVY!r} if m in sys.modules])\n"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)

@@ -1,0 +1,36 @@
+"""The layers of DESIGN.md, checked on the source: model and trainer never import networking, and the
+swarm layer knows nothing of optimizers or data."""
+
+import ast
+from pathlib import Path
+
+import pytest
+
+PKG = Path(__file__).resolve().parent.parent / "spes_p2p"
+NETWORKING = ("hivemind", "libp2p", "spes_p2p.swarm", "spes_p2p.peer", "socket", "asyncio", "trio")
+
+
+def imports_of(folder: str) -> dict[str, set[str]]:
+    found = {}
+    for path in (PKG / folder).rglob("*.py"):
+        names = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                names |= {a.name for a in node.names}
+            elif isinstance(node, ast.ImportFrom) and node.module:
+                names.add(node.module)
+        found[str(path.relative_to(PKG))] = names
+    return found
+
+
+@pytest.mark.parametrize("folder", ["model", "train"])
+def test_model_and_trainer_never_import_networking(folder):
+    for path, names in imports_of(folder).items():
+        bad = sorted(n for n in names if n.startswith(NETWORKING))
+        assert not bad, f"{path} imports {bad}"
+
+
+def test_swarm_layer_knows_nothing_of_training():
+    for path, names in imports_of("swarm").items():
+        bad = sorted(n for n in names if n.startswith(("spes_p2p.train", "spes_p2p.model", "torch")))
+        assert not bad, f"{path} imports {bad}"
