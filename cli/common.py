@@ -7,6 +7,7 @@ from pathlib import Path
 
 import click
 from rich.console import Console
+from rich.markup import escape
 
 from spes_p2p.errors import SpesError
 
@@ -33,7 +34,7 @@ def run_guarded(fn):
     try:
         return fn()
     except SpesError as exc:
-        err_console.print(f"[bold red]error:[/] {exc}", highlight=False, soft_wrap=True)
+        err_console.print(f"[bold red]error:[/] {escape(str(exc))}", highlight=False, soft_wrap=True)
         sys.exit(EXIT_ERROR)
     except KeyboardInterrupt:
         err_console.print("[yellow]interrupted[/]")

@@ -207,3 +207,28 @@ def test_unreachable_bootstrap_is_one_clear_line(tmp_path):
         env={**os.environ, "HOME": str(tmp_path)},
     )
     assert bad.returncode == 1 and "malformed multiaddr" in bad.stderr and "Traceback" not in bad.stderr
+
+
+def test_port_in_use_is_one_clear_line(tmp_path):
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        out = subprocess.run(
+            [
+                str(BIN / "spes-join"),
+                "--new-swarm",
+                "--listen",
+                f"/ip4/127.0.0.1/tcp/{s.getsockname()[1]}",
+                "--identity",
+                str(tmp_path / "k.key"),
+            ],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            cwd=tmp_path,
+            env={**os.environ, "HOME": str(tmp_path)},
+        )
+    assert out.returncode == 1 and "Traceback" not in out.stderr
+    assert "already in use" in out.stderr and "--listen" in out.stderr
