@@ -29,6 +29,8 @@ class SwarmSettings:
     heartbeat_seconds: float = 5.0
     record_ttl_seconds: float = 20.0  # records of a silent peer vanish after this long
     join_timeout_seconds: float = 20.0  # bound on reaching the initial peers
+    sync_deadline_min: float = 2.0  # a round waits for late participants at least this long...
+    sync_deadline_max: float = 60.0  # ...and at most this long (adapting in between)
 
     def __post_init__(self) -> None:
         _check(
@@ -47,6 +49,11 @@ class SwarmSettings:
             "must exceed twice heartbeat_seconds, or records expire between heartbeats",
         )
         _check(self.join_timeout_seconds > 0, "join_timeout_seconds", "must be positive")
+        _check(
+            0 < self.sync_deadline_min <= self.sync_deadline_max,
+            "sync_deadline_min",
+            "must be positive and at most sync_deadline_max",
+        )
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -62,15 +69,67 @@ class ModelSettings:
 class MethodSettings:
     steps_per_round: int = 100  # H: local optimizer steps between synchronizations
     codec: str = "int8"  # how updates travel: none, fp16, int8, topk
+    refresh_codec: str = "int8"  # how frozen copies of other units travel
+    outer: str = "fedavg"  # outer rule: fedavg (SPES) or nesterov (DiLoCo)
+    outer_lr: float = 1.0
+    outer_momentum: float = 0.9  # nesterov only
+    dense_group_size: int = 16  # G: the dense part is averaged in random groups of at most G peers
+    staleness: int = 1  # rounds a late update still counts
+    overlap: bool = True  # exchange round k in the background while round k+1 trains
+    merge: bool = True  # expert-merging warm-up
+    merge_interval: int = 200  # steps
+    merge_alpha: float = 0.05  # a_0
+    merge_horizon: int = 2000  # T, steps
+    merge_neighbours: int = 4  # K
 
     def __post_init__(self) -> None:
         _check(self.steps_per_round >= 1, "steps_per_round", "must be at least 1")
         _check(self.codec in CODECS, "codec", f"must be one of {', '.join(CODECS)}")
+        _check(self.refresh_codec in CODECS, "refresh_codec", f"must be one of {', '.join(CODECS)}")
+        _check(self.outer in ("fedavg", "nesterov"), "outer", "must be fedavg or nesterov")
+        _check(
+            self.outer_lr > 0 and 0 <= self.outer_momentum < 1, "outer_lr", "must be > 0 (momentum in [0, 1))"
+        )
+        _check(self.dense_group_size >= 2, "dense_group_size", "must be at least 2")
+        _check(self.staleness >= 0, "staleness", "must be at least 0")
+        _check(
+            self.merge_interval >= 1 and self.merge_horizon >= 1 and self.merge_neighbours >= 1,
+            "merge_interval",
+            "merge_interval, merge_horizon and merge_neighbours must be at least 1",
+        )
+        _check(0 <= self.merge_alpha <= 1, "merge_alpha", "must be in [0, 1]")
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainSettings:
+    optimizer: str = "adamw8bit"
+    lr: float = 1e-3
+    warmup_steps: int = 50
+    total_steps: int = 10_000  # length of the learning-rate schedule
+    batch_size: int = 8
+    seq_len: int = 128
+    eval_every_rounds: int = 5
+    eval_batches: int = 4
+    checkpoint_every_rounds: int = 5
+
+    def __post_init__(self) -> None:
+        _check(self.optimizer in ("adamw8bit", "adamw"), "optimizer", "must be adamw8bit or adamw")
+        for name in (
+            "total_steps",
+            "batch_size",
+            "seq_len",
+            "eval_every_rounds",
+            "eval_batches",
+            "checkpoint_every_rounds",
+        ):
+            _check(getattr(self, name) >= 1, name, "must be at least 1")
+        _check(self.lr > 0 and self.warmup_steps >= 0, "lr", "lr must be > 0 and warmup_steps >= 0")
 
 
 @dataclass(frozen=True, kw_only=True)
 class DataSettings:
     corpus: str = "stdlib"
+    max_corpus_mb: float = 0.0  # read at most this many MB of the corpus; 0: all of it
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -102,6 +161,7 @@ class Settings:
     swarm: SwarmSettings = field(default_factory=SwarmSettings)
     model: ModelSettings = field(default_factory=ModelSettings)
     method: MethodSettings = field(default_factory=MethodSettings)
+    train: TrainSettings = field(default_factory=TrainSettings)
     data: DataSettings = field(default_factory=DataSettings)
     network: NetworkSettings = field(default_factory=NetworkSettings)
     peer: PeerSettings = field(default_factory=PeerSettings)
@@ -218,6 +278,7 @@ _SECTION_CLASSES = {
     "swarm": SwarmSettings,
     "model": ModelSettings,
     "method": MethodSettings,
+    "train": TrainSettings,
     "data": DataSettings,
     "network": NetworkSettings,
     "peer": PeerSettings,

@@ -4,7 +4,7 @@ import logging
 
 import pytest
 
-from spes_p2p.peer import member_config, swarm_identity
+from spes_p2p.peer.setup import member_config, swarm_identity
 from spes_p2p.settings import Settings
 from spes_p2p.swarm.member import SwarmMember, SwarmMismatch, read_view
 from spes_p2p.swarm.memory import FakeClock, MemoryNetwork

@@ -48,9 +48,15 @@ class SwarmView:
 
     peers: dict[str, PeerRecord]  # live, valid, active peers
     holders: dict[str, set[str]]  # unit -> live peers that hold it
+    since: dict[str, dict[str, int]] = field(default_factory=dict)  # unit -> holder -> first round it trains
 
     def uncovered(self) -> list[str]:
         return [u for u, h in self.holders.items() if not h]
+
+    def participants(self, unit: str, round_: int) -> set[str]:
+        """The holders of ``unit`` that trained it in ``round_`` (later claimants send nothing yet)."""
+        since = self.since.get(unit, {})
+        return {p for p in self.holders.get(unit, set()) if since.get(p, 0) <= round_}
 
 
 def read_view(transport: Transport, run_id: str, units: list[str]) -> SwarmView:
@@ -81,6 +87,7 @@ class SwarmMember:
     def __init__(self, transport: Transport, identity: SwarmIdentity, cfg: MemberConfig) -> None:
         self.transport, self.identity, self.cfg = transport, identity, cfg
         self.held: set[str] = set()
+        self.since: dict[str, int] = {}  # unit -> the first round this peer trains it
         self.round = 0
         self.tokens_per_s = 0.0
         self.loss: float | None = None
@@ -108,20 +115,30 @@ class SwarmMember:
         self.check_identity()
         view = self.view()
         self.held = self._choose(view)
+        self.since = {u: self.round for u in self.units}
         self.heartbeat()
         return self.view()
+
+    def start_at(self, round_: int) -> None:
+        """A newcomer that caught up trains everything it holds from ``round_`` on."""
+        self.round = round_
+        self.since = {u: round_ for u in self.units}
+        self.heartbeat()
 
     def view(self) -> SwarmView:
         self.last_view = read_view(self.transport, self.cfg.run_id, self.units)
         return self.last_view
 
-    def rebalance(self) -> set[str]:
-        """Re-runs the claim policy (call at sync boundaries); returns the units given up."""
+    def rebalance(self, first_round: int | None = None) -> set[str]:
+        """Re-runs the claim policy (call at sync boundaries); returns the units given up. Newly claimed units
+        are trained from ``first_round`` on (default: the current round)."""
         view = self.view()
         new = self._choose(view)
         dropped = self.held - new
         if new != self.held:
             logger.info("claims: %s -> %s", sorted(self.held), sorted(new))
+        for unit in new - self.held:
+            self.since[unit] = self.round if first_round is None else first_round
         self.held = new
         self._publish_holders(dropped, held=False)
         self.heartbeat()

@@ -76,14 +76,26 @@ class Trainer:
 
     def __init__(self, model: MoETransformer, layout: UnitLayout, units: list[str], cfg: TrainConfig) -> None:
         self.model, self.layout, self.cfg = model, layout, cfg
-        self.units = sorted(set(units))
-        self.trainable = set_trainable(model, layout, self.units)
-        named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-        self.optimizer = build_optimizer(
-            named, kind=cfg.optimizer, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), weight_decay=cfg.weight_decay
-        )
         self.step = 0
         self.tokens = 0
+        self.retarget(units)
+
+    def retarget(self, units: list[str]) -> None:
+        """Trains ``units`` from now on. The optimizer is rebuilt for the new trainable set (toggling
+        ``requires_grad`` alone would leave stale state and leak memory); parameters that stay trainable
+        keep their optimizer state, the others' state is freed."""
+        old = getattr(self, "optimizer", None)
+        self.units = sorted(set(units))
+        self.trainable = set_trainable(self.model, self.layout, self.units)
+        named = [(n, p) for n, p in self.model.named_parameters() if p.requires_grad]
+        c = self.cfg
+        self.optimizer = build_optimizer(
+            named, kind=c.optimizer, lr=c.lr, betas=(c.beta1, c.beta2), weight_decay=c.weight_decay
+        )
+        if old is not None:
+            for p in self.trainable:
+                if p in old.state:
+                    self.optimizer.state[p] = old.state[p]
 
     def lr(self) -> float:
         c = self.cfg

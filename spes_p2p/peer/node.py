@@ -1,0 +1,381 @@
+"""The volunteer's life cycle: join, catch up, then rounds of H local steps and a sync, until stopped.
+
+A round: snapshot the start weights of the units this peer trains; train H steps; for each trained unit
+exchange updates with its other holders (the dense part: with this round's group); serve the new weights;
+refresh the frozen copies of every other unit from its holders ("the sync"). Landing the sync writes it into
+the model, applies the expert-merging warm-up when due, writes the round's metrics and re-runs the claim
+policy; the trainer follows a change of claims at the next round's start.
+
+With ``overlap`` on, the sync of round k runs on a background thread while round k+1 trains from the local
+end-of-round weights. When it lands, the difference between its result and those local weights is added to
+the model, and round k+1's update is measured from the synced weights.
+
+A background thread refreshes this peer's DHT records every heartbeat, so long rounds never expire them.
+"""
+
+from __future__ import annotations
+
+import logging
+import statistics
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from spes_p2p.model import MoETransformer, UnitLayout, get_preset, read_unit, write_unit
+from spes_p2p.peer.outputs import RunOutputs
+from spes_p2p.peer.setup import (
+    data_config,
+    member_config,
+    merge_config,
+    swarm_identity,
+    sync_config,
+    train_config,
+)
+from spes_p2p.settings import Settings
+from spes_p2p.swarm.codecs import specs_of
+from spes_p2p.swarm.member import SwarmMember, SwarmView
+from spes_p2p.swarm.reachability import Reachability, assess
+from spes_p2p.swarm.sync import SyncEngine, UnitRound, dense_group
+from spes_p2p.swarm.transport import Transport
+from spes_p2p.train.dataset import BatchSampler, DataShard, prepare_data, validation_batches
+from spes_p2p.train.merge import merge_experts
+from spes_p2p.train.trainer import Trainer, evaluate
+
+logger = logging.getLogger(__name__)
+
+Tensors = dict[str, torch.Tensor]
+
+
+@dataclass
+class PeerStatus:
+    peer_id: str
+    addresses: list[str]
+    units: list[str]
+    view: SwarmView
+    round: int = 0
+    loss: float | None = None
+    tokens_per_s: float = 0.0
+    bytes_sent: int = 0
+    bytes_received: int = 0
+    last: dict = field(default_factory=dict)  # the latest round's metrics row
+
+
+@dataclass
+class _Sync:
+    """One round's sync, from the end of its training until it has landed in the model."""
+
+    round: int
+    units: list[str]  # the units trained this round
+    start: dict[str, Tensors]
+    end: dict[str, Tensors]  # local end-of-round weights
+    tokens: int
+    metrics: dict
+    results: dict[str, UnitRound] = field(default_factory=dict)  # trained units
+    refreshed: dict[str, Tensors] = field(default_factory=dict)  # frozen copies
+    thread: threading.Thread | None = None
+    error: BaseException | None = None
+
+
+class Peer:
+    def __init__(self, settings: Settings, transport: Transport, out_dir: Path | None = None) -> None:
+        self.settings, self.transport = settings, transport
+        self.identity = swarm_identity(settings)
+        self.member = SwarmMember(transport, self.identity, member_config(settings, self.identity))
+        model_cfg = get_preset(settings.model.preset)
+        self.layout = UnitLayout(model_cfg.n_experts, settings.model.shards)
+        torch.manual_seed(int(self.identity.hash, 16) % 2**31)  # every peer of a swarm starts from one model
+        self.model = MoETransformer(model_cfg)
+        specs = {u: specs_of(read_unit(self.model, self.layout, u)) for u in self.layout.units}
+        self.sync = SyncEngine(transport, sync_config(settings), specs)
+        self.data = prepare_data(data_config(settings), model_cfg.vocab_size)
+        t = settings.train
+        self.sampler = BatchSampler(
+            self.data.train_ids,
+            t.seq_len,
+            t.batch_size,
+            seed=0,
+            shard=DataShard.for_peer_id(transport.peer_id),
+        )
+        self.val_batches = validation_batches(self.data.val_ids, t.seq_len, t.batch_size, t.eval_batches)
+        self.merge = merge_config(settings)
+        self.trainer: Trainer | None = None
+        self.round = 0
+        self.outputs = RunOutputs(Path(out_dir)) if out_dir else None
+        self.joined = False
+        self._in_flight: _Sync | None = None
+        self._synced_start: dict[str, Tensors] = {}  # overlap: where the next update is measured from
+        self._lock = threading.RLock()  # the member's state, shared with the heartbeat thread
+        self._stop_heartbeat = threading.Event()
+        self._last_row: dict = {}
+
+    # --------------------------------------------------------------------------------------- joining
+
+    def reachability(self) -> Reachability:
+        net = self.settings.network
+        return assess(
+            self.transport.addresses(),
+            client_mode=net.client_mode,
+            announced=bool(net.announce),
+            relay=net.use_relay,
+        )
+
+    def join(self) -> PeerStatus:
+        """Checks the swarm identity, claims units, downloads the swarm's current model, starts heartbeats."""
+        with self._lock:
+            view = self.member.join()
+        self.joined = True
+        self._catch_up(view)
+        self.trainer = Trainer(self.model, self.layout, self.member.units_held, train_config(self.settings))
+        self.trainer.step = self.round * self.settings.method.steps_per_round
+        for unit in self.member.units_held:
+            self.sync.serve_weights(self.round - 1, unit, read_unit(self.model, self.layout, unit))
+        threading.Thread(target=self._heartbeats, name="spes-heartbeat", daemon=True).start()
+        return self.status()
+
+    def _catch_up(self, view: SwarmView) -> None:
+        """A newcomer takes the swarm's round and every unit, uncompressed, from live holders."""
+        me = self.transport.peer_id
+        others = [p for p in view.peers.values() if p.peer_id != me]
+        if not others:
+            return
+        holders = {u: sorted(h - {me}) for u, h in view.holders.items()}
+        got = self.sync.refresh(
+            -1,
+            holders,
+            self.settings.swarm.sync_deadline_max,
+            codec="none",
+            on_unit=lambda unit, _, w: write_unit(self.model, self.layout, unit, w),
+        )
+        self.round = max(p.round for p in others)
+        with self._lock:
+            self.member.start_at(self.round)
+        logger.info("caught up at round %d: %d of %d units downloaded", self.round, len(got), len(holders))
+
+    def _heartbeats(self) -> None:
+        while not self._stop_heartbeat.wait(self.settings.swarm.heartbeat_seconds):
+            try:
+                with self._lock:
+                    self.member.heartbeat()
+            except Exception:  # a network hiccup must not kill the peer; the next heartbeat retries
+                logger.exception("heartbeat failed")
+
+    # ---------------------------------------------------------------------------------------- rounds
+
+    def run(
+        self,
+        stop: threading.Event,
+        on_update: Callable[[PeerStatus], None] | None = None,
+        max_rounds: int | None = None,
+    ) -> None:
+        """Rounds until ``stop`` is set or ``max_rounds`` rounds are done; the last sync always lands."""
+        done = 0
+        while not stop.is_set() and (max_rounds is None or done < max_rounds):
+            if not self._train_round(stop):
+                break
+            done += 1
+            if on_update:
+                on_update(self.status())
+        self._land_in_flight()
+
+    def _train_round(self, stop: threading.Event) -> bool:
+        """H local steps, then this round's sync (in the background with overlap). False if stopped."""
+        self._follow_claims()
+        units = list(self.trainer.units)
+        start = {u: read_unit(self.model, self.layout, u) for u in units}
+        started, losses, tokens = time.perf_counter(), [], 0
+        sent, received = self.transport.stats.bytes_sent, self.transport.stats.bytes_received
+        for _ in range(self.settings.method.steps_per_round):
+            if stop.is_set():
+                return False
+            step = self.trainer.train_step(*self.sampler.next_batch())
+            losses.append(step.loss)
+            tokens += step.tokens
+            if self._in_flight is not None and not self._in_flight.thread.is_alive():
+                self._land_in_flight()
+        compute = time.perf_counter() - started
+        self._land_in_flight()  # the previous round's sync lands before this one's starts
+        start = {u: self._synced_start.pop(u, start[u]) for u in units}
+        metrics = {
+            "loss": statistics.fmean(losses),
+            "round_tokens": tokens,
+            "compute_seconds": compute,
+            "lr": self.trainer.lr(),
+            "sync_started": time.perf_counter(),
+            "bytes": (sent, received),
+        }
+        sync = _Sync(
+            self.round,
+            units,
+            start,
+            {u: read_unit(self.model, self.layout, u) for u in units},
+            tokens,
+            metrics,
+        )
+        if self.settings.method.overlap:
+            sync.thread = threading.Thread(target=self._run_sync, args=(sync,), name="spes-sync", daemon=True)
+            self._in_flight = sync
+            sync.thread.start()
+        else:
+            self._run_sync(sync)
+            self._land(sync)
+        return True
+
+    def _run_sync(self, sync: _Sync) -> None:
+        """Exchanges every trained unit's update and refreshes the frozen copies (no writes to the model)."""
+        try:
+            view = self.member.view()
+            me = self.transport.peer_id
+            for unit in sync.units:
+                participants = sorted(view.participants(unit, sync.round) | {me})
+                if unit.startswith("dense/"):
+                    participants = dense_group(
+                        participants,
+                        me,
+                        sync.round,
+                        self.settings.swarm.run_id,
+                        self.settings.method.dense_group_size,
+                    )
+                result = self.sync.exchange(
+                    sync.round, unit, sync.start[unit], sync.end[unit], sync.tokens, participants
+                )
+                self.sync.serve_weights(sync.round, unit, result.new_weights)
+                sync.results[unit] = result
+            frozen = {u: sorted(h - {me}) for u, h in view.holders.items() if u not in sync.units}
+            self.sync.refresh(
+                sync.round,
+                frozen,
+                self.sync.deadline.seconds(),
+                on_unit=lambda unit, _, weights: sync.refreshed.__setitem__(unit, weights),
+            )
+        except BaseException as exc:  # re-raised on the training thread when the sync lands
+            sync.error = exc
+
+    def _land_in_flight(self) -> None:
+        sync, self._in_flight = self._in_flight, None
+        if sync is not None:
+            sync.thread.join()
+            self._land(sync)
+
+    def _land(self, sync: _Sync) -> None:
+        """Writes a finished sync into the model and closes the round's books."""
+        if sync.error is not None:
+            raise sync.error
+        overlap = self.settings.method.overlap
+        for unit, result in sync.results.items():
+            new = result.new_weights
+            if overlap:  # keep the progress made since the round ended, on top of the synced weights
+                now = read_unit(self.model, self.layout, unit)
+                self._synced_start[unit] = new
+                new = {n: now[n] + result.new_weights[n] - sync.end[unit][n] for n in now}
+            write_unit(self.model, self.layout, unit, new)
+        for unit, weights in sync.refreshed.items():
+            write_unit(self.model, self.layout, unit, weights)
+        self.round = sync.round + 1
+        self._merge_if_due()
+        row = self._round_row(sync)
+        with self._lock:
+            self.member.round, self.member.loss, self.member.tokens_per_s = (
+                self.round,
+                row["loss"],
+                row["tokens_per_s"],
+            )
+            self.member.rebalance(first_round=self.round + 1 if overlap else self.round)
+        self.sync.forget_before(self.round)
+        self._last_row = row
+        if self.outputs:
+            self.outputs.append(row)
+            if self.round % self.settings.train.checkpoint_every_rounds == 0:
+                self.outputs.checkpoint(self)
+
+    def _merge_if_due(self) -> None:
+        step = self.trainer.step
+        if not self.merge.due(step):
+            return
+        n = self.layout.experts_per_shard
+        owned = {
+            s * n + i
+            for u in self.trainer.units
+            if u.startswith("experts/")
+            for s in [int(u.split("/")[1])]
+            for i in range(n)
+        }
+        merge_experts(self.model, self.merge.alpha(step), self.merge.neighbours, only=owned)
+
+    def _round_row(self, sync: _Sync) -> dict:
+        m = sync.metrics
+        sent, received = m["bytes"]
+        row = {
+            "round": sync.round,
+            "step": self.trainer.step,
+            "tokens": self.trainer.tokens,
+            "loss": m["loss"],
+            "lr": m["lr"],
+            "round_tokens": m["round_tokens"],
+            "tokens_per_s": m["round_tokens"] / max(m["compute_seconds"], 1e-9),
+            "bytes_sent": self.transport.stats.bytes_sent - sent,
+            "bytes_received": self.transport.stats.bytes_received - received,
+            "sync_seconds": time.perf_counter() - m["sync_started"],
+            "compute_seconds": m["compute_seconds"],
+            "units": sync.units,
+            "participants": {u: r.participants for u, r in sync.results.items()},
+            "missing": {u: r.missing for u, r in sync.results.items() if r.missing},
+            "resynced": sorted(u for u, r in sync.results.items() if r.resynced),
+            "refreshed": sorted(sync.refreshed),
+            "rejected_payloads": self.sync.rejected_payloads,
+        }
+        if self.round % self.settings.train.eval_every_rounds == 0:
+            row["val_loss"] = evaluate(self.model, self.val_batches)
+        return row
+
+    def _follow_claims(self) -> None:
+        """At a round's start, the trainer and the served weights follow the claims of the last boundary."""
+        held = list(self.member.units_held)
+        if sorted(held) == self.trainer.units:
+            return
+        logger.info("now training %s (was %s)", sorted(held), self.trainer.units)
+        for unit in set(self.trainer.units) - set(held):
+            self.sync.stop_serving(unit)
+        for unit in set(held) - set(self.trainer.units):
+            self.sync.serve_weights(self.round - 1, unit, read_unit(self.model, self.layout, unit))
+        self.trainer.retarget(held)
+
+    # -------------------------------------------------------------------------------------- leaving
+
+    def status(self) -> PeerStatus:
+        return PeerStatus(
+            self.transport.peer_id,
+            self.transport.addresses(),
+            self.member.units_held,
+            self.member.last_view,
+            self.round,
+            self.member.loss,
+            self.member.tokens_per_s,
+            self.transport.stats.bytes_sent,
+            self.transport.stats.bytes_received,
+            self._last_row,
+        )
+
+    def close(self, timeout: float = 5.0) -> None:
+        """Writes the final outputs, releases claims (if it joined) and leaves; bounded by ``timeout``s."""
+        self._stop_heartbeat.set()
+        if self.outputs and self.trainer is not None:
+            self.outputs.finish(self)
+        if self.joined:
+            releasing = threading.Thread(target=self._release, name="release-claims", daemon=True)
+            releasing.start()
+            releasing.join(timeout)
+            if releasing.is_alive():
+                logger.warning("releasing claims took over %.0fs; they will expire by themselves", timeout)
+        self.sync.close()
+        self.transport.shutdown(timeout)
+
+    def _release(self) -> None:
+        try:
+            with self._lock:
+                self.member.leave()
+        except Exception:  # leaving must not fail: the records expire on their own anyway
+            logger.exception("could not release claims; they expire by themselves")

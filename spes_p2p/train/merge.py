@@ -1,0 +1,65 @@
+"""Expert-merging warm-up (SPES, DESIGN.md 2.1): early on, pull each expert toward its most similar peers.
+
+At sync steps where ``step % interval == 0`` and while ``step < T``: per MoE layer, cosine similarity between
+the experts' flattened gate projections (w1); for each expert its K most similar other experts;
+``theta_e <- (1 - a_t) * theta_e + a_t * mean(theta of the K neighbours)``, every update computed from the
+pre-merge weights, with ``a_t = a_0 * (1 - min(t / T, 1))``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+
+@dataclass(frozen=True, kw_only=True)
+class MergeConfig:
+    enabled: bool = True
+    interval: int = 200  # steps
+    alpha0: float = 0.05
+    horizon: int = 2000  # T: steps after which merging stops
+    neighbours: int = 4  # K
+
+    def alpha(self, step: int) -> float:
+        return self.alpha0 * (1 - min(step / self.horizon, 1.0))
+
+    def due(self, step: int) -> bool:
+        return self.enabled and step > 0 and step % self.interval == 0 and self.alpha(step) > 0
+
+
+def merge_layer(
+    experts: list[dict[str, torch.Tensor]], alpha: float, k: int
+) -> list[dict[str, torch.Tensor]]:
+    """One layer's experts (each a dict with at least 'w1') after a merge step; inputs are not modified."""
+    n = len(experts)
+    k = min(k, n - 1)
+    if k <= 0 or alpha <= 0:
+        return [{name: t.clone() for name, t in e.items()} for e in experts]
+    gates = torch.stack([e["w1"].flatten().float() for e in experts])  # (E, D*F)
+    gates = gates / gates.norm(dim=1, keepdim=True).clamp_min(1e-12)
+    similarity = gates @ gates.t()
+    similarity.fill_diagonal_(-float("inf"))  # an expert is not its own neighbour
+    neighbours = similarity.topk(k, dim=1).indices  # (E, K)
+    merged = []
+    for e in range(n):
+        out = {}
+        for name, theta in experts[e].items():
+            mean = torch.stack([experts[j][name] for j in neighbours[e].tolist()]).mean(dim=0)
+            out[name] = (1 - alpha) * theta + alpha * mean
+        merged.append(out)
+    return merged
+
+
+@torch.no_grad()
+def merge_experts(model: nn.Module, alpha: float, k: int, only: set[int] | None = None) -> None:
+    """Applies ``merge_layer`` to every MoE layer, in place. ``only`` limits the writes to those experts (a
+    peer merges the experts it holds; neighbours are found among all of them)."""
+    for layer in model.layers:
+        experts = layer.moe.experts
+        before = [{n: p.detach().clone() for n, p in e.named_parameters()} for e in experts]
+        for index, (expert, new) in enumerate(zip(experts, merge_layer(before, alpha, k), strict=True)):
+            if only is None or index in only:
+                for name, p in expert.named_parameters():
+                    p.copy_(new[name])
