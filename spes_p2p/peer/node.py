@@ -111,6 +111,7 @@ class Peer:
         self._lock = threading.RLock()  # the member's state, shared with the heartbeat thread
         self._stop_heartbeat = threading.Event()
         self._last_row: dict = {}
+        self._bytes_at_land = (0, 0)
 
     # --------------------------------------------------------------------------------------- joining
 
@@ -134,6 +135,7 @@ class Peer:
         for unit in self.member.units_held:
             self.sync.serve_weights(self.round - 1, unit, read_unit(self.model, self.layout, unit))
         threading.Thread(target=self._heartbeats, name="spes-heartbeat", daemon=True).start()
+        self._bytes_at_land = (self.transport.stats.bytes_sent, self.transport.stats.bytes_received)
         return self.status()
 
     def _catch_up(self, view: SwarmView) -> None:
@@ -187,7 +189,6 @@ class Peer:
         units = list(self.trainer.units)
         start = {u: read_unit(self.model, self.layout, u) for u in units}
         started, losses, tokens = time.perf_counter(), [], 0
-        sent, received = self.transport.stats.bytes_sent, self.transport.stats.bytes_received
         for _ in range(self.settings.method.steps_per_round):
             if stop.is_set():
                 return False
@@ -205,7 +206,6 @@ class Peer:
             "compute_seconds": compute,
             "lr": self.trainer.lr(),
             "sync_started": time.perf_counter(),
-            "bytes": (sent, received),
         }
         sync = _Sync(
             self.round,
@@ -270,7 +270,7 @@ class Peer:
             if overlap:  # keep the progress made since the round ended, on top of the synced weights
                 now = read_unit(self.model, self.layout, unit)
                 self._synced_start[unit] = new
-                new = {n: now[n] + result.new_weights[n] - sync.end[unit][n] for n in now}
+                new = {n: result.new_weights[n] + (now[n] - sync.end[unit][n]) for n in now}
             write_unit(self.model, self.layout, unit, new)
         for unit, weights in sync.refreshed.items():
             write_unit(self.model, self.layout, unit, weights)
@@ -307,7 +307,9 @@ class Peer:
 
     def _round_row(self, sync: _Sync) -> dict:
         m = sync.metrics
-        sent, received = m["bytes"]
+        # traffic since the previous round landed: this round's exchange, plus what others fetched from us
+        sent, received = self.transport.stats.bytes_sent, self.transport.stats.bytes_received
+        (sent0, received0), self._bytes_at_land = self._bytes_at_land, (sent, received)
         row = {
             "round": sync.round,
             "step": self.trainer.step,
@@ -316,8 +318,8 @@ class Peer:
             "lr": m["lr"],
             "round_tokens": m["round_tokens"],
             "tokens_per_s": m["round_tokens"] / max(m["compute_seconds"], 1e-9),
-            "bytes_sent": self.transport.stats.bytes_sent - sent,
-            "bytes_received": self.transport.stats.bytes_received - received,
+            "bytes_sent": sent - sent0,
+            "bytes_received": received - received0,
             "sync_seconds": time.perf_counter() - m["sync_started"],
             "compute_seconds": m["compute_seconds"],
             "units": sync.units,

@@ -57,6 +57,9 @@ class MemoryNetwork:
         self.corrupt = 0.0  # probability that a response has one byte flipped
         self.groups: dict[str, int] = {}  # peer id -> partition group; empty: fully connected
         self.faults = {"dropped": 0, "corrupted": 0, "partitioned": 0}
+        self.log: list[
+            tuple[str, str, str, bytes, int]
+        ] = []  # (caller, target, name, request, response bytes)
 
     def join(self, peer_id: str) -> MemoryTransport:
         with self.lock:
@@ -156,6 +159,8 @@ class MemoryTransport(Transport):
         if net._roll(net.corrupt):
             net.faults["corrupted"] += 1
             response = _flip_one_byte(response, net)
+        with net.lock:
+            net.log.append((self.peer_id, peer_id, name, payload, len(response)))
         self.stats.bytes_sent += len(payload)
         self.stats.bytes_received += len(response)
         self.stats.requests_sent += 1
