@@ -1,0 +1,164 @@
+"""One round of the sync protocol on the memory backend: 4 peers, 2 expert shards, replication 2."""
+
+import threading
+import time
+
+import msgpack
+import pytest
+import torch
+
+from spes_p2p.swarm.codecs import TensorSpec, max_payload_bytes
+from spes_p2p.swarm.memory import MemoryNetwork
+from spes_p2p.swarm.sync import RPC_UPDATE, SyncConfig, SyncEngine, dense_group
+
+SPECS = {
+    "dense/0": {"embed": TensorSpec((40, 8)), "norm": TensorSpec((8,))},
+    "experts/0": {"w1": TensorSpec((8, 16))},
+    "experts/1": {"w1": TensorSpec((8, 16))},
+}
+HOLDERS = {"dense/0": ["p0", "p1", "p2", "p3"], "experts/0": ["p0", "p2"], "experts/1": ["p1", "p3"]}
+TOKENS = {"p0": 100, "p1": 200, "p2": 300, "p3": 400}
+TOLERANCE = {"none": 2e-5, "fp16": 2e-3, "int8": 3e-2}
+
+
+def tensors(seed: int, scale: float = 1.0) -> dict[str, dict[str, torch.Tensor]]:
+    g = torch.Generator().manual_seed(seed)
+    return {
+        u: {n: torch.randn(s.shape, generator=g) * scale for n, s in spec.items()}
+        for u, spec in SPECS.items()
+    }
+
+
+def run_round(engines, start, ends, peers=None, holders=HOLDERS):
+    """Every peer exchanges the units it holds, concurrently, as the training loop would."""
+    results, errors = {}, []
+
+    def one(peer):
+        try:
+            for unit, members in holders.items():
+                if peer in members:
+                    r = engines[peer].exchange(0, unit, start[unit], ends[peer][unit], TOKENS[peer], members)
+                    engines[peer].serve_weights(0, unit, r.new_weights)
+                    results[(peer, unit)] = r
+        except Exception as exc:  # surfaced below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=one, args=(p,)) for p in (peers or engines)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    assert not errors, errors
+    return results
+
+
+def make_swarm(codec="int8", deadline=10.0, peers=("p0", "p1", "p2", "p3")):
+    net = MemoryNetwork(seed=0)
+    cfg = SyncConfig(run_id="t", codec=codec, deadline_min=0.2, deadline_max=deadline, poll_interval=0.01)
+    return net, {p: SyncEngine(net.join(p), cfg, SPECS) for p in peers}
+
+
+@pytest.mark.parametrize("codec", ["none", "fp16", "int8"])
+def test_holders_agree_on_the_token_weighted_mean_and_updates_reach_only_holders(codec):
+    net, engines = make_swarm(codec)
+    start = tensors(0)
+    deltas = {p: tensors(i + 1, scale=0.01) for i, p in enumerate(engines)}
+    ends = {p: {u: {n: start[u][n] + deltas[p][u][n] for n in start[u]} for u in start} for p in engines}
+    results = run_round(engines, start, ends)
+
+    for unit, members in HOLDERS.items():
+        total = sum(TOKENS[p] for p in members)
+        for name in SPECS[unit]:
+            expected = start[unit][name] + sum(TOKENS[p] / total * deltas[p][unit][name] for p in members)
+            got = [results[(p, unit)].new_weights[name] for p in members]
+            assert all(torch.equal(g, got[0]) for g in got), f"{unit} holders differ"  # bit-identical
+            err = (got[0] - expected).norm() / (expected - start[unit][name]).norm()
+            assert err <= TOLERANCE[codec], (unit, name, err.item())
+        assert all(sorted(results[(p, unit)].participants) == members for p in members)
+
+    # updates of a shard travel only between its holders, and their sizes are what was announced
+    for caller, target, name, request, response_bytes in net.log:
+        assert name == RPC_UPDATE
+        unit = msgpack.unpackb(request)["unit"]
+        assert caller in HOLDERS[unit] and target in HOLDERS[unit]
+        assert response_bytes <= max_payload_bytes(SPECS[unit], codec)
+    fetched = [(c, t, msgpack.unpackb(r)["unit"]) for c, t, _, r, _ in net.log]
+    assert sorted(u for _, _, u in fetched) == sorted(
+        ["dense/0"] * 12 + ["experts/0"] * 2 + ["experts/1"] * 2
+    )
+    sent = sum(e.transport.stats.bytes_sent + e.transport.stats.bytes_received for e in engines.values())
+    assert sent == 2 * sum(size for *_, size in net.log) + 2 * sum(len(r) for *_, r, _ in net.log)
+
+    # non-holders refresh their frozen copies from the holders (int8, to its tolerance)
+    frozen: dict = {}
+    got = engines["p1"].refresh(
+        0, {"experts/0": ["p0", "p2"]}, deadline=5.0, codec="int8", on_unit=lambda u, r, w: frozen.update(w)
+    )
+    holder_weights = results[("p0", "experts/0")].new_weights["w1"]
+    assert got == {"experts/0": 0}
+    assert (frozen["w1"] - holder_weights).abs().max() <= 0.02 * holder_weights.abs().max()
+
+
+def test_a_holder_that_never_answers_does_not_stop_the_round():
+    net, engines = make_swarm("none", deadline=1.0, peers=("p0", "p1", "p2", "p3", "ghost"))
+    holders = {**HOLDERS, "experts/0": ["p0", "p2", "ghost"]}
+    start = tensors(0)
+    ends = {p: tensors(7) for p in engines}
+    started = time.monotonic()
+    results = run_round(
+        engines,
+        start,
+        ends,
+        peers=["p0", "p1", "p2", "p3"],
+        holders={u: [p for p in m] for u, m in holders.items()},
+    )
+    assert time.monotonic() - started < 5
+    r = results[("p0", "experts/0")]
+    assert r.missing == ["ghost"] and r.participants == ["p0", "p2"]
+    assert torch.equal(r.new_weights["w1"], results[("p2", "experts/0")].new_weights["w1"])
+
+
+def test_corrupt_payloads_are_rejected_and_counted():
+    net, engines = make_swarm("int8", deadline=1.0)
+    net.corrupt = 1.0
+    start = tensors(0)
+    results = run_round(engines, start, {p: tensors(3) for p in engines})
+    r = results[("p0", "experts/0")]
+    assert r.rejected == ["p2"] and r.participants == ["p0"]
+    assert sum(e.rejected_payloads for e in engines.values()) == net.faults["corrupted"] > 0
+
+
+def test_different_start_weights_are_resynced_by_averaging_end_weights():
+    net, engines = make_swarm("int8")
+    start = tensors(0)
+    other_start = tensors(9)  # p2 drifted: its start of experts/0 differs from p0's
+    ends = {p: tensors(i + 20) for i, p in enumerate(engines)}
+    results = {}
+
+    def one(peer, s):
+        results[peer] = engines[peer].exchange(
+            0, "experts/0", s["experts/0"], ends[peer]["experts/0"], TOKENS[peer], ["p0", "p2"]
+        )
+
+    threads = [
+        threading.Thread(target=one, args=("p0", start)),
+        threading.Thread(target=one, args=("p2", other_start)),
+    ]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=30)
+    expected = (100 * ends["p0"]["experts/0"]["w1"] + 300 * ends["p2"]["experts/0"]["w1"]) / 400
+    for peer in ("p0", "p2"):
+        assert results[peer].resynced
+        torch.testing.assert_close(results[peer].new_weights["w1"], expected)
+    assert torch.equal(results["p0"].new_weights["w1"], results["p2"].new_weights["w1"])
+
+
+def test_dense_groups_are_bounded_and_consistent():
+    peers = [f"p{i}" for i in range(37)]
+    groups = {p: tuple(dense_group(peers, p, round_=4, run_id="r", size=8)) for p in peers}
+    assert all(len(g) <= 8 and p in g for p, g in groups.items())
+    assert all(groups[q] == g for g in groups.values() for q in g)  # everyone in a group sees the same group
+    assert len(set(groups.values())) == 5
+    assert dense_group(peers, "p0", 5, "r", 8) != groups["p0"]  # groups change between rounds
