@@ -100,7 +100,7 @@ def test_holders_agree_on_the_token_weighted_mean_and_updates_reach_only_holders
 
 
 def test_a_holder_that_never_answers_does_not_stop_the_round():
-    net, engines = make_swarm("none", deadline=1.0, peers=("p0", "p1", "p2", "p3", "ghost"))
+    _, engines = make_swarm("none", deadline=1.0, peers=("p0", "p1", "p2", "p3", "ghost"))
     holders = {**HOLDERS, "experts/0": ["p0", "p2", "ghost"]}
     start = tensors(0)
     ends = {p: tensors(7) for p in engines}
@@ -129,7 +129,7 @@ def test_corrupt_payloads_are_rejected_and_counted():
 
 
 def test_different_start_weights_are_resynced_by_averaging_end_weights():
-    net, engines = make_swarm("int8")
+    _, engines = make_swarm("int8")
     start = tensors(0)
     other_start = tensors(9)  # p2 drifted: its start of experts/0 differs from p0's
     ends = {p: tensors(i + 20) for i, p in enumerate(engines)}
