@@ -1,4 +1,4 @@
-"""``spes-join``: join a swarm (or start one), claim the expert shards it needs most, keep them alive."""
+"""``spes-join``: join a swarm (or start one), claim the expert shards it needs most, and train them."""
 
 from __future__ import annotations
 
@@ -35,6 +35,29 @@ from spes_cli.common import SpesCommand, console, err_console, swarm_options
 @click.option("--use-relay", is_flag=True, default=None, help="Use relays to get through NAT.")
 @click.option("--heartbeat", type=float, help="Seconds between record refreshes.")
 @click.option("--record-ttl", type=float, help="Seconds before a silent peer's records vanish.")
+@click.option("--steps-per-round", type=int, help="H: local steps between synchronizations (must match).")
+@click.option("--codec", type=click.Choice(["none", "fp16", "int8", "topk"]), help="How updates travel.")
+@click.option("--overlap/--no-overlap", default=None, help="Sync round k while round k+1 trains.")
+@click.option("--merge/--no-merge", default=None, help="Expert-merging warm-up.")
+@click.option("--corpus", help="This peer's data: stdlib, a text/.jsonl file or folder, or hf:NAME.")
+@click.option("--max-corpus-mb", type=float, help="Read at most this many MB of the corpus.")
+@click.option("--batch-size", type=int)
+@click.option("--seq-len", type=int)
+@click.option("--lr", type=float)
+@click.option("--max-rounds", type=int, help="Stop after this many rounds (default: run until Ctrl-C).")
+@click.option(
+    "--min-peers",
+    type=int,
+    default=1,
+    show_default=True,
+    help="Wait (up to --wait-seconds) for this many peers before training.",
+)
+@click.option("--wait-seconds", type=float, default=300.0, show_default=True)
+@click.option(
+    "--out",
+    type=click.Path(file_okay=False, path_type=Path),
+    help="Run folder: metrics.jsonl, checkpoints, and on exit model.safetensors and state.json.",
+)
 @click.version_option(package_name="spes-p2p")
 def spes_join(
     new_swarm,
@@ -54,8 +77,22 @@ def spes_join(
     use_relay,
     heartbeat,
     record_ttl,
+    steps_per_round,
+    codec,
+    overlap,
+    merge,
+    corpus,
+    max_corpus_mb,
+    batch_size,
+    seq_len,
+    lr,
+    max_rounds,
+    min_peers,
+    wait_seconds,
+    out,
 ) -> None:
-    """Join a swarm, claim the expert shard it needs most, and keep it until stopped (Ctrl-C)."""
+    """Join a swarm (or start one), claim the expert shard it needs most, and train it with the shard's other
+    holders until --max-rounds or Ctrl-C."""
     from spes_cli.common import setup_logging
     from spes_cli.render import SwarmLive, print_joined
 
@@ -77,23 +114,44 @@ def spes_join(
         network__use_relay=use_relay,
         swarm__heartbeat_seconds=heartbeat,
         swarm__record_ttl_seconds=record_ttl,
+        method__steps_per_round=steps_per_round,
+        method__codec=codec,
+        method__overlap=overlap,
+        method__merge=merge,
+        data__corpus=corpus,
+        data__max_corpus_mb=max_corpus_mb,
+        train__batch_size=batch_size,
+        train__seq_len=seq_len,
+        train__lr=lr,
     )
     stop = _stop_on_signals()
     with console.status("Starting the peer and joining the swarm..."):
         transport = open_transport(settings, new_swarm=new_swarm)
-    peer = Peer(settings, transport)
+    peer = None
     try:
+        with console.status("Preparing the model and the data..."):
+            peer = Peer(settings, transport, out_dir=out)
         status = peer.join()
         if addr_file:
             _write_lines(addr_file, status.addresses)
         print_joined(console, settings, status, peer.reachability(), new_swarm)
+        if min_peers > 1:
+            with console.status(f"Waiting for {min_peers} peers..."):
+                peer.wait_for_peers(min_peers, wait_seconds, stop)
         with SwarmLive(console, settings) as live:
-            live.update(status)
-            peer.run(stop, on_update=live.update)
+            live.update(peer.status())
+            peer.run(stop, on_update=live.update, max_rounds=max_rounds)
+        if not stop.is_set():
+            with console.status("Serving the last round until the others have it..."):
+                peer.drain(settings.swarm.sync_deadline_max)
     finally:
         with console.status("Releasing claims and leaving..."):
-            peer.close()
-    console.print("[green]left the swarm[/]")
+            if peer is not None:
+                peer.close()
+            else:
+                transport.shutdown()
+    where = f"; outputs in {out}" if out else ""
+    console.print(f"[green]left the swarm[/] after round {peer.round}{where}")
 
 
 def _stop_on_signals() -> threading.Event:

@@ -122,7 +122,13 @@ class SwarmLive:
             self.live.update(swarm_table(self.settings.swarm.run_id, status), refresh=True)
             return
         coverage = " ".join(f"{u}={len(h)}" for u, h in status.view.holders.items())
-        line = f"holding {', '.join(status.units)}; {len(status.view.peers)} peers; coverage {coverage}"
+        held = ", ".join(status.units)
+        line = f"round {status.round}: holding {held}; {len(status.view.peers)} peers; coverage {coverage}"
+        if status.loss is not None:
+            line += (
+                f"; loss {status.loss:.3f}, {status.tokens_per_s:,.0f} tok/s, "
+                f"sent {_mib(status.bytes_sent)}, received {_mib(status.bytes_received)}"
+            )
         if line != self.last_line:
             self.console.print(line, highlight=False, soft_wrap=True)
             self.last_line = line
@@ -143,7 +149,10 @@ def swarm_table(run_id: str, status) -> Table:
             style=style,
         )
     table.add_section()
-    table.add_row("peers seen", str(len(status.view.peers)), f"heartbeats: {status.heartbeats}")
+    table.add_row("peers seen", str(len(status.view.peers)), "")
+    loss = "-" if status.loss is None else f"{status.loss:.3f}"
+    table.add_row("round", str(status.round), f"loss {loss}, {status.tokens_per_s:,.0f} tok/s")
+    table.add_row("traffic", "", f"sent {_mib(status.bytes_sent)}, received {_mib(status.bytes_received)}")
     return table
 
 

@@ -90,7 +90,12 @@ class Peer:
         torch.manual_seed(int(self.identity.hash, 16) % 2**31)  # every peer of a swarm starts from one model
         self.model = MoETransformer(model_cfg)
         specs = {u: specs_of(read_unit(self.model, self.layout, u)) for u in self.layout.units}
-        self.sync = SyncEngine(transport, sync_config(settings), specs)
+        self.sync = SyncEngine(
+            transport,
+            sync_config(settings),
+            specs,
+            local_copy=lambda unit: read_unit(self.model, self.layout, unit),
+        )
         self.data = prepare_data(data_config(settings), model_cfg.vocab_size)
         t = settings.train
         self.sampler = BatchSampler(
@@ -125,16 +130,16 @@ class Peer:
         )
 
     def join(self) -> PeerStatus:
-        """Checks the swarm identity, claims units, downloads the swarm's current model, starts heartbeats."""
+        """Checks the swarm identity, claims units, starts heartbeats, downloads the swarm's current model."""
         with self._lock:
             view = self.member.join()
         self.joined = True
+        threading.Thread(target=self._heartbeats, name="spes-heartbeat", daemon=True).start()
         self._catch_up(view)
         self.trainer = Trainer(self.model, self.layout, self.member.units_held, train_config(self.settings))
         self.trainer.step = self.round * self.settings.method.steps_per_round
         for unit in self.member.units_held:
             self.sync.serve_weights(self.round - 1, unit, read_unit(self.model, self.layout, unit))
-        threading.Thread(target=self._heartbeats, name="spes-heartbeat", daemon=True).start()
         self._bytes_at_land = (self.transport.stats.bytes_sent, self.transport.stats.bytes_received)
         return self.status()
 
@@ -145,17 +150,39 @@ class Peer:
         if not others:
             return
         holders = {u: sorted(h - {me}) for u, h in view.holders.items()}
+        furthest_first = [p.peer_id for p in sorted(others, key=lambda p: -p.round)]
         got = self.sync.refresh(
             -1,
             holders,
             self.settings.swarm.sync_deadline_max,
             codec="none",
             on_unit=lambda unit, _, w: write_unit(self.model, self.layout, unit, w),
+            fallback=furthest_first,  # a unit whose holders are newcomers too comes from any peer's copy
         )
         self.round = max(p.round for p in others)
         with self._lock:
             self.member.start_at(self.round)
         logger.info("caught up at round %d: %d of %d units downloaded", self.round, len(got), len(holders))
+
+    def wait_for_peers(self, count: int, timeout: float, stop: threading.Event) -> int:
+        """Waits (bounded) for ``count`` peers in the swarm, so a local swarm starts its rounds together."""
+        deadline = time.monotonic() + timeout
+        while True:
+            seen = len(self.member.view().peers)
+            if seen >= count or stop.is_set() or time.monotonic() >= deadline:
+                return seen
+            stop.wait(0.2)
+
+    def drain(self, timeout: float) -> bool:
+        """After the last round: keeps serving until every live peer has landed that round too (or timeout),
+        so nobody misses this peer's final update or weights."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            peers = self.member.view().peers.values()
+            if all(p.round >= self.round for p in peers):
+                return True
+            time.sleep(0.2)
+        return False
 
     def _heartbeats(self) -> None:
         while not self._stop_heartbeat.wait(self.settings.swarm.heartbeat_seconds):

@@ -47,6 +47,7 @@ from spes_p2p.swarm.transport import (
     Transport,
     TransportError,
     TransportStats,
+    Unavailable,
     encode_record,
 )
 
@@ -170,6 +171,9 @@ class HivemindTransport(Transport):
                 self.stats.bytes_received += len(request)
                 try:
                     response = _OK + await self._loop.run_in_executor(None, handler, caller, request)
+                except Unavailable as exc:
+                    logger.debug("%s for %s: %s", name, caller, exc)
+                    response = _FAILED + str(exc).encode()
                 except Exception as exc:  # the caller learns that we failed, and why
                     logger.warning("handler %s failed for %s: %s", name, caller, exc, exc_info=True)
                     response = _FAILED + str(exc).encode()

@@ -36,7 +36,7 @@ import torch
 
 from spes_p2p.swarm.aggregate import Contribution, OuterStep, weighted_mean
 from spes_p2p.swarm.codecs import PayloadError, TensorSpec, TopKFeedback, decode, encode, max_payload_bytes
-from spes_p2p.swarm.transport import Transport, TransportError
+from spes_p2p.swarm.transport import Transport, TransportError, Unavailable
 
 logger = logging.getLogger(__name__)
 
@@ -118,9 +118,14 @@ class AdaptiveDeadline:
 
 class SyncEngine:
     def __init__(
-        self, transport: Transport, cfg: SyncConfig, specs: dict[str, dict[str, TensorSpec]]
+        self,
+        transport: Transport,
+        cfg: SyncConfig,
+        specs: dict[str, dict[str, TensorSpec]],
+        local_copy: Callable[[str], Tensors] | None = None,
     ) -> None:
         self.transport, self.cfg, self.specs = transport, cfg, specs
+        self.local_copy = local_copy  # reads our copy of any unit, for newcomers that find no holder ready
         self.outbox: dict[tuple[int, str], _Outgoing] = {}
         self.current: dict[str, tuple[int, Tensors]] = {}  # unit -> (round, weights) served to non-holders
         self._encoded: dict[tuple[int, str, str], bytes] = {}
@@ -143,7 +148,7 @@ class SyncEngine:
         with self._lock:
             out = self.outbox.get((req["round"], req["unit"]))
         if out is None:
-            raise KeyError(f"no update for {req['unit']} in round {req['round']}")
+            raise Unavailable(f"no update for {req['unit']} in round {req['round']}")
         return (
             out.payload
             if req["kind"] == "delta"
@@ -151,15 +156,19 @@ class SyncEngine:
         )
 
     def rpc_weights(self, caller: str, request: bytes) -> bytes:
-        """{unit, codec}: our newest weights of a unit we hold, as {round, payload}."""
+        """{unit, codec, any_copy}: our newest weights of a unit we hold, as {round, payload, holder}. With
+        ``any_copy`` (newcomers), a unit we do not hold is answered from our own copy of it."""
         req = _unpack_request(request, ("unit", "codec"))
         with self._lock:
             held = self.current.get(req["unit"])
-        if held is None:
-            raise KeyError(f"this peer does not hold {req['unit']}")
-        round_, weights = held
-        payload = self._encode_cached(round_, req["unit"], weights, req["codec"])
-        return msgpack.packb({"round": round_, "payload": payload}, use_bin_type=True)
+        if held is not None:
+            round_, weights = held
+            payload = self._encode_cached(round_, req["unit"], weights, req["codec"])
+            return msgpack.packb({"round": round_, "payload": payload, "holder": True}, use_bin_type=True)
+        if req.get("any_copy") and self.local_copy is not None and req["unit"] in self.specs:
+            payload = encode(self.local_copy(req["unit"]), req["codec"], self.cfg.topk_fraction)
+            return msgpack.packb({"round": -1, "payload": payload, "holder": False}, use_bin_type=True)
+        raise Unavailable(f"this peer does not hold {req['unit']}")
 
     def _encode_cached(self, round_: int, key: str, tensors: Tensors, codec: str) -> bytes:
         with self._lock:
@@ -359,15 +368,17 @@ class SyncEngine:
         deadline: float,
         codec: str | None = None,
         on_unit: Callable[[str, int, Tensors], None] | None = None,
+        fallback: list[str] = (),
     ) -> dict[str, int]:
         """Fetches each unit in ``holders`` (unit -> live holders) from one of them, units in parallel, once
-        a holder has weights of round >= ``min_round``; returns unit -> round fetched, for units obtained."""
+        a holder has weights of round >= ``min_round``; returns unit -> round fetched, for units obtained.
+        A unit that no holder can serve yet is taken from a ``fallback`` peer's own copy (newcomers)."""
         codec = codec or self.cfg.refresh_codec
         stop_at = time.monotonic() + deadline
         futures = {
-            u: self._pool.submit(self._refresh_unit, u, h, min_round, codec, stop_at)
+            u: self._pool.submit(self._refresh_unit, u, h, list(fallback), min_round, codec, stop_at)
             for u, h in holders.items()
-            if h
+            if h or fallback
         }
         got = {}
         for unit, future in futures.items():
@@ -378,32 +389,42 @@ class SyncEngine:
                     on_unit(unit, *outcome)
         return got
 
-    def _refresh_unit(self, unit: str, holders: list[str], min_round: int, codec: str, stop_at: float):
+    def _refresh_unit(
+        self, unit: str, holders: list[str], fallback: list[str], min_round: int, codec: str, stop_at: float
+    ):
         order = list(holders)
         random.Random(f"{self.transport.peer_id}:{unit}:{min_round}").shuffle(order)  # spread the load
-        limit = max_payload_bytes(self.specs[unit], codec) + 64
-        request = msgpack.packb({"unit": unit, "codec": codec})
         while True:
-            for holder in order:
-                try:
-                    raw = self.transport.request(
-                        holder,
-                        RPC_WEIGHTS,
-                        request,
-                        timeout=self.cfg.request_timeout,
-                        max_response_bytes=limit,
-                    )
-                    answer = msgpack.unpackb(raw, raw=False)
-                    if not isinstance(answer, dict) or not isinstance(answer.get("round"), int):
-                        raise PayloadError("malformed weights answer")
-                    if answer["round"] >= min_round:
-                        return answer["round"], decode(answer["payload"], self.specs[unit], codec)
-                except (TransportError, PayloadError, ValueError, KeyError, TypeError) as exc:
-                    logger.info("refresh of %s from %s failed: %s", unit, holder, exc)
+            for peer in order:
+                found = self._fetch_weights(peer, unit, codec, min_round, any_copy=False)
+                if found is not None:
+                    return found
+            for peer in fallback:
+                found = self._fetch_weights(peer, unit, codec, -1, any_copy=True)
+                if found is not None:
+                    return found
             if time.monotonic() >= stop_at:
                 logger.info("no holder had %s of round >= %d in time; keeping the old copy", unit, min_round)
                 return None
             time.sleep(self.cfg.poll_interval)
+
+    def _fetch_weights(self, peer: str, unit: str, codec: str, min_round: int, any_copy: bool):
+        """(round, weights) from ``peer``, or None when it cannot serve them (yet)."""
+        request = msgpack.packb({"unit": unit, "codec": codec, "any_copy": any_copy})
+        limit = max_payload_bytes(self.specs[unit], codec) + 64
+        try:
+            raw = self.transport.request(
+                peer, RPC_WEIGHTS, request, timeout=self.cfg.request_timeout, max_response_bytes=limit
+            )
+            answer = msgpack.unpackb(raw, raw=False)
+            if not isinstance(answer, dict) or not isinstance(answer.get("round"), int):
+                raise PayloadError("malformed weights answer")
+            if answer["round"] < min_round:
+                return None
+            return answer["round"], decode(answer["payload"], self.specs[unit], codec)
+        except (TransportError, PayloadError, ValueError, KeyError, TypeError) as exc:
+            logger.debug("weights of %s from %s: %s", unit, peer, exc)
+            return None
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)

@@ -17,6 +17,7 @@ Errors (all ``TransportError``, a ``SpesError``)::
      +-- RequestTimeout     no complete answer within the timeout
      +-- MessageTooLarge    a request, response or record over its size limit
      +-- RemoteError        the remote handler failed; the message is the remote's
+     +-- Unavailable        raised by a handler: it cannot answer this (yet); not a failure, no traceback
 """
 
 from __future__ import annotations
@@ -63,6 +64,10 @@ class MessageTooLarge(TransportError):
 
 class RemoteError(TransportError):
     pass
+
+
+class Unavailable(RemoteError):
+    """A handler's polite refusal (e.g. an update that is not ready yet); callers see a RemoteError."""
 
 
 @dataclass
