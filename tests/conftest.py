@@ -1,3 +1,5 @@
+import os
+
 import pytest
 
 from spes_p2p.train.data import DataConfig
@@ -6,10 +8,13 @@ from spes_p2p.train.data import DataConfig
 STDLIB_TEST_BYTES = 2_000_000
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="session", autouse=True)
 def cache_dir(tmp_path_factory) -> str:
-    """One tokenizer/token cache for the whole session, so the tokenizer is trained once."""
-    return str(tmp_path_factory.mktemp("spes-cache"))
+    """One tokenizer/token cache for the whole session (child processes too), so each tokenizer is trained
+    once and nothing is written under the user's home."""
+    path = str(tmp_path_factory.mktemp("spes-cache"))
+    os.environ["SPES_CACHE_DIR"] = path
+    return path
 
 
 @pytest.fixture(scope="session")

@@ -10,6 +10,10 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
+from safetensors.torch import load_file
+
+from spes_p2p.model import UnitLayout
 
 pytestmark = [pytest.mark.timeout(240), pytest.mark.slow]
 
@@ -232,3 +236,53 @@ def test_port_in_use_is_one_clear_line(tmp_path):
         )
     assert out.returncode == 1 and "Traceback" not in out.stderr
     assert "already in use" in out.stderr and "--listen" in out.stderr
+
+
+TRAIN_TOML = """
+[method]
+steps_per_round = 8
+merge = false
+[train]
+batch_size = 4
+seq_len = 64
+lr = 0.003
+warmup_steps = 4
+eval_every_rounds = 3
+[data]
+max_corpus_mb = 1.0
+[swarm]
+sync_deadline_min = 1.0
+sync_deadline_max = 30.0
+"""
+
+
+def test_spes_join_trains_and_holders_agree(swarm):
+    (swarm.root / "peers.toml").write_text(TRAIN_TOML)
+    train = ["--max-rounds", "3", "--min-peers", "3", "--heartbeat", "1", "--record-ttl", "15"]
+    swarm.start("a", "--new-swarm", "--out", str(swarm.root / "out-a"), *train)
+    first = swarm.address("a")
+    for name in "bc":
+        swarm.start(name, "--peers", first, "--out", str(swarm.root / f"out-{name}"), *train)
+    for name in "abc":
+        assert swarm.procs[name].wait(timeout=180) == 0, (swarm.root / f"{name}.log").read_text()[-3000:]
+
+    models = {n: load_file(swarm.root / f"out-{n}" / "model.safetensors") for n in "abc"}
+    states = {n: json.loads((swarm.root / f"out-{n}" / "state.json").read_text()) for n in "abc"}
+    assert all(s["round"] == 3 for s in states.values())
+    layout = UnitLayout(8, 2)
+    for unit in layout.units:
+        holders = [n for n in "abc" if unit in states[n]["units"]]
+        assert holders, unit
+        names = [k for k in models["a"] if layout.unit_of(k) == unit]
+        for n in "abc":
+            for k in names:
+                ref = models[holders[0]][k]
+                if n in holders:
+                    assert torch.equal(models[n][k], ref), (unit, n, k)
+                else:
+                    assert (models[n][k] - ref).abs().max() <= 0.02 * ref.abs().max(), (unit, n, k)
+    for n in "abc":
+        rows = [json.loads(x) for x in (swarm.root / f"out-{n}" / "metrics.jsonl").read_text().splitlines()]
+        assert [r["round"] for r in rows] == [0, 1, 2]
+        assert rows[-1]["loss"] < rows[0]["loss"]
+        assert rows[-1]["bytes_sent"] > 0 and rows[-1]["bytes_received"] > 0

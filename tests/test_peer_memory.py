@@ -1,0 +1,122 @@
+"""Training peers on the memory backend: 4 peers, 2 expert shards, replication 2, a few rounds."""
+
+import json
+import threading
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from spes_p2p.model import read_unit
+from spes_p2p.peer import Peer
+from spes_p2p.settings import Settings
+from spes_p2p.swarm.memory import MemoryNetwork
+
+pytestmark = pytest.mark.timeout(240)
+
+
+def settings(**method) -> Settings:
+    return Settings().override(
+        model__shards=2,
+        method__steps_per_round=10,
+        method__merge=False,
+        data__max_corpus_mb=1.0,
+        train__batch_size=4,
+        train__seq_len=64,
+        train__lr=3e-3,
+        train__warmup_steps=5,
+        train__eval_every_rounds=3,
+        swarm__sync_deadline_min=0.5,
+        swarm__sync_deadline_max=20.0,
+        **{f"method__{k}": v for k, v in method.items()},
+    )
+
+
+def run_swarm(s: Settings, rounds: int, tmp_path, n: int = 4) -> list[Peer]:
+    net = MemoryNetwork(seed=0)
+    peers = [Peer(s, net.join(f"p{i}"), out_dir=tmp_path / f"p{i}") for i in range(n)]
+    for p in peers:
+        p.join()
+    stop, errors = threading.Event(), []
+
+    def run(peer):
+        try:
+            peer.run(stop, max_rounds=rounds)
+            peer.drain(10)
+        except Exception as exc:  # surfaced below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=run, args=(p,)) for p in peers]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=200)
+    assert not errors, errors
+    return peers
+
+
+def assert_holders_agree(peers: list[Peer]) -> None:
+    layout = peers[0].layout
+    for unit in layout.units:
+        holders = [p for p in peers if unit in p.member.units_held]
+        assert holders, f"{unit} uncovered"
+        reference = read_unit(holders[0].model, layout, unit)
+        for p in peers:
+            weights = read_unit(p.model, layout, unit)
+            for name, ref in reference.items():
+                if p in holders:
+                    assert torch.equal(weights[name], ref), f"holders of {unit} differ on {name}"
+                else:  # a frozen copy, refreshed through the int8 codec
+                    assert (weights[name] - ref).abs().max() <= 0.02 * ref.abs().max(), (unit, name)
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+def test_peers_train_and_agree(tmp_path, overlap):
+    peers = run_swarm(settings(overlap=overlap), rounds=3, tmp_path=tmp_path)
+    assert_holders_agree(peers)
+    assert sorted(
+        len([p for p in peers if u in p.member.units_held]) for u in ("experts/0", "experts/1")
+    ) == [2, 2]
+    for p in peers:
+        rows = [
+            json.loads(line)
+            for line in (tmp_path / p.transport.peer_id / "metrics.jsonl").read_text().splitlines()
+        ]
+        assert [r["round"] for r in rows] == [0, 1, 2]
+        for key in (
+            "round",
+            "step",
+            "tokens",
+            "loss",
+            "bytes_sent",
+            "bytes_received",
+            "sync_seconds",
+            "compute_seconds",
+            "participants",
+        ):
+            assert key in rows[-1]
+        assert rows[-1]["loss"] < rows[0]["loss"] - 0.1
+        assert "val_loss" in rows[-1]
+        assert sorted(rows[-1]["participants"]["dense/0"]) == ["p0", "p1", "p2", "p3"]
+        held = p.member.units_held
+        p.close()
+        state = json.loads((tmp_path / p.transport.peer_id / "state.json").read_text())
+        assert state["round"] == 3 and state["units"] == held
+        saved = load_file(tmp_path / p.transport.peer_id / "model.safetensors")
+        assert all(torch.equal(saved[k], v) for k, v in p.model.state_dict().items())
+
+
+def test_a_newcomer_catches_up_with_the_swarm(tmp_path):
+    s = settings(overlap=False)
+    net = MemoryNetwork(seed=0)
+    first = Peer(s, net.join("first"))
+    first.join()
+    first.run(threading.Event(), max_rounds=2)
+    late = Peer(s, net.join("late"))
+    late.join()
+    assert late.round == first.round == 2
+    for unit in first.layout.units:
+        a, b = read_unit(first.model, first.layout, unit), read_unit(late.model, late.layout, unit)
+        assert all(torch.equal(a[n], b[n]) for n in a), unit  # uncompressed download
+    for p in (first, late):
+        p.close()
