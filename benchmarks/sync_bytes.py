@@ -24,9 +24,17 @@ from spes_p2p.swarm.memory import MemoryNetwork
 
 def measure(preset: str, codec: str, peers: int = 4, shards: int = 2, rounds: int = 2) -> dict:
     s = Settings().override(
-        model__preset=preset, model__shards=shards, method__codec=codec, method__steps_per_round=2,
-        method__merge=False, method__overlap=False, data__max_corpus_mb=2.0, train__batch_size=2, train__seq_len=64,
-        swarm__sync_deadline_min=0.5, swarm__sync_deadline_max=60.0,
+        model__preset=preset,
+        model__shards=shards,
+        method__codec=codec,
+        method__steps_per_round=2,
+        method__merge=False,
+        method__overlap=False,
+        data__max_corpus_mb=2.0,
+        train__batch_size=2,
+        train__seq_len=64,
+        swarm__sync_deadline_min=0.5,
+        swarm__sync_deadline_max=60.0,
     )
     net = MemoryNetwork(seed=0)
     swarm = [Peer(s, net.join(f"p{i}")) for i in range(peers)]
@@ -47,28 +55,40 @@ def measure(preset: str, codec: str, peers: int = 4, shards: int = 2, rounds: in
     for p in swarm:
         p.close()
     return {
-        "preset": preset, "codec": codec, "params": swarm[0].model.num_params(), "bytes_sent": sent,
-        "bytes_received": received, "full_fp32_exchange": 2 * full,
+        "preset": preset,
+        "codec": codec,
+        "params": swarm[0].model.num_params(),
+        "bytes_sent": sent,
+        "bytes_received": received,
+        "full_fp32_exchange": 2 * full,
         "ratio_vs_full_fp32": (sent + received) / (2 * full),
-        "sync_seconds_median": statistics.median(r["sync_seconds"] for r in rows), "wall_seconds": elapsed,
+        "sync_seconds_median": statistics.median(r["sync_seconds"] for r in rows),
+        "wall_seconds": elapsed,
     }
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--presets", nargs="+", default=["tiny", "small"])
     parser.add_argument("--codecs", nargs="+", default=["none", "fp16", "int8", "topk"])
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
     results = []
-    print(f"{'preset':6} {'codec':5} {'sent MiB':>9} {'recv MiB':>9} {'full MiB':>9} {'ratio':>6} {'sync s':>7}")
+    print(
+        f"{'preset':6} {'codec':5} {'sent MiB':>9} {'recv MiB':>9} {'full MiB':>9} {'ratio':>6} {'sync s':>7}"
+    )
     for preset in args.presets:
         for codec in args.codecs:
             r = measure(preset, codec)
             results.append(r)
-            print(f"{preset:6} {codec:5} {r['bytes_sent'] / 2**20:9.2f} {r['bytes_received'] / 2**20:9.2f} "
-                  f"{r['full_fp32_exchange'] / 2**20:9.2f} {r['ratio_vs_full_fp32']:6.3f} "
-                  f"{r['sync_seconds_median']:7.2f}", flush=True)
+            print(
+                f"{preset:6} {codec:5} {r['bytes_sent'] / 2**20:9.2f} {r['bytes_received'] / 2**20:9.2f} "
+                f"{r['full_fp32_exchange'] / 2**20:9.2f} {r['ratio_vs_full_fp32']:6.3f} "
+                f"{r['sync_seconds_median']:7.2f}",
+                flush=True,
+            )
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(results, indent=1))

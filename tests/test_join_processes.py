@@ -18,18 +18,11 @@ from spes_p2p.model import UnitLayout
 pytestmark = [pytest.mark.timeout(240), pytest.mark.slow]
 
 BIN = Path(sys.executable).parent
-COMMON = [
-    "--listen",
-    "/ip4/127.0.0.1/tcp/0",
-    "--shards",
-    "2",
-    "--heartbeat",
-    "0.5",
-    "--record-ttl",
-    "3",
-    "--run-id",
-    "test-swarm",
-]
+COMMON = "--listen /ip4/127.0.0.1/tcp/0 --shards 2 --heartbeat 0.5 --record-ttl 5 --run-id test-swarm".split()
+# short rounds, so that sync boundaries (where claims are re-evaluated) come often
+QUICK_ROUNDS = (
+    "[method]\nsteps_per_round = 5\n[train]\nbatch_size = 4\nseq_len = 64\n[data]\nmax_corpus_mb = 1.0\n"
+)
 
 
 class Swarm:
@@ -82,7 +75,7 @@ class Swarm:
         assert out.returncode == 0, out.stderr
         return json.loads(out.stdout)
 
-    def wait_for(self, via: str, predicate, timeout: float = 45) -> dict:
+    def wait_for(self, via: str, predicate, timeout: float = 90) -> dict:
         deadline = time.monotonic() + timeout
         while True:
             summary = self.status(via)
@@ -115,6 +108,7 @@ def swarm(tmp_path):
 
 
 def test_three_peers_cover_the_shards_survive_a_kill_and_leave_cleanly(swarm):
+    (swarm.root / "peers.toml").write_text(QUICK_ROUNDS)
     swarm.start("a", "--new-swarm")
     first = swarm.address("a")
     swarm.start("b", "--peers", first)
@@ -126,7 +120,7 @@ def test_three_peers_cover_the_shards_survive_a_kill_and_leave_cleanly(swarm):
     assert {p["peer_id"] for p in summary["peers"]} == set(ids.values())
     assert set(summary["units"]) == {"dense/0", "experts/0", "experts/1"}
     assert sorted(summary["units"]["dense/0"]) == sorted(ids.values())
-    assert all(p["round"] == 0 and "dense/0" in p["units"] for p in summary["peers"])
+    assert all("dense/0" in p["units"] for p in summary["peers"])
 
     # SIGKILL the sole holder of one shard; another peer takes that shard over once the records expire
     sole_unit, (sole_id,) = next(
@@ -153,6 +147,7 @@ def test_three_peers_cover_the_shards_survive_a_kill_and_leave_cleanly(swarm):
 
 
 def test_joining_with_other_settings_is_refused(swarm):
+    (swarm.root / "peers.toml").write_text(QUICK_ROUNDS)
     swarm.start("a", "--new-swarm")
     first = swarm.address("a")
     swarm.wait_for("a", lambda s: len(s["peers"]) == 1)

@@ -95,6 +95,7 @@ class Peer:
             sync_config(settings),
             specs,
             local_copy=lambda unit: read_unit(self.model, self.layout, unit),
+            live_peers=self.member.live_peers,
         )
         self.data = prepare_data(data_config(settings), model_cfg.vocab_size)
         t = settings.train

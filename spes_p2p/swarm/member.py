@@ -125,6 +125,10 @@ class SwarmMember:
         self.since = {u: round_ for u in self.units}
         self.heartbeat()
 
+    def live_peers(self) -> set[str]:
+        """Peer ids with a live, active record (one DHT read)."""
+        return set(parse_peers(self.transport.read(peers_key(self.cfg.run_id))))
+
     def view(self) -> SwarmView:
         self.last_view = read_view(self.transport, self.cfg.run_id, self.units)
         return self.last_view

@@ -40,6 +40,7 @@ from spes_p2p.swarm.transport import Transport, TransportError, Unavailable
 
 logger = logging.getLogger(__name__)
 
+LIVENESS_CHECK_SECONDS = 1.0
 RPC_UPDATE = "spes/update"
 RPC_WEIGHTS = "spes/weights"
 
@@ -123,9 +124,13 @@ class SyncEngine:
         cfg: SyncConfig,
         specs: dict[str, dict[str, TensorSpec]],
         local_copy: Callable[[str], Tensors] | None = None,
+        live_peers: Callable[[], set[str]] | None = None,
     ) -> None:
         self.transport, self.cfg, self.specs = transport, cfg, specs
         self.local_copy = local_copy  # reads our copy of any unit, for newcomers that find no holder ready
+        self.live_peers = (
+            live_peers  # who is still in the swarm, so a round stops waiting for peers that left
+        )
         self.outbox: dict[tuple[int, str], _Outgoing] = {}
         self.current: dict[str, tuple[int, Tensors]] = {}  # unit -> (round, weights) served to non-holders
         self._encoded: dict[tuple[int, str, str], bytes] = {}
@@ -256,32 +261,33 @@ class SyncEngine:
         return encode(update, self.cfg.codec, self.cfg.topk_fraction)
 
     def _gather(self, round_: int, unit: str, others: list[str]):
-        """Fetches the others' updates of this round until all answered or the deadline passed."""
+        """Fetches the others' updates of this round until all answered, left, or the deadline passed."""
         started = time.monotonic()
         deadline = started + self.deadline.seconds()
         fetched: dict[str, tuple[Contribution, str]] = {}
         rejected: set[str] = set()
+        waiting = set(others)
+        next_liveness_check = started + LIVENESS_CHECK_SECONDS
         while True:
             announced = self._announcements(round_, unit)
-            todo = [
-                (p, announced[p]) for p in others if p in announced and p not in fetched and p not in rejected
-            ]
+            todo = [(p, announced[p]) for p in sorted(waiting) if p in announced]
             outcomes = self._pool.map(lambda item: self._fetch(round_, unit, *item), todo)
             for (peer, _), outcome in zip(todo, outcomes, strict=True):
                 if isinstance(outcome, tuple):
                     fetched[peer] = outcome
+                    waiting.discard(peer)
                 elif outcome == "rejected":
                     rejected.add(peer)
-            if all(p in fetched or p in rejected for p in others):
-                self.deadline.observe(time.monotonic() - started)
+                    waiting.discard(peer)
+            now = time.monotonic()
+            if waiting and self.live_peers is not None and now >= next_liveness_check:
+                waiting &= self.live_peers()  # a participant whose records vanished has left: stop waiting
+                next_liveness_check = now + LIVENESS_CHECK_SECONDS
+            if not waiting:
+                self.deadline.observe(now - started)
                 break
-            if time.monotonic() >= deadline:
-                logger.info(
-                    "round %d %s: deadline passed without %s",
-                    round_,
-                    unit,
-                    sorted(set(others) - set(fetched) - rejected),
-                )
+            if now >= deadline:
+                logger.info("round %d %s: deadline passed without %s", round_, unit, sorted(waiting))
                 break
             time.sleep(self.cfg.poll_interval)
         missing = sorted(set(others) - set(fetched) - rejected)
@@ -395,6 +401,11 @@ class SyncEngine:
         order = list(holders)
         random.Random(f"{self.transport.peer_id}:{unit}:{min_round}").shuffle(order)  # spread the load
         while True:
+            if self.live_peers is not None:
+                order = [p for p in order if p in self.live_peers()]
+                if not order and not fallback:
+                    logger.info("every holder of %s left; keeping the old copy", unit)
+                    return None
             for peer in order:
                 found = self._fetch_weights(peer, unit, codec, min_round, any_copy=False)
                 if found is not None:
