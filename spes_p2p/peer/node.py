@@ -185,6 +185,20 @@ class Peer:
             time.sleep(0.2)
         return False
 
+    def _jump_ahead_if_behind(self) -> None:
+        """A peer more than ``staleness`` rounds behind the swarm cannot fetch the updates it needs any more
+        (peers keep them a few rounds): it downloads the current model and takes the swarm's round."""
+        view = self.member.view()
+        me = self.transport.peer_id
+        ahead = max((p.round for p in view.peers.values() if p.peer_id != me), default=0)
+        if ahead <= self.round + self.settings.method.staleness:
+            return
+        logger.warning("%d rounds behind the swarm: downloading its model", ahead - self.round)
+        self._catch_up(view)
+        self.trainer.step = self.round * self.settings.method.steps_per_round
+        # this round's update is measured from the downloaded weights
+        self._synced_start = {u: read_unit(self.model, self.layout, u) for u in self.trainer.units}
+
     def _heartbeats(self) -> None:
         while not self._stop_heartbeat.wait(self.settings.swarm.heartbeat_seconds):
             try:
@@ -209,6 +223,8 @@ class Peer:
             done += 1
             if on_update:
                 on_update(self.status())
+        if stop.is_set():
+            self.sync.abort.set()  # the in-flight sync stops waiting and lands with what it has
         self._land_in_flight()
 
     def _train_round(self, stop: threading.Event) -> bool:
@@ -303,6 +319,7 @@ class Peer:
         for unit, weights in sync.refreshed.items():
             write_unit(self.model, self.layout, unit, weights)
         self.round = sync.round + 1
+        self._jump_ahead_if_behind()
         self._merge_if_due()
         row = self._round_row(sync)
         with self._lock:

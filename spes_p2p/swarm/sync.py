@@ -36,7 +36,7 @@ import torch
 
 from spes_p2p.swarm.aggregate import Contribution, OuterStep, weighted_mean
 from spes_p2p.swarm.codecs import PayloadError, TensorSpec, TopKFeedback, decode, encode, max_payload_bytes
-from spes_p2p.swarm.transport import Transport, TransportError, Unavailable
+from spes_p2p.swarm.transport import RemoteError, Transport, TransportError, Unavailable
 
 logger = logging.getLogger(__name__)
 
@@ -128,9 +128,8 @@ class SyncEngine:
     ) -> None:
         self.transport, self.cfg, self.specs = transport, cfg, specs
         self.local_copy = local_copy  # reads our copy of any unit, for newcomers that find no holder ready
-        self.live_peers = (
-            live_peers  # who is still in the swarm, so a round stops waiting for peers that left
-        )
+        self.live_peers = live_peers  # who is still in the swarm: no round waits for peers that left
+        self.abort = threading.Event()  # set when the peer stops: waits end at once, with what has arrived
         self.outbox: dict[tuple[int, str], _Outgoing] = {}
         self.current: dict[str, tuple[int, Tensors]] = {}  # unit -> (round, weights) served to non-holders
         self._encoded: dict[tuple[int, str, str], bytes] = {}
@@ -279,6 +278,8 @@ class SyncEngine:
                 elif outcome == "rejected":
                     rejected.add(peer)
                     waiting.discard(peer)
+                elif outcome == "gone":
+                    waiting.discard(peer)
             now = time.monotonic()
             if waiting and self.live_peers is not None and now >= next_liveness_check:
                 waiting &= self.live_peers()  # a participant whose records vanished has left: stop waiting
@@ -286,7 +287,7 @@ class SyncEngine:
             if not waiting:
                 self.deadline.observe(now - started)
                 break
-            if now >= deadline:
+            if now >= deadline or self.abort.is_set():
                 logger.info("round %d %s: deadline passed without %s", round_, unit, sorted(waiting))
                 break
             time.sleep(self.cfg.poll_interval)
@@ -298,7 +299,8 @@ class SyncEngine:
         return {p: e.value for p, e in entries.items() if _valid_announcement(e.value, round_)}
 
     def _fetch(self, round_: int, unit: str, peer: str, announcement: dict):
-        """(Contribution, start hash), or 'rejected' for a bad payload, or None when it cannot be had yet."""
+        """(Contribution, start hash); 'rejected' for a bad payload; 'gone' when the announcer no longer
+        has it (it moved on); None when it cannot be reached right now."""
         codec = announcement["codec"]
         limit = max_payload_bytes(self.specs[unit], codec) if codec in ("none", "fp16", "int8", "topk") else 0
         if not 0 < announcement["bytes"] <= limit:
@@ -315,6 +317,9 @@ class SyncEngine:
             payload = self.transport.request(
                 peer, RPC_UPDATE, request, timeout=self.cfg.request_timeout, max_response_bytes=limit
             )
+        except RemoteError as exc:  # it announced the update, so it will not come back
+            logger.info("%s no longer has its %s update of round %d: %s", peer, unit, round_, exc)
+            return "gone"
         except TransportError as exc:
             logger.info("could not fetch %s's %s update of round %d: %s", peer, unit, round_, exc)
             return None
@@ -414,7 +419,7 @@ class SyncEngine:
                 found = self._fetch_weights(peer, unit, codec, -1, any_copy=True)
                 if found is not None:
                     return found
-            if time.monotonic() >= stop_at:
+            if time.monotonic() >= stop_at or self.abort.is_set():
                 logger.info("no holder had %s of round >= %d in time; keeping the old copy", unit, min_round)
                 return None
             time.sleep(self.cfg.poll_interval)
