@@ -162,3 +162,54 @@ def test_dense_groups_are_bounded_and_consistent():
     assert all(groups[q] == g for g in groups.values() for q in g)  # everyone in a group sees the same group
     assert len(set(groups.values())) == 5
     assert dense_group(peers, "p0", 5, "r", 8) != groups["p0"]  # groups change between rounds
+
+
+def test_a_late_update_counts_in_the_next_round():
+    _, engines = make_swarm("none", deadline=0.5, peers=("p0", "p1", "p2"))
+    unit, holders = "experts/0", ["p0", "p1", "p2"]
+    start = tensors(0)[unit]
+    end = {p: tensors(i + 40)[unit] for i, p in enumerate(holders)}
+
+    def exchange_all(round_, peers, starts, ends):
+        out = {}
+        threads = [
+            threading.Thread(
+                target=lambda p=p: out.__setitem__(
+                    p, engines[p].exchange(round_, unit, starts[p], ends[p], TOKENS[p], holders)
+                )
+            )
+            for p in peers
+        ]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=30)
+        return out
+
+    first = exchange_all(0, ["p0", "p1"], {p: start for p in holders}, end)  # p2 is late for round 0
+    assert first["p0"].missing == ["p2"]
+    engines["p2"].exchange(0, unit, start, end["p2"], TOKENS["p2"], holders)  # ...and announces afterwards
+    base = first["p0"].new_weights
+    second = exchange_all(1, ["p0", "p1"], {p: base for p in holders}, {p: base for p in holders})
+    for p in ("p0", "p1"):
+        assert ("p2", 0, unit) in engines[p].applied
+    late_delta = end["p2"]["w1"] - start["w1"]
+    torch.testing.assert_close(
+        second["p0"].new_weights["w1"], base["w1"] + late_delta
+    )  # it is the only update
+    assert torch.equal(second["p0"].new_weights["w1"], second["p1"].new_weights["w1"])
+
+
+def test_the_deadline_adapts_within_its_bounds():
+    from spes_p2p.swarm.sync import AdaptiveDeadline
+
+    d = AdaptiveDeadline(low=1.0, high=30.0, factor=2.0)
+    assert d.seconds() == 30.0  # nothing observed yet: the maximum
+    d.observe(3.0)
+    assert d.seconds() == 6.0
+    for _ in range(20):
+        d.observe(0.01)
+    assert d.seconds() == 1.0
+    for _ in range(20):
+        d.observe(100.0)
+    assert d.seconds() == 30.0
