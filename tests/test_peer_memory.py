@@ -16,10 +16,10 @@ pytestmark = pytest.mark.timeout(240)
 
 
 def settings(**method) -> Settings:
+    method = {"merge": False, **method}
     return Settings().override(
         model__shards=2,
         method__steps_per_round=10,
-        method__merge=False,
         data__max_corpus_mb=1.0,
         train__batch_size=4,
         train__seq_len=64,
@@ -66,13 +66,21 @@ def assert_holders_agree(peers: list[Peer]) -> None:
             for name, ref in reference.items():
                 if p in holders:
                     assert torch.equal(weights[name], ref), f"holders of {unit} differ on {name}"
-                else:  # a frozen copy, refreshed through the int8 codec
-                    assert (weights[name] - ref).abs().max() <= 0.02 * ref.abs().max(), (unit, name)
+                else:  # a frozen copy through the int8 codec: within 3% of the block maximum
+                    assert (weights[name] - ref).abs().max() <= 0.03 * ref.abs().max(), (unit, name)
 
 
-@pytest.mark.parametrize("overlap", [True, False])
-def test_peers_train_and_agree(tmp_path, overlap):
-    peers = run_swarm(settings(overlap=overlap), rounds=3, tmp_path=tmp_path)
+@pytest.mark.parametrize(
+    "method",
+    [
+        {"overlap": True},
+        {"overlap": False},
+        {"overlap": True, "outer": "nesterov", "outer_lr": 0.7, "merge": True, "merge_interval": 10},
+    ],
+    ids=["overlap", "no-overlap", "nesterov-merge"],
+)
+def test_peers_train_and_agree(tmp_path, method):
+    peers = run_swarm(settings(**method), rounds=3, tmp_path=tmp_path)
     assert_holders_agree(peers)
     assert sorted(
         len([p for p in peers if u in p.member.units_held]) for u in ("experts/0", "experts/1")

@@ -283,11 +283,12 @@ class Peer:
                         self.settings.swarm.run_id,
                         self.settings.method.dense_group_size,
                     )
-                result = self.sync.exchange(
+                sync.results[unit] = self.sync.exchange(
                     sync.round, unit, sync.start[unit], sync.end[unit], sync.tokens, participants
                 )
+            self._merge_if_due(sync)
+            for unit, result in sync.results.items():
                 self.sync.serve_weights(sync.round, unit, result.new_weights)
-                sync.results[unit] = result
             frozen = {u: sorted(h - {me}) for u, h in view.holders.items() if u not in sync.units}
             self.sync.refresh(
                 sync.round,
@@ -320,7 +321,6 @@ class Peer:
             write_unit(self.model, self.layout, unit, weights)
         self.round = sync.round + 1
         self._jump_ahead_if_behind()
-        self._merge_if_due()
         row = self._round_row(sync)
         with self._lock:
             self.member.round, self.member.loss, self.member.tokens_per_s = (
@@ -336,19 +336,26 @@ class Peer:
             if self.round % self.settings.train.checkpoint_every_rounds == 0:
                 self.outputs.checkpoint(self)
 
-    def _merge_if_due(self) -> None:
-        step = self.trainer.step
+    def _merge_if_due(self, sync: _Sync) -> None:
+        """Expert-merging warm-up on the round's new weights, before they are served. Neighbours come from
+        this peer's frozen copies, which every holder of a shard got from the same payloads, so holders merge
+        alike; frozen units do not change while training, so reading them here is safe."""
+        step = (sync.round + 1) * self.settings.method.steps_per_round
         if not self.merge.due(step):
             return
+        weights: Tensors = {}
+        for unit in self.layout.units:
+            if unit in sync.results:
+                weights.update(sync.results[unit].new_weights)
+            elif unit.startswith("experts/"):
+                weights.update(read_unit(self.model, self.layout, unit))
         n = self.layout.experts_per_shard
         owned = {
-            s * n + i
-            for u in self.trainer.units
-            if u.startswith("experts/")
-            for s in [int(u.split("/")[1])]
-            for i in range(n)
+            int(u.split("/")[1]) * n + i for u in sync.results if u.startswith("experts/") for i in range(n)
         }
-        merge_experts(self.model, self.merge.alpha(step), self.merge.neighbours, only=owned)
+        merged = merge_experts(weights, self.merge.alpha(step), self.merge.neighbours, only=owned)
+        for result in sync.results.values():
+            result.new_weights.update({k: v for k, v in merged.items() if k in result.new_weights})
 
     def _round_row(self, sync: _Sync) -> dict:
         m = sync.metrics

@@ -131,7 +131,7 @@ class SyncEngine:
         self.live_peers = live_peers  # who is still in the swarm: no round waits for peers that left
         self.abort = threading.Event()  # set when the peer stops: waits end at once, with what has arrived
         self.outbox: dict[tuple[int, str], _Outgoing] = {}
-        self.current: dict[str, tuple[int, Tensors]] = {}  # unit -> (round, weights) served to non-holders
+        self.current: dict[str, dict[int, Tensors]] = {}  # unit -> round -> weights served to non-holders
         self._encoded: dict[tuple[int, str, str], bytes] = {}
         self.base_hashes: dict[tuple[int, str], str] = {}  # (round, unit) -> our start-weights hash
         self.applied: set[tuple[str, int, str]] = set()  # (peer, round, unit) already aggregated
@@ -160,14 +160,15 @@ class SyncEngine:
         )
 
     def rpc_weights(self, caller: str, request: bytes) -> bytes:
-        """{unit, codec, any_copy}: our newest weights of a unit we hold, as {round, payload, holder}. With
+        """{unit, codec, round, any_copy}: our weights of a unit we hold, as {round, payload, holder}: of that
+        round if we still have it (so every non-holder gets the same version), else our newest. With
         ``any_copy`` (newcomers), a unit we do not hold is answered from our own copy of it."""
         req = _unpack_request(request, ("unit", "codec"))
         with self._lock:
-            held = self.current.get(req["unit"])
-        if held is not None:
-            round_, weights = held
-            payload = self._encode_cached(round_, req["unit"], weights, req["codec"])
+            versions = dict(self.current.get(req["unit"], {}))
+        if versions:
+            round_ = req.get("round") if req.get("round") in versions else max(versions)
+            payload = self._encode_cached(round_, req["unit"], versions[round_], req["codec"])
             return msgpack.packb({"round": round_, "payload": payload, "holder": True}, use_bin_type=True)
         if req.get("any_copy") and self.local_copy is not None and req["unit"] in self.specs:
             payload = encode(self.local_copy(req["unit"]), req["codec"], self.cfg.topk_fraction)
@@ -184,9 +185,13 @@ class SyncEngine:
         return cached
 
     def serve_weights(self, round_: int, unit: str, weights: Tensors) -> None:
-        """From now on, non-holders that ask for ``unit`` get these weights (of round ``round_``)."""
+        """From now on, non-holders that ask for ``unit`` get these weights (as of round ``round_``)."""
         with self._lock:
-            self.current[unit] = (round_, {n: t.detach().clone() for n, t in weights.items()})
+            versions = self.current.setdefault(unit, {})
+            versions[round_] = {n: t.detach().clone() for n, t in weights.items()}
+            for old in sorted(versions)[:-2]:  # the round asked for, or the one after it, is enough
+                del versions[old]
+            self._encoded = {k: v for k, v in self._encoded.items() if k[:2] != (round_, unit)}
 
     def stop_serving(self, unit: str) -> None:
         with self._lock:
@@ -426,7 +431,7 @@ class SyncEngine:
 
     def _fetch_weights(self, peer: str, unit: str, codec: str, min_round: int, any_copy: bool):
         """(round, weights) from ``peer``, or None when it cannot serve them (yet)."""
-        request = msgpack.packb({"unit": unit, "codec": codec, "any_copy": any_copy})
+        request = msgpack.packb({"unit": unit, "codec": codec, "round": min_round, "any_copy": any_copy})
         limit = max_payload_bytes(self.specs[unit], codec) + 64
         try:
             raw = self.transport.request(

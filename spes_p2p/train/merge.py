@@ -8,10 +8,10 @@ pre-merge weights, with ``a_t = a_0 * (1 - min(t / T, 1))``.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 import torch
-from torch import nn
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -52,14 +52,31 @@ def merge_layer(
     return merged
 
 
+_EXPERT = re.compile(r"^layers\.(\d+)\.moe\.experts\.(\d+)\.(\w+)$")
+
+
 @torch.no_grad()
-def merge_experts(model: nn.Module, alpha: float, k: int, only: set[int] | None = None) -> None:
-    """Applies ``merge_layer`` to every MoE layer, in place. ``only`` limits the writes to those experts (a
-    peer merges the experts it holds; neighbours are found among all of them)."""
-    for layer in model.layers:
-        experts = layer.moe.experts
-        before = [{n: p.detach().clone() for n, p in e.named_parameters()} for e in experts]
-        for index, (expert, new) in enumerate(zip(experts, merge_layer(before, alpha, k), strict=True)):
+def merge_experts(
+    weights: dict[str, torch.Tensor],
+    alpha: float,
+    k: int,
+    only: set[int] | None = None,
+) -> dict[str, torch.Tensor]:
+    """``merge_layer`` over every MoE layer of a flat ``name -> tensor`` dict holding every expert's weights.
+
+    Returns the merged tensors of the experts in ``only`` (all when None): a peer merges the experts it holds,
+    while their neighbours are found among all experts (its frozen copies included).
+    """
+    layers: dict[int, dict[int, dict[str, torch.Tensor]]] = {}
+    for name, tensor in weights.items():
+        match = _EXPERT.match(name)
+        if match:
+            layer, expert, param = int(match.group(1)), int(match.group(2)), match.group(3)
+            layers.setdefault(layer, {}).setdefault(expert, {})[param] = tensor
+    merged = {}
+    for layer, experts in layers.items():
+        order = sorted(experts)
+        for index, new in zip(order, merge_layer([experts[e] for e in order], alpha, k), strict=True):
             if only is None or index in only:
-                for name, p in expert.named_parameters():
-                    p.copy_(new[name])
+                merged.update({f"layers.{layer}.moe.experts.{index}.{p}": t for p, t in new.items()})
+    return merged
