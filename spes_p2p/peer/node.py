@@ -25,6 +25,7 @@ from pathlib import Path
 
 import torch
 
+from spes_p2p.errors import CheckpointError
 from spes_p2p.model import MoETransformer, UnitLayout, get_preset, read_unit, write_unit
 from spes_p2p.peer.outputs import RunOutputs
 from spes_p2p.peer.setup import (
@@ -41,6 +42,7 @@ from spes_p2p.swarm.member import SwarmMember, SwarmView
 from spes_p2p.swarm.reachability import Reachability, assess
 from spes_p2p.swarm.sync import SyncEngine, UnitRound, dense_group
 from spes_p2p.swarm.transport import Transport
+from spes_p2p.train.checkpoint import load_checkpoint
 from spes_p2p.train.dataset import BatchSampler, DataShard, prepare_data, validation_batches
 from spes_p2p.train.merge import merge_experts
 from spes_p2p.train.trainer import Trainer, evaluate
@@ -130,19 +132,45 @@ class Peer:
             relay=net.use_relay,
         )
 
-    def join(self) -> PeerStatus:
-        """Checks the swarm identity, claims units, starts heartbeats, downloads the swarm's current model."""
+    def join(self, resume: bool = False) -> PeerStatus:
+        """Checks the swarm identity, downloads the swarm's current model (a newcomer), then claims units
+        and starts heartbeats. With ``resume``, first restores the newest checkpoint of its run folder."""
         with self._lock:
-            view = self.member.join()
+            self.member.check_identity()
+        checkpoint = self._restore() if resume else None
+        self._catch_up(self.member.view())
+        with self._lock:
+            self.member.round = self.round
+            self.member.join()
         self.joined = True
         threading.Thread(target=self._heartbeats, name="spes-heartbeat", daemon=True).start()
-        self._catch_up(view)
-        self.trainer = Trainer(self.model, self.layout, self.member.units_held, train_config(self.settings))
+        units = checkpoint.meta["units"] if checkpoint else self.member.units_held
+        self.trainer = Trainer(self.model, self.layout, units, train_config(self.settings))
         self.trainer.step = self.round * self.settings.method.steps_per_round
+        if checkpoint:
+            self.trainer.optimizer.load_state_dict(checkpoint.optimizer)
+            self.trainer.tokens = checkpoint.meta["tokens"]
+            self.trainer.retarget(self.member.units_held)  # keeps the state of what it still trains
         for unit in self.member.units_held:
             self.sync.serve_weights(self.round - 1, unit, read_unit(self.model, self.layout, unit))
         self._bytes_at_land = (self.transport.stats.bytes_sent, self.transport.stats.bytes_received)
         return self.status()
+
+    def _restore(self):
+        """Loads the newest checkpoint of this peer's run folder (model, data position, round)."""
+        if self.outputs is None:
+            raise CheckpointError("--resume needs --out: the run folder that holds the checkpoints")
+        checkpoint = load_checkpoint(self.outputs.dir)
+        if checkpoint.meta.get("swarm_hash") != self.identity.hash:
+            raise CheckpointError(
+                f"{checkpoint.path} was written in a swarm with other settings; resume with "
+                "the settings it was trained with, or start without --resume"
+            )
+        self.model.load_state_dict(checkpoint.model)
+        self.sampler.load_state_dict(checkpoint.meta["data_position"])
+        self.round = checkpoint.meta["round"]
+        logger.info("resumed from %s at round %d", checkpoint.path, self.round)
+        return checkpoint
 
     def _catch_up(self, view: SwarmView) -> None:
         """A newcomer takes the swarm's round and every unit, uncompressed, from live holders."""
@@ -161,8 +189,6 @@ class Peer:
             fallback=furthest_first,  # a unit whose holders are newcomers too comes from any peer's copy
         )
         self.round = max(p.round for p in others)
-        with self._lock:
-            self.member.start_at(self.round)
         logger.info("caught up at round %d: %d of %d units downloaded", self.round, len(got), len(holders))
 
     def wait_for_peers(self, count: int, timeout: float, stop: threading.Event) -> int:
@@ -195,6 +221,8 @@ class Peer:
             return
         logger.warning("%d rounds behind the swarm: downloading its model", ahead - self.round)
         self._catch_up(view)
+        with self._lock:
+            self.member.start_at(self.round)
         self.trainer.step = self.round * self.settings.method.steps_per_round
         # this round's update is measured from the downloaded weights
         self._synced_start = {u: read_unit(self.model, self.layout, u) for u in self.trainer.units}
@@ -214,10 +242,14 @@ class Peer:
         stop: threading.Event,
         on_update: Callable[[PeerStatus], None] | None = None,
         max_rounds: int | None = None,
+        until_round: int | None = None,
     ) -> None:
-        """Rounds until ``stop`` is set or ``max_rounds`` rounds are done; the last sync always lands."""
+        """Rounds until ``stop`` is set, ``max_rounds`` rounds are done or the swarm's round reaches
+        ``until_round``; the last sync always lands."""
         done = 0
         while not stop.is_set() and (max_rounds is None or done < max_rounds):
+            if until_round is not None and self.round >= until_round:
+                break
             if not self._train_round(stop):
                 break
             done += 1
@@ -226,6 +258,12 @@ class Peer:
         if stop.is_set():
             self.sync.abort.set()  # the in-flight sync stops waiting and lands with what it has
         self._land_in_flight()
+
+    def crash(self) -> None:
+        """Simulations: vanish like a killed process, without releasing claims or writing anything."""
+        self._stop_heartbeat.set()
+        self.sync.abort.set()
+        self.transport.shutdown(0)
 
     def _train_round(self, stop: threading.Event) -> bool:
         """H local steps, then this round's sync (in the background with overlap). False if stopped."""
