@@ -45,6 +45,8 @@ from spes_cli.common import SpesCommand, console, err_console, swarm_options
 @click.option("--seq-len", type=int)
 @click.option("--lr", type=float)
 @click.option("--max-rounds", type=int, help="Stop after this many rounds (default: run until Ctrl-C).")
+@click.option("--until-round", type=int, help="Stop once the swarm's round reaches this one.")
+@click.option("--resume", is_flag=True, help="Restart from the newest checkpoint in --out (same peer id).")
 @click.option(
     "--min-peers",
     type=int,
@@ -90,6 +92,8 @@ def spes_join(
     min_peers,
     wait_seconds,
     out,
+    until_round,
+    resume,
 ) -> None:
     """Join a swarm (or start one), claim the expert shard it needs most, and train it with the shard's other
     holders until --max-rounds or Ctrl-C."""
@@ -131,7 +135,7 @@ def spes_join(
     try:
         with console.status("Preparing the model and the data..."):
             peer = Peer(settings, transport, out_dir=out)
-        status = peer.join()
+        status = peer.join(resume=resume)
         if addr_file:
             _write_lines(addr_file, status.addresses)
         print_joined(console, settings, status, peer.reachability(), new_swarm)
@@ -140,7 +144,7 @@ def spes_join(
                 peer.wait_for_peers(min_peers, wait_seconds, stop)
         with SwarmLive(console, settings) as live:
             live.update(peer.status())
-            peer.run(stop, on_update=live.update, max_rounds=max_rounds)
+            peer.run(stop, on_update=live.update, max_rounds=max_rounds, until_round=until_round)
         if not stop.is_set():
             with console.status("Serving the last round until the others have it..."):
                 peer.drain(settings.swarm.sync_deadline_max)

@@ -218,3 +218,97 @@ def status(config, peers, run_id, log_level, as_json) -> None:
         console.print(f"[yellow]no peer of swarm {settings.swarm.run_id!r} found[/] (check --run-id)")
     for table in status_tables(summary):
         console.print(table)
+
+
+@spes.command()
+@click.option("--peers", "n_peers", default=4, show_default=True, help="Peers at the start.")
+@click.option("--shards", default=2, show_default=True)
+@click.option("--preset", default="tiny", show_default=True)
+@click.option("--rounds", default=6, show_default=True)
+@click.option("--steps-per-round", default=20, show_default=True)
+@click.option(
+    "--backend",
+    type=click.Choice(["hivemind", "memory"]),
+    default="hivemind",
+    show_default=True,
+    help="hivemind: real spes-join processes on 127.0.0.1; memory: every peer in this process.",
+)
+@click.option(
+    "--kill", "kills", multiple=True, metavar="I@ROUND", help="SIGKILL peer I when the swarm reaches ROUND."
+)
+@click.option(
+    "--join", "joins", multiple=True, metavar="K@ROUND", help="K newcomers when the swarm reaches ROUND."
+)
+@click.option("--drop", default=0.0, help="Memory backend: probability that a request is lost.")
+@click.option("--delay", "delay_ms", default=0.0, help="Memory backend: milliseconds added to every request.")
+@click.option("--corrupt", default=0.0, help="Memory backend: probability that an answer has a byte flipped.")
+@click.option(
+    "--partition",
+    "partitions",
+    multiple=True,
+    metavar="G/G@START[-END]",
+    help="Memory backend: e.g. 0,1/2,3@2-3 splits the swarm in rounds 2 to 3.",
+)
+@click.option(
+    "--codec", type=click.Choice(["none", "fp16", "int8", "topk"]), default="int8", show_default=True
+)
+@click.option("--batch-size", default=8, show_default=True)
+@click.option("--seq-len", default=128, show_default=True)
+@click.option("--max-corpus-mb", default=4.0, show_default=True)
+@click.option(
+    "--out", type=click.Path(file_okay=False, path_type=Path), default=Path("runs/sim"), show_default=True
+)
+def simulate(
+    n_peers,
+    shards,
+    preset,
+    rounds,
+    steps_per_round,
+    backend,
+    kills,
+    joins,
+    drop,
+    delay_ms,
+    corrupt,
+    partitions,
+    codec,
+    batch_size,
+    seq_len,
+    max_corpus_mb,
+    out,
+) -> None:
+    """A local swarm on this machine, with crashes, late joins and network faults."""
+    import shutil
+
+    from spes_cli.render import SimLive, print_simulation
+
+    from spes_p2p.sim import SimConfig, parse_event, parse_partition, run
+
+    cfg = SimConfig(
+        peers=n_peers,
+        shards=shards,
+        preset=preset,
+        rounds=rounds,
+        steps_per_round=steps_per_round,
+        backend=backend,
+        kills=tuple(parse_event(k, "--kill") for k in kills),
+        joins=tuple(parse_event(j, "--join") for j in joins),
+        drop=drop,
+        delay_ms=delay_ms,
+        corrupt=corrupt,
+        partitions=tuple(parse_partition(p) for p in partitions),
+        codec=codec,
+        batch_size=batch_size,
+        seq_len=seq_len,
+        max_corpus_mb=max_corpus_mb,
+        out=out,
+    )
+    if out.exists():
+        shutil.rmtree(out / "peers", ignore_errors=True)  # a fresh simulation each time
+    console.print(
+        f"simulating {n_peers} peers ({backend}), {shards} shards, {rounds} rounds of {steps_per_round} "
+        f"steps; output in {out}"
+    )
+    with SimLive(console, rounds) as live:
+        summary = run(cfg, on_tick=live.update)
+    print_simulation(console, summary, out)

@@ -177,3 +177,62 @@ def status_tables(summary: dict) -> list[Table]:
     for unit, holders in summary["units"].items():
         units.add_row(unit, ", ".join(holders) or "UNCOVERED", style="bold red" if not holders else None)
     return [peers, units]
+
+
+# -------------------------------------------------------------------------------------------- simulation
+
+
+class SimLive:
+    """A live table of a simulation's peers and events."""
+
+    def __init__(self, console: Console, rounds: int) -> None:
+        from rich.live import Live
+
+        self.console, self.rounds = console, rounds
+        self.live = Live(console=console, auto_refresh=False) if console.is_terminal else None
+        self.last = ""
+
+    def __enter__(self) -> SimLive:
+        if self.live:
+            self.live.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.live:
+            self.live.__exit__(*exc)
+
+    def update(self, tick: dict) -> None:
+        if self.live:
+            table = Table(title=f"simulation: {tick['elapsed']:.0f}s", caption=_events_line(tick["events"]))
+            table.add_column("peer")
+            table.add_column("round", justify="right")
+            for name, round_ in sorted(tick["rounds"].items()):
+                table.add_row(name, f"{round_}/{self.rounds}")
+            for name in tick["killed"]:
+                table.add_row(name, "killed", style="red")
+            self.live.update(table, refresh=True)
+            return
+        line = " ".join(f"{n}:{r}" for n, r in sorted(tick["rounds"].items()))
+        if line != self.last:
+            self.console.print(f"[{tick['elapsed']:.0f}s] rounds {line}", highlight=False)
+            self.last = line
+
+
+def _events_line(events: list[dict]) -> str:
+    return (
+        "; ".join(f"{e['type']} {e.get('peer', '')} @ round {e.get('round', '')}" for e in events)
+        or "no events"
+    )
+
+
+def print_simulation(console: Console, summary: dict, out: Path) -> None:
+    initial, final = summary["initial_loss"], summary["final_loss"]
+    console.print(
+        f"[green]done[/] in {summary['seconds']:.0f}s: {summary['rounds_completed']} rounds, loss "
+        f"{initial:.3f} -> {final:.3f}, uncovered unit-rounds {summary['uncovered_unit_rounds']}, "
+        f"rejected payloads {summary['rejected_payloads']}",
+        highlight=False,
+    )
+    for failure in summary["failures"]:
+        console.print(f"[red]{failure}[/]")
+    console.print(f"summary: {out / 'summary.json'}\nplot:    {out / 'loss.png'}", highlight=False)

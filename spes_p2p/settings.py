@@ -283,3 +283,24 @@ _SECTION_CLASSES = {
     "network": NetworkSettings,
     "peer": PeerSettings,
 }
+
+
+def to_toml(settings: Settings) -> str:
+    """The settings as a peers.toml that ``load_settings`` reads back to the same values."""
+    lines = []
+    for section in dataclasses.fields(settings):
+        lines.append(f"[{section.name}]")
+        for f in dataclasses.fields(getattr(settings, section.name)):
+            lines.append(f"{f.name} = {_toml_value(getattr(getattr(settings, section.name), f.name))}")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def _toml_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (int, float)):
+        return repr(value)
+    if isinstance(value, str):
+        return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
+    return "[" + ", ".join(_toml_value(v) for v in value) + "]"

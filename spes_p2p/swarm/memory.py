@@ -25,6 +25,7 @@ from spes_p2p.swarm.transport import (
     RemoteError,
     RequestTimeout,
     Transport,
+    TransportError,
     TransportStats,
     encode_record,
 )
@@ -99,7 +100,12 @@ class MemoryTransport(Transport):
     def now(self) -> float:
         return self.network.clock()
 
+    def _check_alive(self) -> None:
+        if not self.alive:
+            raise TransportError(f"{self.peer_id} has shut down")
+
     def publish(self, key: str, value: Any, expires_at: float) -> bool:
+        self._check_alive()
         data = encode_record(value)  # enforces the size limit and msgpack-ability, like the real DHT
         with self.network.lock:
             entries = self.network.records.setdefault(key, {})
@@ -110,6 +116,7 @@ class MemoryTransport(Transport):
         return True
 
     def read(self, key: str) -> dict[str, Entry]:
+        self._check_alive()
         now = self.now()
         with self.network.lock:
             entries = dict(self.network.records.get(key, {}))
@@ -131,6 +138,7 @@ class MemoryTransport(Transport):
         timeout: float,
         max_response_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
     ) -> bytes:
+        self._check_alive()
         net = self.network
         target = net.peers.get(peer_id)
         if target is None or not target.alive or name not in target.handlers:

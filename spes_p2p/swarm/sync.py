@@ -189,7 +189,7 @@ class SyncEngine:
         with self._lock:
             versions = self.current.setdefault(unit, {})
             versions[round_] = {n: t.detach().clone() for n, t in weights.items()}
-            for old in sorted(versions)[:-2]:  # the round asked for, or the one after it, is enough
+            for old in sorted(versions)[: -self.cfg.keep_rounds]:  # so slower peers get the version they ask
                 del versions[old]
             self._encoded = {k: v for k, v in self._encoded.items() if k[:2] != (round_, unit)}
 

@@ -1,0 +1,163 @@
+"""A simulation's results, read back from its peers' run folders: summary.json and loss.png."""
+
+from __future__ import annotations
+
+import json
+import statistics
+from pathlib import Path
+
+from safetensors.torch import load_file
+
+from spes_p2p.model import UnitLayout, get_preset
+
+
+def read_rows(folder: Path) -> list[dict]:
+    """A peer's metrics rows; a line cut short by a kill is ignored."""
+    path = Path(folder) / "metrics.jsonl"
+    if not path.exists():
+        return []
+    rows = []
+    for line in path.read_text().splitlines():
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    return rows
+
+
+def summarize(
+    cfg,
+    peers_dir: Path,
+    events: list[dict],
+    names: list[str],
+    killed: set[str],
+    seconds: float,
+    failures: list[str],
+) -> dict:
+    rows = {name: read_rows(peers_dir / name) for name in names}
+    layout = UnitLayout(get_preset(cfg.preset).n_experts, cfg.shards)
+    completed = 1 + max((r["round"] for rs in rows.values() for r in rs), default=-1)
+    holders = {
+        u: {
+            r: sorted(n for n, rs in rows.items() for row in rs if row["round"] == r and u in row["units"])
+            for r in range(completed)
+        }
+        for u in layout.units
+    }
+    by_round = {
+        r: [row["loss"] for rs in rows.values() for row in rs if row["round"] == r] for r in range(completed)
+    }
+    summary = {
+        "peers": [
+            {
+                "name": n,
+                "killed": n in killed,
+                "rounds": len(rows[n]),
+                "final_round": _final_round(peers_dir / n, rows[n]),
+            }
+            for n in names
+        ],
+        "rounds_completed": completed,
+        "initial_loss": statistics.fmean(by_round[0]) if completed else None,
+        "final_loss": statistics.fmean(by_round[completed - 1]) if completed else None,
+        "loss_by_round": {r: statistics.fmean(v) for r, v in by_round.items() if v},
+        "uncovered_unit_rounds": sum(1 for u in holders for r in holders[u] if not holders[u][r]),
+        "units": {
+            u: {
+                "holders": holders[u],
+                "max_holder_difference": _holder_difference(peers_dir, names, killed, layout, u),
+            }
+            for u in layout.units
+        },
+        "bytes": {
+            n: {
+                "sent": sum(r["bytes_sent"] for r in rows[n]),
+                "received": sum(r["bytes_received"] for r in rows[n]),
+            }
+            for n in names
+        },
+        "rejected_payloads": sum(
+            max((r.get("rejected_payloads", 0) for r in rows[n]), default=0) for n in names
+        ),
+        "events": events,
+        "failures": failures,
+        "seconds": seconds,
+        "config": {
+            "peers": cfg.peers,
+            "shards": cfg.shards,
+            "preset": cfg.preset,
+            "rounds": cfg.rounds,
+            "steps_per_round": cfg.steps_per_round,
+            "backend": cfg.backend,
+            "codec": cfg.codec,
+        },
+    }
+    (cfg.out / "summary.json").write_text(json.dumps(summary, indent=1))
+    return summary
+
+
+def _final_round(folder: Path, rows: list[dict]) -> int:
+    state = folder / "state.json"
+    if state.exists():
+        return json.loads(state.read_text())["round"]
+    return rows[-1]["round"] + 1 if rows else 0
+
+
+def _holder_difference(
+    peers_dir: Path, names: list[str], killed: set[str], layout: UnitLayout, unit: str
+) -> float | None:
+    """The largest absolute difference of any tensor of ``unit`` between the survivors that hold it at the
+    end (0.0: they agree bit for bit; None: fewer than two holders to compare)."""
+    models = []
+    for name in names:
+        state_path, model_path = peers_dir / name / "state.json", peers_dir / name / "model.safetensors"
+        if name in killed or not state_path.exists() or not model_path.exists():
+            continue
+        if unit in json.loads(state_path.read_text())["units"]:
+            models.append(load_file(model_path))
+    if len(models) < 2:
+        return None
+    keys = [k for k in models[0] if layout.unit_of(k) == unit]
+    return max(float((m[k] - models[0][k]).abs().max()) for m in models[1:] for k in keys)
+
+
+def plot_losses(peers_dir: Path, events: list[dict], path: Path) -> None:
+    """Loss per peer (thin) and the mean (thick) over rounds; kills and joins marked."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    per_round: dict[int, list[float]] = {}
+    for folder in sorted(Path(peers_dir).iterdir()):
+        rows = read_rows(folder)
+        if rows:
+            ax.plot(
+                [r["round"] for r in rows], [r["loss"] for r in rows], lw=0.8, alpha=0.6, label=folder.name
+            )
+            for r in rows:
+                per_round.setdefault(r["round"], []).append(r["loss"])
+    if per_round:
+        xs = sorted(per_round)
+        ax.plot(xs, [statistics.fmean(per_round[x]) for x in xs], color="black", lw=2.5, label="mean")
+    for event in events:
+        if event["type"] in ("kill", "join"):
+            color = "tab:red" if event["type"] == "kill" else "tab:green"
+            ax.axvline(event["round"], color=color, ls="--", lw=1)
+            ax.annotate(
+                f"{event['type']} {event['peer']}",
+                (event["round"], 1.0),
+                xycoords=("data", "axes fraction"),
+                rotation=90,
+                va="top",
+                fontsize=7,
+                color=color,
+            )
+    ax.set_xlabel("round")
+    ax.set_ylabel("training loss")
+    ax.set_title("spes simulate")
+    ax.legend(fontsize=7, ncol=2)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
