@@ -138,10 +138,14 @@ class Peer:
         with self._lock:
             self.member.check_identity()
         checkpoint = self._restore() if resume else None
-        self._catch_up(self.member.view())
+        view = self._at_round_boundary(self.member.view())
+        training = any(p.loss is not None for p in view.peers.values())
+        self._catch_up(view)
         with self._lock:
             self.member.round = self.round
-            self.member.join()
+            # in a swarm that is training, the others read their participants before we can claim: our first
+            # round is not counted, we adopt its result
+            self.member.join(first_round=self.round + 1 if training else self.round)
         self.joined = True
         threading.Thread(target=self._heartbeats, name="spes-heartbeat", daemon=True).start()
         units = checkpoint.meta["units"] if checkpoint else self.member.units_held
@@ -171,6 +175,22 @@ class Peer:
         self.round = checkpoint.meta["round"]
         logger.info("resumed from %s at round %d", checkpoint.path, self.round)
         return checkpoint
+
+    def _at_round_boundary(self, view: SwarmView) -> SwarmView:
+        """If the swarm is training, waits (bounded) until it lands its current round, so a newcomer starts
+        with the next round from that round's results instead of joining a round it cannot finish in time."""
+        others = [p for p in view.peers.values() if p.peer_id != self.transport.peer_id]
+        if not others or all(p.loss is None for p in others):  # nobody has finished a round yet
+            return view
+        current = max(p.round for p in others)
+        deadline = time.monotonic() + self.settings.swarm.sync_deadline_max
+        while time.monotonic() < deadline:
+            view = self.member.view()
+            if max((p.round for p in view.peers.values()), default=0) > current:
+                time.sleep(self.settings.swarm.sync_deadline_min)  # let the refreshes of that round settle
+                return self.member.view()
+            time.sleep(0.2)
+        return view
 
     def _catch_up(self, view: SwarmView) -> None:
         """A newcomer takes the swarm's round and every unit, uncompressed, from live holders."""
@@ -248,7 +268,8 @@ class Peer:
         ``until_round``; the last sync always lands."""
         done = 0
         while not stop.is_set() and (max_rounds is None or done < max_rounds):
-            if until_round is not None and self.round >= until_round:
+            trained = self._in_flight.round + 1 if self._in_flight else self.round  # rounds done or in flight
+            if until_round is not None and trained >= until_round:
                 break
             if not self._train_round(stop):
                 break
@@ -321,8 +342,9 @@ class Peer:
                         self.settings.swarm.run_id,
                         self.settings.method.dense_group_size,
                     )
+                counted = self.member.since.get(unit, 0) <= sync.round
                 sync.results[unit] = self.sync.exchange(
-                    sync.round, unit, sync.start[unit], sync.end[unit], sync.tokens, participants
+                    sync.round, unit, sync.start[unit], sync.end[unit], sync.tokens, participants, counted
                 )
             self._merge_if_due(sync)
             for unit, result in sync.results.items():

@@ -110,12 +110,13 @@ class SwarmMember:
                     f"this peer's settings differ from swarm {self.cfg.run_id!r} (peer {peer}): {diffs}"
                 )
 
-    def join(self) -> SwarmView:
-        """Checks the swarm identity, then claims and publishes. Nothing is written if the check fails."""
+    def join(self, first_round: int | None = None) -> SwarmView:
+        """Checks the swarm identity, then claims and publishes. Nothing is written if the check fails. The
+        units count this peer's updates from ``first_round`` on (default: the current round)."""
         self.check_identity()
         view = self.view()
         self.held = self._choose(view)
-        self.since = {u: self.round for u in self.units}
+        self.since = {u: self.round if first_round is None else first_round for u in self.units}
         self.heartbeat()
         return self.view()
 

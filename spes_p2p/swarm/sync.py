@@ -210,54 +210,76 @@ class SyncEngine:
     # ---------------------------------------------------------------------------------------- the round
 
     def exchange(
-        self, round_: int, unit: str, start: Tensors, end: Tensors, tokens: int, participants: list[str]
+        self,
+        round_: int,
+        unit: str,
+        start: Tensors,
+        end: Tensors,
+        tokens: int,
+        participants: list[str],
+        counted: bool = True,
     ) -> UnitRound:
-        """Steps 1-5 of the round for one unit; returns the unit's new weights and who took part."""
+        """Steps 1-7 of the round for one unit; returns the unit's new weights and who took part. With
+        ``counted`` False (a newcomer's first round, which the others do not wait for) our own update is
+        neither announced nor aggregated: we adopt the others' result, exactly as they compute it."""
         me = self.transport.peer_id
         base_hash = tensors_hash(start)
-        update = {n: end[n] - start[n] for n in start}
-        payload = self._encode_update(unit, update)
-        own = decode(payload, self.specs[unit], self.cfg.codec)
-        with self._lock:
-            self.outbox[(round_, unit)] = _Outgoing(
-                round_, payload, {n: t.clone() for n, t in end.items()}, tokens, base_hash
-            )
-            self.base_hashes[(round_, unit)] = base_hash
-        self.transport.publish(
-            updates_key(self.cfg.run_id, round_, unit),
-            {
-                "round": round_,
-                "tokens": tokens,
-                "bytes": len(payload),
-                "codec": self.cfg.codec,
-                "sha256": hashlib.sha256(payload).hexdigest(),
-                "base": base_hash,
-            },
-            self.transport.now() + self.cfg.announce_ttl,
-        )
+        own: list[Contribution] = []
+        if counted:
+            own = [
+                Contribution(me, tokens, self._announce(round_, unit, start, end, tokens, base_hash), round_)
+            ]
         others = sorted(set(participants) - {me})
         fetched, missing, rejected = self._gather(round_, unit, others)
         late = self._late_updates(round_, unit)
         result = UnitRound(unit, [me], missing, rejected)
         same_base = [c for c, base in fetched if base == base_hash]
         if len(same_base) == len(fetched):
-            contributions = [Contribution(me, tokens, own, round_), *same_base, *late]
-            mean = weighted_mean(contributions)
-            outer = self.outer.setdefault(
-                unit, OuterStep(self.cfg.outer, self.cfg.outer_lr, self.cfg.outer_momentum)
-            )
-            result.new_weights = outer.apply(start, mean)
+            contributions = [*own, *same_base, *late]
+            if not contributions:  # nobody to aggregate with: our own end weights stand
+                result.new_weights = {n: t.clone() for n, t in end.items()}
+            else:
+                outer = self.outer.setdefault(
+                    unit, OuterStep(self.cfg.outer, self.cfg.outer_lr, self.cfg.outer_momentum)
+                )
+                result.new_weights = outer.apply(start, weighted_mean(contributions))
         else:  # someone started elsewhere: average end weights, putting every participant on one base again
-            ends = [Contribution(me, tokens, end, round_)]
-            ends += [c for c in (self._fetch_end(round_, unit, c) for c, _ in fetched) if c is not None]
-            contributions = ends
-            result.new_weights = weighted_mean(ends)
+            contributions = [Contribution(me, tokens, end, round_)] if counted else []
+            contributions += [
+                c for c in (self._fetch_end(round_, unit, c) for c, _ in fetched) if c is not None
+            ]
+            result.new_weights = weighted_mean(contributions) if contributions else dict(end)
             result.resynced = True
             self.outer.pop(unit, None)
         result.participants = sorted({c.peer_id for c in contributions})
         with self._lock:
             self.applied |= {(c.peer_id, c.round, unit) for c in contributions}
         return result
+
+    def _announce(
+        self, round_: int, unit: str, start: Tensors, end: Tensors, tokens: int, base_hash: str
+    ) -> Tensors:
+        """Encodes, keeps and announces our update; returns its decoded form, which is what we aggregate."""
+        payload = self._encode_update(unit, {n: end[n] - start[n] for n in start})
+        with self._lock:
+            self.outbox[(round_, unit)] = _Outgoing(
+                round_, payload, {n: t.clone() for n, t in end.items()}, tokens, base_hash
+            )
+            self.base_hashes[(round_, unit)] = base_hash
+        announcement = {
+            "round": round_,
+            "tokens": tokens,
+            "bytes": len(payload),
+            "codec": self.cfg.codec,
+            "sha256": hashlib.sha256(payload).hexdigest(),
+            "base": base_hash,
+        }
+        self.transport.publish(
+            updates_key(self.cfg.run_id, round_, unit),
+            announcement,
+            self.transport.now() + self.cfg.announce_ttl,
+        )
+        return decode(payload, self.specs[unit], self.cfg.codec)
 
     def _encode_update(self, unit: str, update: Tensors) -> bytes:
         if self.cfg.codec == "topk":
