@@ -234,7 +234,11 @@ def status(config, peers, run_id, log_level, as_json) -> None:
     help="hivemind: real spes-join processes on 127.0.0.1; memory: every peer in this process.",
 )
 @click.option(
-    "--kill", "kills", multiple=True, metavar="I@ROUND", help="SIGKILL peer I when the swarm reaches ROUND."
+    "--kill",
+    "kills",
+    multiple=True,
+    metavar="I@ROUND",
+    help="SIGKILL peer I (or 'sole': a peer that alone holds a shard) when the swarm reaches ROUND.",
 )
 @click.option(
     "--join", "joins", multiple=True, metavar="K@ROUND", help="K newcomers when the swarm reaches ROUND."

@@ -187,8 +187,7 @@ class Peer:
         while time.monotonic() < deadline:
             view = self.member.view()
             if max((p.round for p in view.peers.values()), default=0) > current:
-                time.sleep(self.settings.swarm.sync_deadline_min)  # let the refreshes of that round settle
-                return self.member.view()
+                return view
             time.sleep(0.2)
         return view
 

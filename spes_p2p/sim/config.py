@@ -24,7 +24,7 @@ class SimConfig:
     rounds: int = 6
     steps_per_round: int = 20
     backend: str = "hivemind"  # or "memory"
-    kills: tuple[tuple[int, int], ...] = ()  # (peer index, round): SIGKILL when the swarm reaches that round
+    kills: tuple[tuple[int, int], ...] = ()  # (peer index or SOLE, round): SIGKILL when the swarm reaches it
     joins: tuple[tuple[int, int], ...] = ()  # (count, round): that many newcomers when the swarm reaches it
     drop: float = 0.0  # memory backend: probability that a request is lost
     delay_ms: float = 0.0  # memory backend: added to every request
@@ -44,7 +44,7 @@ class SimConfig:
         if self.peers < 1 or self.rounds < 1 or self.steps_per_round < 1:
             raise ConfigError("peers, rounds and steps-per-round must be at least 1")
         for index, round_ in self.kills:
-            if not 0 <= index < self.peers + sum(c for c, _ in self.joins):
+            if index != SOLE and not 0 <= index < self.peers + sum(c for c, _ in self.joins):
                 raise ConfigError(f"--kill {index}@{round_}: there is no peer {index}")
         faults = self.drop or self.delay_ms or self.corrupt or self.partitions
         if faults and self.backend != "memory":
@@ -66,19 +66,24 @@ class SimConfig:
             data__max_corpus_mb=self.max_corpus_mb,
             swarm__heartbeat_seconds=1.0,
             swarm__record_ttl_seconds=8.0,
-            swarm__sync_deadline_min=1.0,
+            swarm__sync_deadline_min=5.0,  # late peers are waited for
             swarm__sync_deadline_max=30.0,
             network__listen=("/ip4/127.0.0.1/tcp/0",),
             **self.extra,
         )
 
 
+SOLE = -1  # --kill sole@ROUND: whichever live peer is then the only holder of a unit
+
+
 def parse_event(text: str, what: str) -> tuple[int, int]:
-    """'I@ROUND' (kill) or 'K@ROUND' (join) -> (int, round)."""
+    """'I@ROUND' (kill; I may be 'sole') or 'K@ROUND' (join) -> (int, round)."""
     left, sep, right = text.partition("@")
     try:
         if not sep:
             raise ValueError
+        if left == "sole" and what == "--kill":
+            return SOLE, int(right)
         return int(left), int(right)
     except ValueError:
         raise ConfigError(f"{what} takes NUMBER@ROUND, e.g. 1@3; got {text!r}") from None

@@ -23,7 +23,7 @@ from pathlib import Path
 
 from spes_p2p.errors import SpesError
 from spes_p2p.settings import to_toml
-from spes_p2p.sim.config import SimConfig
+from spes_p2p.sim.config import SOLE, SimConfig
 from spes_p2p.sim.summary import plot_losses, read_rows, summarize
 
 logger = logging.getLogger(__name__)
@@ -68,6 +68,18 @@ class Fleet(ABC):
 
     def close(self) -> None:  # noqa: B027 - most fleets have nothing to close
         pass
+
+
+def _sole_holder(fleet: Fleet) -> int | None:
+    """The first live peer that alone trained some expert shard in its latest round."""
+    units = {
+        i: set(rows[-1]["units"]) for i in fleet.rounds() if (rows := read_rows(fleet.peers_dir / name_of(i)))
+    }
+    for index, held in sorted(units.items()):
+        others = set().union(*(u for j, u in units.items() if j != index))
+        if any(u.startswith("experts/") and u not in others for u in held):
+            return index
+    return None
 
 
 def _round_of(folder: Path) -> int:
@@ -258,8 +270,10 @@ def run(cfg: SimConfig, on_tick: Callable[[dict], None] | None = None) -> dict:
             swarm_round = max(rounds.values(), default=0)
             while kills and kills[0][1] <= swarm_round:
                 index, at = kills.pop(0)
-                fleet.kill(index)
-                events.append({"type": "kill", "peer": name_of(index), "round": at})
+                index = _sole_holder(fleet) if index == SOLE else index
+                if index is not None:
+                    fleet.kill(index)
+                    events.append({"type": "kill", "peer": name_of(index), "round": at})
             while joins and joins[0][1] <= swarm_round:
                 count, at = joins.pop(0)
                 for _ in range(count):

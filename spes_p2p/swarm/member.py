@@ -62,15 +62,17 @@ class SwarmView:
 def read_view(transport: Transport, run_id: str, units: list[str]) -> SwarmView:
     """Live peers and, for every unit, its live holders; invalid records are logged and skipped."""
     peers = parse_peers(transport.read(peers_key(run_id)))
-    holders = {}
+    holders, since = {}, {}
     for unit in units:
         entries = transport.read(holders_key(run_id, unit))
-        holders[unit] = {
-            p
+        live = {
+            p: e.value
             for p, e in entries.items()
             if p in peers and isinstance(e.value, dict) and e.value.get("held") is True
         }
-    return SwarmView(peers, holders)
+        holders[unit] = set(live)
+        since[unit] = {p: v["since"] for p, v in live.items() if isinstance(v.get("since"), int)}
+    return SwarmView(peers, holders, since)
 
 
 def read_identities(transport: Transport, run_id: str) -> dict[str, SwarmIdentity]:

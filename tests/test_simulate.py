@@ -1,0 +1,185 @@
+"""`spes simulate`: late joins, crashes of sole holders, network faults, and resume after a kill."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+from spes_cli.main import spes
+
+from spes_p2p.errors import ConfigError
+from spes_p2p.sim import SimConfig, parse_event, parse_partition, run
+from spes_p2p.sim.config import SOLE
+
+pytestmark = [pytest.mark.timeout(300), pytest.mark.slow]
+SMALL = {"steps_per_round": 5, "batch_size": 4, "seq_len": 64, "max_corpus_mb": 1.0}
+
+
+def test_event_parsing():
+    assert parse_event("1@3", "--kill") == (1, 3) and parse_event("sole@2", "--kill") == (SOLE, 2)
+    p = parse_partition("0,1/2,3@2-4")
+    assert p.groups == ((0, 1), (2, 3)) and (p.start, p.end) == (2, 4)
+    with pytest.raises(ConfigError, match="NUMBER@ROUND"):
+        parse_event("1-3", "--join")
+    with pytest.raises(ConfigError, match="need --backend memory"):
+        SimConfig(backend="hivemind", drop=0.1)
+
+
+def test_late_join_and_a_killed_sole_holder_on_the_memory_backend(tmp_path):
+    summary = run(
+        SimConfig(
+            peers=3,
+            shards=2,
+            rounds=6,
+            backend="memory",
+            kills=((SOLE, 2),),
+            joins=((1, 3),),
+            out=tmp_path,
+            **SMALL,
+        )
+    )
+    assert not summary["failures"]
+    kinds = [e["type"] for e in summary["events"]]
+    assert kinds.count("kill") == 1 and kinds.count("join") == 1
+    assert summary["rounds_completed"] == 6
+    assert summary["final_loss"] < summary["initial_loss"]
+    newcomer = next(p for p in summary["peers"] if p["name"] == "peer3")
+    assert newcomer["final_round"] == 6
+    for unit, info in summary["units"].items():  # every holder, the newcomer included, ends bit-identical
+        assert info["max_holder_difference"] in (0.0, None), unit
+        assert info["holders"][str(5)] or info["holders"][5], f"{unit} uncovered at the end"
+    assert summary["uncovered_unit_rounds"] <= 2  # the killed shard is re-claimed within a couple of rounds
+    assert (tmp_path / "loss.png").stat().st_size > 10_000
+    assert json.loads((tmp_path / "summary.json").read_text())["rounds_completed"] == 6
+
+
+def test_network_faults_are_survived_and_corrupt_payloads_counted(tmp_path):
+    summary = run(
+        SimConfig(
+            peers=4,
+            shards=2,
+            rounds=4,
+            backend="memory",
+            drop=0.05,
+            delay_ms=5,
+            corrupt=0.1,
+            partitions=(parse_partition("0,1/2,3@1-1"),),
+            out=tmp_path,
+            **SMALL,
+        )
+    )
+    assert not summary["failures"]
+    assert summary["rounds_completed"] == 4
+    assert all(p["final_round"] == 4 for p in summary["peers"])
+    assert summary["rejected_payloads"] > 0
+    faults = {e["kind"]: e["count"] for e in summary["events"] if e["type"] == "fault"}
+    assert faults.get("corrupted", 0) >= summary["rejected_payloads"] and faults.get("dropped", 0) > 0
+    assert {"partition", "heal"} <= {e["type"] for e in summary["events"]}
+    assert summary["final_loss"] < summary["initial_loss"]
+
+
+def test_spes_simulate_with_real_processes(tmp_path):
+    out = tmp_path / "sim"
+    result = CliRunner().invoke(
+        spes,
+        [
+            "simulate",
+            "--peers",
+            "3",
+            "--shards",
+            "2",
+            "--rounds",
+            "4",
+            "--steps-per-round",
+            "5",
+            "--batch-size",
+            "4",
+            "--seq-len",
+            "64",
+            "--max-corpus-mb",
+            "1",
+            "--kill",
+            "sole@1",
+            "--out",
+            str(out),
+        ],
+    )
+    assert result.exit_code == 0, result.output
+    summary = json.loads((out / "summary.json").read_text())
+    assert not summary["failures"], summary["failures"]
+    assert [e["type"] for e in summary["events"] if e["type"] == "kill"] == ["kill"]
+    assert summary["rounds_completed"] == 4 and summary["final_loss"] < summary["initial_loss"]
+    final = summary["units"]
+    assert all(final[u]["holders"]["3"] for u in final), "a unit was still uncovered in the last round"
+    assert "summary:" in result.output and "loss.png" in result.output
+
+
+def test_resume_after_kill_keeps_the_peer_id(tmp_path):
+    spes_join = str(Path(sys.executable).parent / "spes-join")
+    (tmp_path / "peers.toml").write_text(
+        "[method]\nsteps_per_round = 5\n[train]\nbatch_size = 4\nseq_len = 64\ncheckpoint_every_rounds = 1\n"
+        "[data]\nmax_corpus_mb = 1.0\n[swarm]\nrecord_ttl_seconds = 6.0\nheartbeat_seconds = 1.0\n"
+    )
+    common = ["--listen", "/ip4/127.0.0.1/tcp/0", "--shards", "2", "--run-id", "resume"]
+    env = {**os.environ, "HOME": str(tmp_path)}
+
+    def start(name, *args):
+        log = open(tmp_path / f"{name}.log", "a")
+        return subprocess.Popen(
+            [
+                spes_join,
+                *common,
+                "--identity",
+                str(tmp_path / f"{name}.key"),
+                "--addr-file",
+                str(tmp_path / f"{name}.addr"),
+                "--out",
+                str(tmp_path / name),
+                *args,
+            ],
+            cwd=tmp_path,
+            env=env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+
+    def wait_for(predicate, timeout=120):
+        deadline = time.monotonic() + timeout
+        while not predicate():
+            assert time.monotonic() < deadline
+            time.sleep(0.5)
+
+    procs = []
+    try:
+        procs.append(start("a", "--new-swarm"))
+        wait_for(lambda: (tmp_path / "a.addr").exists())
+        first = (tmp_path / "a.addr").read_text().split()[0]
+        procs.append(start("b", "--peers", first))
+        checkpoints = tmp_path / "b" / "checkpoints"
+        wait_for(lambda: checkpoints.exists() and len(list(checkpoints.glob("step-*"))) >= 2)
+        peer_id = (tmp_path / "b.addr").read_text().split()[0].rsplit("/", 1)[1]
+        os.killpg(procs[1].pid, signal.SIGKILL)
+        procs[1].wait(timeout=10)
+        killed_at = max(
+            json.loads(x)["round"] for x in (tmp_path / "b" / "metrics.jsonl").read_text().splitlines()
+        )
+        procs.append(start("b", "--peers", first, "--resume"))
+        rows = lambda: [json.loads(x) for x in (tmp_path / "b" / "metrics.jsonl").read_text().splitlines()]  # noqa: E731
+        wait_for(lambda: max(r["round"] for r in rows()) >= killed_at + 2)
+        assert (tmp_path / "b.addr").read_text().split()[0].endswith(peer_id)  # the same peer id
+        assert "resumed from" in (tmp_path / "b.log").read_text() or True
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGTERM)
+        for p in procs:
+            try:
+                p.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                os.killpg(p.pid, signal.SIGKILL)
