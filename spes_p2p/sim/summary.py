@@ -39,8 +39,10 @@ def summarize(
     completed = 1 + max((r["round"] for rs in rows.values() for r in rs), default=-1)
     holders = {
         u: {
-            r: sorted(n for n, rs in rows.items() for row in rs if row["round"] == r and u in row["units"])
-            for r in range(completed)
+            str(r): sorted(
+                n for n, rs in rows.items() for row in rs if row["round"] == r and u in row["units"]
+            )
+            for r in range(completed)  # string keys, as in summary.json
         }
         for u in layout.units
     }
@@ -60,7 +62,7 @@ def summarize(
         "rounds_completed": completed,
         "initial_loss": statistics.fmean(by_round[0]) if completed else None,
         "final_loss": statistics.fmean(by_round[completed - 1]) if completed else None,
-        "loss_by_round": {r: statistics.fmean(v) for r, v in by_round.items() if v},
+        "loss_by_round": {str(r): statistics.fmean(v) for r, v in by_round.items() if v},
         "uncovered_unit_rounds": sum(1 for u in holders for r in holders[u] if not holders[u][r]),
         "units": {
             u: {

@@ -174,9 +174,8 @@ class SwarmMember:
     def _publish_holders(self, units: set[str], held: bool, ttl: float | None = None) -> None:
         expires = self.transport.now() + (ttl or self.cfg.record_ttl)
         for unit in sorted(units):
-            self.transport.publish(
-                holders_key(self.cfg.run_id, unit), {"held": held, "round": self.round}, expires
-            )
+            entry = {"held": held, "round": self.round, "since": self.since.get(unit, 0)}
+            self.transport.publish(holders_key(self.cfg.run_id, unit), entry, expires)
 
     def record(self, state: str = "active") -> PeerRecord:
         return PeerRecord(
