@@ -72,9 +72,10 @@ class Fleet(ABC):
 
 def _sole_holder(fleet: Fleet) -> int | None:
     """The first live peer that alone trained some expert shard in its latest round."""
-    units = {
-        i: set(rows[-1]["units"]) for i in fleet.rounds() if (rows := read_rows(fleet.peers_dir / name_of(i)))
-    }
+    live = fleet.rounds()
+    units = {i: set(rows[-1]["units"]) for i in live if (rows := read_rows(fleet.peers_dir / name_of(i)))}
+    if len(units) < len(live):
+        return None  # some peer has not reported a round yet: we cannot tell
     for index, held in sorted(units.items()):
         others = set().union(*(u for j, u in units.items() if j != index))
         if any(u.startswith("experts/") and u not in others for u in held):
@@ -269,11 +270,16 @@ def run(cfg: SimConfig, on_tick: Callable[[dict], None] | None = None) -> dict:
             rounds = fleet.rounds()
             swarm_round = max(rounds.values(), default=0)
             while kills and kills[0][1] <= swarm_round:
-                index, at = kills.pop(0)
+                index, at = kills[0]
                 index = _sole_holder(fleet) if index == SOLE else index
-                if index is not None:
-                    fleet.kill(index)
-                    events.append({"type": "kill", "peer": name_of(index), "round": at})
+                if index is None and swarm_round <= at + 2:
+                    break  # no sole holder right now (claims are settling): try again at the next tick
+                kills.pop(0)
+                if index is None:
+                    events.append({"type": "kill skipped", "reason": "no sole holder", "round": at})
+                    continue
+                fleet.kill(index)
+                events.append({"type": "kill", "peer": name_of(index), "round": swarm_round})
             while joins and joins[0][1] <= swarm_round:
                 count, at = joins.pop(0)
                 for _ in range(count):
