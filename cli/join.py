@@ -136,6 +136,10 @@ def spes_join(
         with console.status("Preparing the model and the data..."):
             peer = Peer(settings, transport, out_dir=out)
         status = peer.join(resume=resume)
+        if peer.resumed_from:
+            console.print(
+                f"resumed from {peer.resumed_from}; now at the swarm's round {peer.round}", highlight=False
+            )
         if addr_file:
             _write_lines(addr_file, status.addresses)
         print_joined(console, settings, status, peer.reachability(), new_swarm)

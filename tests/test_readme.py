@@ -16,6 +16,6 @@ def quick_start_commands() -> list[str]:
 def test_quick_start_has_two_commands_and_ci_runs_the_test_command():
     commands = quick_start_commands()
     assert len(commands) == 2
-    assert "spes train" in commands[0] and "pytest" in commands[1]
+    assert "spes simulate" in commands[0] and "pytest" in commands[1]
     ci = (ROOT / ".ci" / "run").read_text().splitlines()
     assert commands[1] in ci

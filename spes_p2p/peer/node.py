@@ -114,6 +114,7 @@ class Peer:
         self.round = 0
         self.outputs = RunOutputs(Path(out_dir)) if out_dir else None
         self.joined = False
+        self.resumed_from: Path | None = None
         self._in_flight: _Sync | None = None
         self._synced_start: dict[str, Tensors] = {}  # overlap: where the next update is measured from
         self._lock = threading.RLock()  # the member's state, shared with the heartbeat thread
@@ -174,6 +175,7 @@ class Peer:
         self.sampler.load_state_dict(checkpoint.meta["data_position"])
         self.round = checkpoint.meta["round"]
         logger.info("resumed from %s at round %d", checkpoint.path, self.round)
+        self.resumed_from = checkpoint.path
         return checkpoint
 
     def _at_round_boundary(self, view: SwarmView) -> SwarmView:
