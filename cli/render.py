@@ -98,17 +98,17 @@ def print_joined(console: Console, settings, status, reachability, new_swarm: bo
         say(share_snippet(settings, status.addresses), markup=False)
 
 
-class SwarmLive:
-    """A live table of the swarm on a terminal; one line per change otherwise (logs, tests)."""
+class LiveView:
+    """A live table on a terminal; one line per change otherwise (logs, tests). Subclasses say what."""
 
-    def __init__(self, console: Console, settings) -> None:
+    def __init__(self, console: Console) -> None:
         from rich.live import Live
 
-        self.console, self.settings = console, settings
+        self.console = console
         self.live = Live(console=console, auto_refresh=False) if console.is_terminal else None
         self.last_line = ""
 
-    def __enter__(self) -> SwarmLive:
+    def __enter__(self):
         if self.live:
             self.live.__enter__()
         return self
@@ -117,10 +117,33 @@ class SwarmLive:
         if self.live:
             self.live.__exit__(*exc)
 
-    def update(self, status) -> None:
+    def update(self, item) -> None:
         if self.live:
-            self.live.update(swarm_table(self.settings.swarm.run_id, status), refresh=True)
+            self.live.update(self.table(item), refresh=True)
             return
+        line = self.line(item)
+        if line != self.last_line:
+            self.console.print(line, highlight=False, soft_wrap=True)
+            self.last_line = line
+
+    def table(self, item) -> Table:
+        raise NotImplementedError
+
+    def line(self, item) -> str:
+        raise NotImplementedError
+
+
+class SwarmLive(LiveView):
+    """A peer's view of its swarm: units, holders, round, loss, traffic."""
+
+    def __init__(self, console: Console, settings) -> None:
+        super().__init__(console)
+        self.settings = settings
+
+    def table(self, status) -> Table:
+        return swarm_table(self.settings.swarm.run_id, status)
+
+    def line(self, status) -> str:
         coverage = " ".join(f"{u}={len(h)}" for u, h in status.view.holders.items())
         held = ", ".join(status.units)
         line = f"round {status.round}: holding {held}; {len(status.view.peers)} peers; coverage {coverage}"
@@ -129,9 +152,7 @@ class SwarmLive:
                 f"; loss {status.loss:.3f}, {status.tokens_per_s:,.0f} tok/s, "
                 f"sent {_mib(status.bytes_sent)}, received {_mib(status.bytes_received)}"
             )
-        if line != self.last_line:
-            self.console.print(line, highlight=False, soft_wrap=True)
-            self.last_line = line
+        return line
 
 
 def swarm_table(run_id: str, status) -> Table:
@@ -182,40 +203,27 @@ def status_tables(summary: dict) -> list[Table]:
 # -------------------------------------------------------------------------------------------- simulation
 
 
-class SimLive:
-    """A live table of a simulation's peers and events."""
+class SimLive(LiveView):
+    """A simulation's peers, their rounds, and its events."""
 
     def __init__(self, console: Console, rounds: int) -> None:
-        from rich.live import Live
+        super().__init__(console)
+        self.rounds = rounds
 
-        self.console, self.rounds = console, rounds
-        self.live = Live(console=console, auto_refresh=False) if console.is_terminal else None
-        self.last = ""
+    def table(self, tick: dict) -> Table:
+        table = Table(title=f"simulation: {tick['elapsed']:.0f}s", caption=_events_line(tick["events"]))
+        table.add_column("peer")
+        table.add_column("round", justify="right")
+        for name, round_ in sorted(tick["rounds"].items()):
+            table.add_row(name, f"{round_}/{self.rounds}")
+        for name in tick["killed"]:
+            table.add_row(name, "killed", style="red")
+        return table
 
-    def __enter__(self) -> SimLive:
-        if self.live:
-            self.live.__enter__()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        if self.live:
-            self.live.__exit__(*exc)
-
-    def update(self, tick: dict) -> None:
-        if self.live:
-            table = Table(title=f"simulation: {tick['elapsed']:.0f}s", caption=_events_line(tick["events"]))
-            table.add_column("peer")
-            table.add_column("round", justify="right")
-            for name, round_ in sorted(tick["rounds"].items()):
-                table.add_row(name, f"{round_}/{self.rounds}")
-            for name in tick["killed"]:
-                table.add_row(name, "killed", style="red")
-            self.live.update(table, refresh=True)
-            return
-        line = " ".join(f"{n}:{r}" for n, r in sorted(tick["rounds"].items()))
-        if line != self.last:
-            self.console.print(f"[{tick['elapsed']:.0f}s] rounds {line}", highlight=False)
-            self.last = line
+    def line(self, tick: dict) -> str:
+        return f"[{tick['elapsed']:.0f}s] rounds " + " ".join(
+            f"{n}:{r}" for n, r in sorted(tick["rounds"].items())
+        )
 
 
 def _events_line(events: list[dict]) -> str:
