@@ -22,6 +22,7 @@ from spes_cli.common import SpesCommand, console, err_console, swarm_options
 @swarm_options
 @click.option("--preset", help="Model preset (must match the swarm).")
 @click.option("--shards", type=int, help="Number of expert shards (must match the swarm).")
+@click.option("--experts", type=int, help="Experts per MoE layer, overriding the preset's (must match).")
 @click.option("--capacity", type=int, help="Expert shards this peer trains at once.")
 @click.option("--replication", type=int, help="Target number of holders per expert shard.")
 @click.option("--identity", help="Private key file (created if missing); keeps the peer id across restarts.")
@@ -70,6 +71,7 @@ def spes_join(
     log_level,
     preset,
     shards,
+    experts,
     capacity,
     replication,
     identity,
@@ -109,6 +111,7 @@ def spes_join(
         swarm__initial_peers=tuple(peers) or None,
         model__preset=preset,
         model__shards=shards,
+        model__experts=experts,
         peer__capacity=capacity,
         swarm__target_replication=replication,
         network__identity=identity,

@@ -224,6 +224,7 @@ def status(config, peers, run_id, log_level, as_json) -> None:
 @click.option("--peers", "n_peers", default=4, show_default=True, help="Peers at the start.")
 @click.option("--shards", default=2, show_default=True)
 @click.option("--preset", default="tiny", show_default=True)
+@click.option("--experts", default=0, help="Experts per MoE layer (default: the preset's; tiny has 8).")
 @click.option("--rounds", default=6, show_default=True)
 @click.option("--steps-per-round", default=20, show_default=True)
 @click.option(
@@ -263,6 +264,7 @@ def status(config, peers, run_id, log_level, as_json) -> None:
     "--out", type=click.Path(file_okay=False, path_type=Path), default=Path("runs/sim"), show_default=True
 )
 def simulate(
+    experts,
     n_peers,
     shards,
     preset,
@@ -292,6 +294,7 @@ def simulate(
         peers=n_peers,
         shards=shards,
         preset=preset,
+        experts=experts,
         rounds=rounds,
         steps_per_round=steps_per_round,
         backend=backend,

@@ -221,9 +221,7 @@ class SimLive(LiveView):
         return table
 
     def line(self, tick: dict) -> str:
-        return f"[{tick['elapsed']:.0f}s] rounds " + " ".join(
-            f"{n}:{r}" for n, r in sorted(tick["rounds"].items())
-        )
+        return "rounds " + " ".join(f"{n}:{r}" for n, r in sorted(tick["rounds"].items()))
 
 
 def _events_line(events: list[dict]) -> str:

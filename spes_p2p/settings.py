@@ -60,9 +60,11 @@ class SwarmSettings:
 class ModelSettings:
     preset: str = "tiny"
     shards: int = 4  # expert shards: units experts/0 .. experts/<shards-1>
+    experts: int = 0  # experts per MoE layer; 0: the preset's
 
     def __post_init__(self) -> None:
         _check(self.shards >= 1, "shards", "must be at least 1")
+        _check(self.experts >= 0, "experts", "must be 0 (the preset's) or more")
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -26,12 +26,13 @@ from pathlib import Path
 import torch
 
 from spes_p2p.errors import CheckpointError
-from spes_p2p.model import MoETransformer, UnitLayout, get_preset, read_unit, write_unit
+from spes_p2p.model import MoETransformer, UnitLayout, read_unit, write_unit
 from spes_p2p.peer.outputs import RunOutputs
 from spes_p2p.peer.setup import (
     data_config,
     member_config,
     merge_config,
+    model_config,
     swarm_identity,
     sync_config,
     train_config,
@@ -87,7 +88,7 @@ class Peer:
         self.settings, self.transport = settings, transport
         self.identity = swarm_identity(settings)
         self.member = SwarmMember(transport, self.identity, member_config(settings, self.identity))
-        model_cfg = get_preset(settings.model.preset)
+        model_cfg = model_config(settings)
         self.layout = UnitLayout(model_cfg.n_experts, settings.model.shards)
         torch.manual_seed(int(self.identity.hash, 16) % 2**31)  # every peer of a swarm starts from one model
         self.model = MoETransformer(model_cfg)

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from spes_p2p import __version__
 from spes_p2p.errors import ConfigError
-from spes_p2p.model.config import get_preset
+from spes_p2p.model.config import ModelConfig, get_preset
 from spes_p2p.model.units import UnitLayout
 from spes_p2p.settings import Settings
 from spes_p2p.swarm.member import MemberConfig
@@ -22,9 +22,15 @@ from spes_p2p.train.trainer import TrainConfig
 PROTOCOL = 1  # bumped when peers of different versions can no longer work together
 
 
+def model_config(settings: Settings) -> ModelConfig:
+    """The preset, with the number of experts overridden when ``[model] experts`` is set."""
+    model = get_preset(settings.model.preset)
+    return model.replace(n_experts=settings.model.experts) if settings.model.experts else model
+
+
 def swarm_identity(settings: Settings) -> SwarmIdentity:
     """The settings that must match across the swarm: model, shards, method, protocol."""
-    model = get_preset(settings.model.preset)
+    model = model_config(settings)
     layout = UnitLayout(model.n_experts, settings.model.shards)
     fields = {f"model.{k}": v for k, v in model.to_dict().items()}
     fields.update(

@@ -21,6 +21,7 @@ class SimConfig:
     peers: int = 4
     shards: int = 2
     preset: str = "tiny"
+    experts: int = 0  # experts per layer; 0: the preset's (tiny has 8, so shards must divide 8)
     rounds: int = 6
     steps_per_round: int = 20
     backend: str = "hivemind"  # or "memory"
@@ -57,6 +58,7 @@ class SimConfig:
         return Settings().override(
             swarm__run_id="sim",
             model__preset=self.preset,
+            model__experts=self.experts,
             model__shards=self.shards,
             method__steps_per_round=self.steps_per_round,
             method__codec=self.codec,
