@@ -29,6 +29,8 @@ from spes_p2p.sim.summary import plot_losses, read_rows, summarize
 logger = logging.getLogger(__name__)
 
 POLL_SECONDS = 0.5
+# many peers share a few cores: one math thread each leaves CPU for their p2p daemons and DHT processes
+SINGLE_THREADED = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
 STARTUP_SECONDS = 120.0  # a process's start, its model and its data
 ROUND_BUDGET_SECONDS = 120.0  # a generous bound on one round, for the overall deadline
 
@@ -199,7 +201,7 @@ class ProcessFleet(Fleet):
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 start_new_session=True,
-                env={**os.environ, "PYTHONUNBUFFERED": "1"},
+                env={**os.environ, **SINGLE_THREADED, "PYTHONUNBUFFERED": "1"},
             )
         self.started.append(index)
         if len(self.started) == 1:

@@ -21,6 +21,7 @@ import logging
 import os
 import signal
 import threading
+import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -55,6 +56,7 @@ logger = logging.getLogger(__name__)
 
 DHT_TIMEOUT = 10.0  # one DHT store or get
 STARTUP_TIMEOUT = 20.0  # starting p2pd and reaching the initial peers
+BOOTSTRAP_RETRY_SECONDS = 3.0
 _OK, _FAILED = b"\x00", b"\x01"
 _CHUNK = 1 << 16
 
@@ -98,31 +100,46 @@ class HivemindTransport(Transport):
         identity_path = ensure_identity(identity_path) if identity_path else None
         key = _signing_key(identity_path) if identity_path else None
         self._validator = RSASignatureValidator(key)
-        try:
-            self.dht = _DHT(
-                initial_peers=list(initial_peers),
-                start=True,
-                client_mode=client_mode,
-                host_maddrs=list(listen),
-                announce_maddrs=list(announce) or None,
-                identity_path=str(identity_path) if identity_path else None,
-                use_auto_relay=use_relay,
-                use_relay=True,
-                startup_timeout=startup_timeout,
-                record_validators=[self._validator],
-                await_ready=False,
-            )
-            self.dht.wait_until_ready(timeout=startup_timeout + 5)
-        except P2PDaemonError as exc:
-            raise _daemon_error(exc, initial_peers) from None
-        except TimeoutError:
-            self._kill_dht()
-            raise BootstrapError(f"the peer did not start within {startup_timeout:.0f}s") from None
+        dht_kwargs = dict(
+            initial_peers=list(initial_peers),
+            start=True,
+            client_mode=client_mode,
+            host_maddrs=list(listen),
+            announce_maddrs=list(announce) or None,
+            identity_path=str(identity_path) if identity_path else None,
+            use_auto_relay=use_relay,
+            use_relay=True,
+            startup_timeout=startup_timeout,
+            record_validators=[self._validator],
+            await_ready=False,
+        )
+        self.dht = self._start_dht(dht_kwargs, initial_peers, startup_timeout)
         self.peer_id = str(self.dht.peer_id)
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="spes-p2p", daemon=True)
         self._thread.start()
         self._p2p = self._run(self.dht.replicate_p2p(), timeout=startup_timeout)
+
+    def _start_dht(self, kwargs: dict, initial_peers: Sequence[str], timeout: float):
+        """Starts the DHT; an initial peer that does not answer (a busy or restarting machine) is retried
+        until ``timeout`` has passed since the first try."""
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                dht = _DHT(**kwargs)
+                dht.wait_until_ready(timeout=timeout + 5)
+                return dht
+            except P2PDaemonError as exc:
+                error = _daemon_error(exc, initial_peers)
+                if (
+                    not isinstance(error, BootstrapError)
+                    or time.monotonic() + BOOTSTRAP_RETRY_SECONDS > deadline
+                ):
+                    raise error from None
+                logger.warning("no initial peer answered yet; retrying in %.0fs", BOOTSTRAP_RETRY_SECONDS)
+                time.sleep(BOOTSTRAP_RETRY_SECONDS)
+            except TimeoutError:
+                raise BootstrapError(f"the peer did not start within {timeout:.0f}s") from None
 
     # -------------------------------------------------------------------------------------------- DHT
 
