@@ -284,8 +284,6 @@ def simulate(
     out,
 ) -> None:
     """A local swarm on this machine, with crashes, late joins and network faults."""
-    import shutil
-
     from spes_cli.render import SimLive, print_simulation
 
     from spes_p2p.sim import SimConfig, parse_event, parse_partition, run
@@ -310,8 +308,6 @@ def simulate(
         max_corpus_mb=max_corpus_mb,
         out=out,
     )
-    if out.exists():
-        shutil.rmtree(out / "peers", ignore_errors=True)  # a fresh simulation each time
     console.print(
         f"simulating {n_peers} peers ({backend}), {shards} shards, {rounds} rounds of {steps_per_round} "
         f"steps; output in {out}"

@@ -53,7 +53,8 @@ def test_late_join_and_a_killed_sole_holder_on_the_memory_backend(tmp_path):
     for unit, info in summary["units"].items():  # every holder, the newcomer included, ends bit-identical
         assert info["max_holder_difference"] in (0.0, None), unit
         assert info["holders"]["5"], f"{unit} uncovered at the end"
-    assert summary["uncovered_unit_rounds"] <= 2  # the killed shard is re-claimed within a couple of rounds
+    # the killed shard is re-claimed once the dead peer's records expire (8 s here, a few fast rounds)
+    assert summary["uncovered_unit_rounds"] <= 4
     assert (tmp_path / "loss.png").stat().st_size > 10_000
     assert json.loads((tmp_path / "summary.json").read_text())["rounds_completed"] == 6
 

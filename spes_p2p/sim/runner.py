@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -256,6 +257,7 @@ class ProcessFleet(Fleet):
 
 def run(cfg: SimConfig, on_tick: Callable[[dict], None] | None = None) -> dict:
     """Runs the simulation to its last round; returns the summary (also written to OUT/summary.json)."""
+    shutil.rmtree(cfg.out / "peers", ignore_errors=True)  # a fresh simulation: no rows of an earlier one
     cfg.out.mkdir(parents=True, exist_ok=True)
     fleet: Fleet = MemoryFleet(cfg) if cfg.backend == "memory" else ProcessFleet(cfg)
     events: list[dict] = []

@@ -453,7 +453,7 @@ class SyncEngine:
 
     def _fetch_weights(self, peer: str, unit: str, codec: str, min_round: int, any_copy: bool):
         """(round, weights) from ``peer``, or None when it cannot serve them (yet)."""
-        # a round to match exactly (refreshes: every peer then gets the same version), or the newest (catch-up)
+        # the round to match (refreshes: every peer then gets the same version), or the newest (catch-up)
         wanted = min_round if min_round >= 0 else None
         request = msgpack.packb({"unit": unit, "codec": codec, "round": wanted, "any_copy": any_copy})
         limit = max_payload_bytes(self.specs[unit], codec) + 64
