@@ -14,6 +14,7 @@ import torch
 from safetensors.torch import load_file
 
 from spes_p2p.model import UnitLayout
+from spes_p2p.sim.runner import stop_process_groups
 
 pytestmark = [pytest.mark.timeout(240), pytest.mark.slow]
 
@@ -89,15 +90,7 @@ class Swarm:
         os.killpg(self.procs[name].pid, sig)
 
     def stop_all(self) -> None:
-        for proc in self.procs.values():
-            if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGTERM)
-        for proc in self.procs.values():
-            try:
-                proc.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait(timeout=5)
+        stop_process_groups(self.procs.values())
 
 
 @pytest.fixture

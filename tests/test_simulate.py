@@ -15,6 +15,7 @@ from spes_cli.main import spes
 from spes_p2p.errors import ConfigError
 from spes_p2p.sim import SimConfig, parse_event, parse_partition, run
 from spes_p2p.sim.config import SOLE
+from spes_p2p.sim.runner import stop_process_groups
 
 pytestmark = [pytest.mark.timeout(300), pytest.mark.slow]
 SMALL = {"steps_per_round": 5, "batch_size": 4, "seq_len": 64, "max_corpus_mb": 1.0}
@@ -157,11 +158,4 @@ def test_resume_after_kill_keeps_the_peer_id(tmp_path):
         assert (tmp_path / "b.addr").read_text().split()[0].endswith(peer_id)  # the same peer id
         assert "resumed from" in (tmp_path / "b.log").read_text()
     finally:
-        for p in procs:
-            if p.poll() is None:
-                os.killpg(p.pid, signal.SIGTERM)
-        for p in procs:
-            try:
-                p.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                os.killpg(p.pid, signal.SIGKILL)
+        stop_process_groups(procs)

@@ -73,6 +73,20 @@ class Fleet(ABC):
         pass
 
 
+def stop_process_groups(procs, grace: float = 20.0) -> None:
+    """SIGTERM to each still-running process group (a peer leaves in order), SIGKILL after ``grace`` s."""
+    procs = list(procs)
+    for proc in procs:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGTERM)
+    for proc in procs:
+        try:
+            proc.wait(timeout=grace)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=5)
+
+
 def _sole_holder(fleet: Fleet) -> int | None:
     """The first live peer that alone trained some expert shard in its latest round."""
     live = fleet.rounds()
@@ -234,15 +248,7 @@ class ProcessFleet(Fleet):
             self.procs[index].wait(timeout=10)
 
     def close(self) -> None:
-        for proc in self.procs.values():
-            if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGTERM)
-        for proc in self.procs.values():
-            try:
-                proc.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait(timeout=5)
+        stop_process_groups(self.procs.values())
 
     def failures(self) -> list[str]:
         return [
