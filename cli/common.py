@@ -68,6 +68,29 @@ def swarm_options(fn):
     return fn
 
 
+def dense_block_options(fn):
+    """Block coordinate descent over the dense part, and how frozen experts are held (default: the config
+    file's, or SPES as published: one dense block, full-precision frozen experts)."""
+    options = [
+        click.option(
+            "--dense-blocks",
+            type=click.IntRange(min=1),
+            help="B: blocks of the dense part (1: train it all).",
+        ),
+        click.option(
+            "--active-blocks", type=click.IntRange(min=1), help="Dense blocks a peer trains at once."
+        ),
+        click.option(
+            "--frozen-experts",
+            type=click.Choice(["full", "int8", "nf4"]),
+            help="How experts a peer does not train are held in memory.",
+        ),
+    ]
+    for option in reversed(options):
+        fn = option(fn)
+    return fn
+
+
 def setup_logging(level: str) -> None:
     """Our logs and hivemind's through one handler, at ``level``."""
     import logging

@@ -9,7 +9,7 @@ import threading
 from pathlib import Path
 
 import click
-from spes_cli.common import SpesCommand, console, err_console, swarm_options
+from spes_cli.common import SpesCommand, console, dense_block_options, err_console, swarm_options
 
 
 @click.command(cls=SpesCommand, context_settings={"help_option_names": ["-h", "--help"]})
@@ -24,6 +24,7 @@ from spes_cli.common import SpesCommand, console, err_console, swarm_options
 @click.option("--shards", type=int, help="Number of expert shards (must match the swarm).")
 @click.option("--experts", type=int, help="Experts per MoE layer, overriding the preset's (must match).")
 @click.option("--capacity", type=int, help="Expert shards this peer trains at once.")
+@dense_block_options
 @click.option("--replication", type=int, help="Target number of holders per expert shard.")
 @click.option("--identity", help="Private key file (created if missing); keeps the peer id across restarts.")
 @click.option(
@@ -37,7 +38,9 @@ from spes_cli.common import SpesCommand, console, err_console, swarm_options
 @click.option("--heartbeat", type=float, help="Seconds between record refreshes.")
 @click.option("--record-ttl", type=float, help="Seconds before a silent peer's records vanish.")
 @click.option("--steps-per-round", type=int, help="H: local steps between synchronizations (must match).")
-@click.option("--codec", type=click.Choice(["none", "fp16", "int8", "topk"]), help="How updates travel.")
+@click.option(
+    "--codec", type=click.Choice(["none", "fp16", "int8", "nf4", "topk"]), help="How updates travel."
+)
 @click.option("--overlap/--no-overlap", default=None, help="Sync round k while round k+1 trains.")
 @click.option("--merge/--no-merge", default=None, help="Expert-merging warm-up.")
 @click.option("--corpus", help="This peer's data: stdlib, a text/.jsonl file or folder, or hf:NAME.")
@@ -73,6 +76,9 @@ def spes_join(
     shards,
     experts,
     capacity,
+    dense_blocks,
+    active_blocks,
+    frozen_experts,
     replication,
     identity,
     listen,
@@ -113,6 +119,9 @@ def spes_join(
         model__shards=shards,
         model__experts=experts,
         peer__capacity=capacity,
+        model__dense_blocks=dense_blocks,
+        peer__active_blocks=active_blocks,
+        train__frozen_experts=frozen_experts,
         swarm__target_replication=replication,
         network__identity=identity,
         network__listen=tuple(listen) or None,

@@ -6,7 +6,7 @@ import json
 from pathlib import Path
 
 import click
-from spes_cli.common import SpesGroup, console, parse_shard_list, swarm_options
+from spes_cli.common import SpesGroup, console, dense_block_options, parse_shard_list, swarm_options
 
 PRESET_NAMES = (
     "tiny",
@@ -172,20 +172,31 @@ def eval_(checkpoint, corpus, batches, as_json) -> None:
     default="0",
     show_default=True,
     metavar="LIST",
-    help="Expert shards the peer trains (it also trains the dense part).",
+    help="Expert shards the peer trains (it also trains --active-blocks of the dense part).",
 )
 @click.option(
     "--optimizer", type=click.Choice(["adamw8bit", "adamw"]), default="adamw8bit", show_default=True
 )
+@dense_block_options
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
-def memory(preset, shards, owned_shards, optimizer, as_json) -> None:
+def memory(
+    preset, shards, owned_shards, optimizer, dense_blocks, active_blocks, frozen_experts, as_json
+) -> None:
     """Allocated bytes of a peer owning --owned-shards, next to a peer that trains everything."""
     from spes_cli.render import memory_table
 
     from spes_p2p.train import memory as mem
 
     with console.status(f"Measuring {preset} with {optimizer}..."):
-        report = mem.compare(preset, shards, list(owned_shards), optimizer)
+        report = mem.compare(
+            preset,
+            shards,
+            list(owned_shards),
+            optimizer,
+            dense_blocks=dense_blocks or 1,
+            active_blocks=active_blocks or 1,
+            frozen_experts=frozen_experts or "full",
+        )
     if as_json:
         click.echo(json.dumps(report))
     else:
@@ -255,8 +266,10 @@ def status(config, peers, run_id, log_level, as_json) -> None:
     help="Memory backend: e.g. 0,1/2,3@2-3 splits the swarm in rounds 2 to 3.",
 )
 @click.option(
-    "--codec", type=click.Choice(["none", "fp16", "int8", "topk"]), default="int8", show_default=True
+    "--codec", type=click.Choice(["none", "fp16", "int8", "nf4", "topk"]), default="int8", show_default=True
 )
+@dense_block_options
+@click.option("--rotate-every", default=2, show_default=True, help="Rounds between dense-block rotations.")
 @click.option("--batch-size", default=8, show_default=True)
 @click.option("--seq-len", default=128, show_default=True)
 @click.option("--max-corpus-mb", default=4.0, show_default=True)
@@ -278,6 +291,10 @@ def simulate(
     corrupt,
     partitions,
     codec,
+    dense_blocks,
+    active_blocks,
+    rotate_every,
+    frozen_experts,
     batch_size,
     seq_len,
     max_corpus_mb,
@@ -303,6 +320,10 @@ def simulate(
         corrupt=corrupt,
         partitions=tuple(parse_partition(p) for p in partitions),
         codec=codec,
+        dense_blocks=dense_blocks or 1,
+        active_blocks=active_blocks or 1,
+        rotate_every=rotate_every,
+        frozen_experts=frozen_experts or "full",
         batch_size=batch_size,
         seq_len=seq_len,
         max_corpus_mb=max_corpus_mb,

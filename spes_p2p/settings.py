@@ -16,7 +16,7 @@ from typing import Any
 
 from spes_p2p.errors import ConfigError
 
-CODECS = ("none", "fp16", "int8", "topk")
+CODECS = ("none", "fp16", "int8", "nf4", "topk")
 DEFAULT_CONFIG = Path("peers.toml")  # looked up in the working directory
 
 
@@ -61,10 +61,12 @@ class ModelSettings:
     preset: str = "tiny"
     shards: int = 4  # expert shards: units experts/0 .. experts/<shards-1>
     experts: int = 0  # experts per MoE layer; 0: the preset's
+    dense_blocks: int = 1  # B: the dense part in blocks dense/0 .. dense/<B-1>; 1: every peer trains it all
 
     def __post_init__(self) -> None:
         _check(self.shards >= 1, "shards", "must be at least 1")
         _check(self.experts >= 0, "experts", "must be 0 (the preset's) or more")
+        _check(self.dense_blocks >= 1, "dense_blocks", "must be at least 1")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -83,6 +85,8 @@ class MethodSettings:
     merge_alpha: float = 0.05  # a_0
     merge_horizon: int = 2000  # T, steps
     merge_neighbours: int = 4  # K
+    rotate_every_rounds: int = 10  # dense blocks (B > 1): rounds between rotations; 0: never rotate
+    block_order: str = "cyclic"  # how holders move at a rotation: cyclic (block b -> b+1) or random
 
     def __post_init__(self) -> None:
         _check(self.steps_per_round >= 1, "steps_per_round", "must be at least 1")
@@ -100,6 +104,8 @@ class MethodSettings:
             "merge_interval, merge_horizon and merge_neighbours must be at least 1",
         )
         _check(0 <= self.merge_alpha <= 1, "merge_alpha", "must be in [0, 1]")
+        _check(self.rotate_every_rounds >= 0, "rotate_every_rounds", "must be at least 0")
+        _check(self.block_order in ("cyclic", "random"), "block_order", "must be cyclic or random")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -113,9 +119,13 @@ class TrainSettings:
     eval_every_rounds: int = 5
     eval_batches: int = 4
     checkpoint_every_rounds: int = 5
+    frozen_experts: str = "full"  # how experts this peer does not train are held: full, int8 or nf4
+    switch_state: str = "reset"  # optimizer state of a unit given up: reset (freed) or cpu (kept there)
 
     def __post_init__(self) -> None:
         _check(self.optimizer in ("adamw8bit", "adamw"), "optimizer", "must be adamw8bit or adamw")
+        _check(self.frozen_experts in ("full", "int8", "nf4"), "frozen_experts", "must be full, int8 or nf4")
+        _check(self.switch_state in ("reset", "cpu"), "switch_state", "must be reset or cpu")
         for name in (
             "total_steps",
             "batch_size",
@@ -153,9 +163,11 @@ class NetworkSettings:
 @dataclass(frozen=True, kw_only=True)
 class PeerSettings:
     capacity: int = 1  # expert shards this peer trains at once
+    active_blocks: int = 1  # dense blocks this peer trains at once (with [model] dense_blocks > 1)
 
     def __post_init__(self) -> None:
         _check(self.capacity >= 1, "capacity", "must be at least 1")
+        _check(self.active_blocks >= 1, "active_blocks", "must be at least 1")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -167,6 +179,13 @@ class Settings:
     data: DataSettings = field(default_factory=DataSettings)
     network: NetworkSettings = field(default_factory=NetworkSettings)
     peer: PeerSettings = field(default_factory=PeerSettings)
+
+    def __post_init__(self) -> None:
+        _check(
+            self.peer.active_blocks <= self.model.dense_blocks,
+            "active_blocks",
+            f"must be at most [model] dense_blocks ({self.model.dense_blocks})",
+        )
 
     def override(self, **changes: Any) -> Settings:
         """Applies ``section__field=value`` overrides (None means: keep the file's value)."""
@@ -224,7 +243,12 @@ def _from_dict(data: dict, path: Path, text: str) -> Settings:
             raise ConfigError(
                 f"{path}{_line_of(text, section, exc.field)}: [{section}] {exc.field} {exc.problem}"
             ) from None
-    return Settings(**built)
+    try:
+        return Settings(**built)
+    except _FieldError as exc:  # across sections: [peer] active_blocks against [model] dense_blocks
+        raise ConfigError(
+            f"{path}{_line_of(text, 'peer', exc.field)}: [peer] {exc.field} {exc.problem}"
+        ) from None
 
 
 def _coerce(value: Any, hint: Any, where: str) -> Any:

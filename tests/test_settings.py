@@ -37,7 +37,7 @@ def test_file_values_and_flag_overrides(tmp_path):
         ("[swarm]\ninitial_peers = ['/ip4/1.2.3.4/tcp/5']\n", "lacks its /p2p/<peer id> part"),
         (
             "[method]\ncodec = 'zip'\n",
-            r"peers.toml:2: \[method\] codec must be one of none, fp16, int8, topk",
+            r"peers.toml:2: \[method\] codec must be one of none, fp16, int8, nf4, topk",
         ),
         (
             "[swarm]\nheartbeat_seconds = 10.0\nrecord_ttl_seconds = 5\n",

@@ -15,19 +15,85 @@ import torch.nn.functional as F
 from torch import nn
 
 from spes_p2p.model.config import ModelConfig
+from spes_p2p.model.quant import QuantizedTensor, frozen_matmul
 
 
 class SwiGLUExpert(nn.Module):
-    """One expert: w2(silu(x w1) * (x w3))."""
+    """One expert: w2(silu(x w1) * (x w3)).
+
+    A frozen expert can be held quantized (``quantize_``): its weights then leave the module's parameters and
+    live in ``self.quantized``, under the same names; ``state_dict`` and ``load_state_dict`` still read and
+    write them in full precision, so checkpoints do not depend on how a peer holds its frozen copies.
+    """
+
+    WEIGHTS = ("w1", "w3", "w2")
 
     def __init__(self, d_model: int, expert_dim: int) -> None:
         super().__init__()
         self.w1 = nn.Parameter(torch.empty(d_model, expert_dim))  # gate, (D, F)
         self.w3 = nn.Parameter(torch.empty(d_model, expert_dim))  # up, (D, F)
         self.w2 = nn.Parameter(torch.empty(expert_dim, d_model))  # down, (F, D)
+        self.quantized: dict[str, QuantizedTensor] = {}
 
     def forward(self, x_ND: torch.Tensor) -> torch.Tensor:
-        return (F.silu(x_ND @ self.w1) * (x_ND @ self.w3)) @ self.w2
+        return self._matmul(F.silu(self._matmul(x_ND, "w1")) * self._matmul(x_ND, "w3"), "w2")
+
+    def _matmul(self, x: torch.Tensor, name: str) -> torch.Tensor:
+        q = self.quantized.get(name)
+        return x @ getattr(self, name) if q is None else frozen_matmul(x, q)
+
+    # ------------------------------------------------------------------------ quantized frozen copies
+
+    def quantize_(self, kind: str) -> None:
+        """Holds the weights as ``kind`` (int8 or nf4) codes; they stop being parameters."""
+        if self.quantized and next(iter(self.quantized.values())).kind == kind:
+            return
+        weights = {name: self.get_weight(name) for name in self.WEIGHTS}
+        for name in self.WEIGHTS:
+            if name in self._parameters:
+                delattr(self, name)
+            self.quantized[name] = QuantizedTensor.quantize(weights[name], kind)
+
+    def dequantize_(self) -> None:
+        """Back to full-precision (frozen) parameters, e.g. when this peer starts training the expert."""
+        for name, q in list(self.quantized.items()):
+            self.register_parameter(name, nn.Parameter(q.dequantize(), requires_grad=False))
+        self.quantized.clear()
+
+    def get_weight(self, name: str) -> torch.Tensor:
+        q = self.quantized.get(name)
+        return getattr(self, name).detach() if q is None else q.dequantize()
+
+    @torch.no_grad()
+    def set_weight(self, name: str, value: torch.Tensor) -> None:
+        q = self.quantized.get(name)
+        if q is None:
+            getattr(self, name).copy_(value)
+        else:
+            self.quantized[name] = QuantizedTensor.quantize(value, q.kind)
+
+    def weight_shape(self, name: str) -> torch.Size:
+        q = self.quantized.get(name)
+        return getattr(self, name).shape if q is None else q.shape
+
+    def _save_to_state_dict(self, destination, prefix, keep_vars) -> None:
+        super()._save_to_state_dict(destination, prefix, keep_vars)
+        for name, q in self.quantized.items():
+            destination[prefix + name] = q.dequantize()
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing, unexpected, errors):
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing, unexpected, errors)
+        for name in self.quantized:
+            key = prefix + name
+            if key not in state_dict:
+                missing.append(key)
+                continue
+            if key in unexpected:
+                unexpected.remove(key)
+            if tuple(state_dict[key].shape) != tuple(self.quantized[name].shape):
+                errors.append(f"size mismatch for {key}: {tuple(state_dict[key].shape)}")
+                continue
+            self.set_weight(name, state_dict[key])
 
 
 class Router(nn.Module):

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from spes_p2p.model.config import ModelConfig
-from spes_p2p.model.moe import MoE
+from spes_p2p.model.moe import MoE, SwiGLUExpert
 
 
 class RMSNorm(nn.Module):
@@ -141,10 +141,15 @@ class MoETransformer(nn.Module):
         return LMOutput(logits_BSV, loss, parts)
 
     def num_params(self) -> int:
-        return sum(p.numel() for p in self.parameters())
+        """Every weight, quantized frozen experts included."""
+        quantized = sum(
+            q.numel() for m in self.modules() if isinstance(m, SwiGLUExpert) for q in m.quantized.values()
+        )
+        return sum(p.numel() for p in self.parameters()) + quantized
 
     def num_active_params(self) -> int:
         """Parameters used per token: everything but the experts a token is not routed to."""
-        per_expert = sum(p.numel() for p in self.layers[0].moe.experts[0].parameters())
+        expert = self.layers[0].moe.experts[0]
+        per_expert = sum(expert.weight_shape(name).numel() for name in expert.WEIGHTS)
         unused = self.cfg.n_layers * (self.cfg.n_experts - self.cfg.top_k) * per_expert
         return self.num_params() - unused

@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 
 from spes_p2p.errors import CheckpointError
-from spes_p2p.model import MoETransformer, UnitLayout, read_unit, write_unit
+from spes_p2p.model import MoETransformer, read_unit, write_unit
 from spes_p2p.peer.outputs import RunOutputs
 from spes_p2p.peer.setup import (
     data_config,
@@ -36,6 +36,7 @@ from spes_p2p.peer.setup import (
     swarm_identity,
     sync_config,
     train_config,
+    unit_layout,
 )
 from spes_p2p.settings import Settings
 from spes_p2p.swarm.codecs import specs_of
@@ -89,7 +90,7 @@ class Peer:
         self.identity = swarm_identity(settings)
         self.member = SwarmMember(transport, self.identity, member_config(settings, self.identity))
         model_cfg = model_config(settings)
-        self.layout = UnitLayout(model_cfg.n_experts, settings.model.shards)
+        self.layout = unit_layout(settings)
         torch.manual_seed(int(self.identity.hash, 16) % 2**31)  # every peer of a swarm starts from one model
         self.model = MoETransformer(model_cfg)
         specs = {u: specs_of(read_unit(self.model, self.layout, u)) for u in self.layout.units}
@@ -118,6 +119,7 @@ class Peer:
         self.resumed_from: Path | None = None
         self._in_flight: _Sync | None = None
         self._synced_start: dict[str, Tensors] = {}  # overlap: where the next update is measured from
+        self._round_start: dict[str, Tensors] = {}  # the start weights of the round training now
         self._lock = threading.RLock()  # the member's state, shared with the heartbeat thread
         self._stop_heartbeat = threading.Event()
         self._last_row: dict = {}
@@ -292,7 +294,7 @@ class Peer:
         """H local steps, then this round's sync (in the background with overlap). False if stopped."""
         self._follow_claims()
         units = list(self.trainer.units)
-        start = {u: read_unit(self.model, self.layout, u) for u in units}
+        start = self._round_start = {u: read_unit(self.model, self.layout, u) for u in units}
         started, losses, tokens = time.perf_counter(), [], 0
         for _ in range(self.settings.method.steps_per_round):
             if stop.is_set():
@@ -351,15 +353,29 @@ class Peer:
             self._merge_if_due(sync)
             for unit, result in sync.results.items():
                 self.sync.serve_weights(sync.round, unit, result.new_weights)
-            frozen = {u: sorted(h - {me}) for u, h in view.holders.items() if u not in sync.units}
+            frozen = {
+                u: sorted(view.participants(u, sync.round) - {me})
+                for u in self.layout.units
+                if u not in sync.units
+            }
             self.sync.refresh(
                 sync.round,
                 frozen,
                 self.sync.deadline.seconds(),
+                codec={u: self._refresh_codec(u) for u in frozen},
                 on_unit=lambda unit, _, weights: sync.refreshed.__setitem__(unit, weights),
             )
         except BaseException as exc:  # re-raised on the training thread when the sync lands
             sync.error = exc
+
+    def _refresh_codec(self, unit: str) -> str:
+        """Exact for a unit this peer is about to train; a frozen expert held quantized: in its own format."""
+        if unit in self.member.units_held:
+            return "none"
+        frozen = self.settings.train.frozen_experts
+        return (
+            frozen if unit.startswith("experts/") and frozen != "full" else self.settings.method.refresh_codec
+        )
 
     def _land_in_flight(self) -> None:
         sync, self._in_flight = self._in_flight, None
@@ -380,6 +396,10 @@ class Peer:
                 new = {n: result.new_weights[n] + (now[n] - sync.end[unit][n]) for n in now}
             write_unit(self.model, self.layout, unit, new)
         for unit, weights in sync.refreshed.items():
+            if overlap and unit in self._round_start:  # trained since this round began: keep that progress
+                now = read_unit(self.model, self.layout, unit)
+                self._synced_start[unit] = weights
+                weights = {n: weights[n] + (now[n] - self._round_start[unit][n]) for n in now}
             write_unit(self.model, self.layout, unit, weights)
         self.round = sync.round + 1
         self._jump_ahead_if_behind()
@@ -453,11 +473,24 @@ class Peer:
         if sorted(held) == self.trainer.units:
             return
         logger.info("now training %s (was %s)", sorted(held), self.trainer.units)
-        for unit in set(self.trainer.units) - set(held):
-            self.sync.stop_serving(unit)
-        for unit in set(held) - set(self.trainer.units):
+        new = sorted(set(held) - set(self.trainer.units))
+        if not self.settings.method.overlap:  # (with overlap, the sync in flight fetches them exactly)
+            self._fetch_exact(new)
+        for unit in new:
             self.sync.serve_weights(self.round - 1, unit, read_unit(self.model, self.layout, unit))
-        self.trainer.retarget(held)
+        self.trainer.retarget(held)  # units given up are still served for a few rounds, to their new holders
+
+    def _fetch_exact(self, units: list[str]) -> None:
+        """The last round's weights of units this peer starts training, uncompressed, from those that trained
+        them then (bounded; on failure the local copy stays, and the round's exchange re-synchronizes)."""
+        view, me = self.member.view(), self.transport.peer_id
+        self.sync.refresh(
+            self.round - 1,
+            {u: sorted(view.participants(u, self.round - 1) - {me}) for u in units},
+            self.settings.swarm.sync_deadline_max,
+            codec="none",
+            on_unit=lambda unit, _, weights: write_unit(self.model, self.layout, unit, weights),
+        )
 
     # -------------------------------------------------------------------------------------- leaving
 

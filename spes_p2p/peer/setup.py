@@ -28,15 +28,20 @@ def model_config(settings: Settings) -> ModelConfig:
     return model.replace(n_experts=settings.model.experts) if settings.model.experts else model
 
 
+def unit_layout(settings: Settings) -> UnitLayout:
+    return UnitLayout.for_model(model_config(settings), settings.model.shards, settings.model.dense_blocks)
+
+
 def swarm_identity(settings: Settings) -> SwarmIdentity:
-    """The settings that must match across the swarm: model, shards, method, protocol."""
+    """The settings that must match across the swarm: model, shards, dense blocks, method, protocol."""
     model = model_config(settings)
-    layout = UnitLayout(model.n_experts, settings.model.shards)
+    layout = unit_layout(settings)
     fields = {f"model.{k}": v for k, v in model.to_dict().items()}
     fields.update(
         {
             "model.preset": settings.model.preset,
             "model.shards": settings.model.shards,
+            "model.dense_blocks": settings.model.dense_blocks,
             **{f"method.{k}": v for k, v in dataclasses.asdict(settings.method).items()},
             "protocol": PROTOCOL,
             "units": layout.units,
@@ -47,10 +52,16 @@ def swarm_identity(settings: Settings) -> SwarmIdentity:
 
 def member_config(settings: Settings, identity: SwarmIdentity) -> MemberConfig:
     units = identity.fields["units"]
+    dense = [u for u in units if u.startswith("dense/")]
+    blocks = len(dense) > 1  # block coordinate descent over the dense part; B = 1 is SPES as published
     return MemberConfig(
         run_id=settings.swarm.run_id,
         claimable=[u for u in units if u.startswith("experts/")],
-        always_held=[u for u in units if u.startswith("dense/")],  # SPES: every peer trains the dense part
+        always_held=[] if blocks else dense,
+        dense_claimable=dense if blocks else [],
+        dense_capacity=settings.peer.active_blocks,
+        rotate_every=settings.method.rotate_every_rounds,
+        block_order=settings.method.block_order,
         capacity=settings.peer.capacity,
         target_replication=settings.swarm.target_replication,
         hysteresis=settings.swarm.hysteresis,
@@ -108,6 +119,8 @@ def train_config(settings: Settings) -> TrainConfig:
         batch_size=t.batch_size,
         seq_len=t.seq_len,
         eval_batches=t.eval_batches,
+        frozen_experts=t.frozen_experts,
+        switch_state=t.switch_state,
     )
 
 

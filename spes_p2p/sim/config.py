@@ -37,6 +37,10 @@ class SimConfig:
     seq_len: int = 128
     max_corpus_mb: float = 4.0
     seed: int = 0
+    dense_blocks: int = 1  # B; 1: every peer trains the whole dense part
+    active_blocks: int = 1
+    rotate_every: int = 2  # rounds between dense-block rotations (short, as simulations are)
+    frozen_experts: str = "full"
     extra: dict = field(default_factory=dict)  # more Settings overrides, section__field=value
 
     def __post_init__(self) -> None:
@@ -62,6 +66,10 @@ class SimConfig:
             model__shards=self.shards,
             method__steps_per_round=self.steps_per_round,
             method__codec=self.codec,
+            model__dense_blocks=self.dense_blocks,
+            peer__active_blocks=self.active_blocks,
+            method__rotate_every_rounds=self.rotate_every,
+            train__frozen_experts=self.frozen_experts,
             train__batch_size=self.batch_size,
             train__seq_len=self.seq_len,
             train__eval_every_rounds=2,

@@ -205,6 +205,8 @@ class ProcessFleet(Fleet):
             str(self.cfg.rounds),
             "--min-peers",
             str(self.cfg.peers if initial else 1),
+            "--log-level",
+            "info",
         ]
         if not self.started:
             args.append("--new-swarm")

@@ -9,7 +9,7 @@ from pathlib import Path
 from safetensors.torch import load_file
 
 from spes_p2p.model import UnitLayout
-from spes_p2p.peer.setup import model_config
+from spes_p2p.peer.setup import unit_layout
 
 
 def read_rows(folder: Path) -> list[dict]:
@@ -36,7 +36,7 @@ def summarize(
     failures: list[str],
 ) -> dict:
     rows = {name: read_rows(peers_dir / name) for name in names}
-    layout = UnitLayout(model_config(cfg.settings()).n_experts, cfg.shards)
+    layout = unit_layout(cfg.settings())
     completed = 1 + max((r["round"] for rs in rows.values() for r in rs), default=-1)
     holders = {
         u: {

@@ -17,6 +17,7 @@ Evaluated at sync boundaries; hysteresis keeps peers from flapping on small diff
 from __future__ import annotations
 
 import hashlib
+import random
 from collections.abc import Iterable, Mapping
 
 
@@ -83,3 +84,45 @@ def plan_moves(
         view[dst].add(peer)
         moved.add(peer)
         moves.append(move)
+
+
+# ------------------------------------------------------------------------------------ dense blocks (BCD)
+#
+# With B > 1 dense blocks, each peer trains ``active_blocks`` of them. Every ``rotate_every`` rounds the
+# holders of block b move to block perm(b), for a permutation of the blocks that every peer computes alike
+# from the epoch number (round // rotate_every). A permutation maps a covered set of blocks onto a covered
+# set, so rotation alone never leaves a block without an owner; the claim policy above repairs what churn
+# uncovers. Holder records carry the epoch they were made in, so a view read while some peers have rotated
+# and others not yet is first carried forward to one epoch (``holders_at_epoch``): every peer plans from the
+# same view.
+
+BLOCK_ORDERS = ("cyclic", "random")
+
+
+def block_permutation(n_blocks: int, epoch: int, order: str, seed: str) -> list[int]:
+    """perm[b]: the block that block b's holders train from the start of ``epoch`` on."""
+    if order == "cyclic":
+        return [(b + 1) % n_blocks for b in range(n_blocks)]
+    perm = list(range(n_blocks))
+    random.Random(f"{seed}:{epoch}").shuffle(perm)
+    return perm
+
+
+def carry_block(block: int, from_epoch: int, to_epoch: int, n_blocks: int, order: str, seed: str) -> int:
+    """Where a holder of ``block`` in ``from_epoch`` is in ``to_epoch`` (later epochs only)."""
+    for epoch in range(from_epoch + 1, to_epoch + 1):
+        block = block_permutation(n_blocks, epoch, order, seed)[block]
+    return block
+
+
+def holders_at_epoch(
+    holders: Mapping[str, Mapping[str, int]], epoch: int, order: str, seed: str
+) -> dict[str, set[str]]:
+    """``holders`` (dense unit -> holder -> the epoch of its record) as they are in ``epoch``."""
+    units = sorted(holders, key=lambda u: int(u.split("/")[1]))
+    out: dict[str, set[str]] = {u: set() for u in units}
+    for unit, peers in holders.items():
+        for peer, held_in in peers.items():
+            block = carry_block(int(unit.split("/")[1]), held_in, epoch, len(units), order, seed)
+            out[units[block]].add(peer)
+    return out

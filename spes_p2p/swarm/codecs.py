@@ -13,6 +13,8 @@ Codecs:
     none   the tensors' own bytes (float32)
     fp16   half precision
     int8   blockwise 8-bit (bitsandbytes' dynamic map, blocks of 4096, one float32 absmax per block)
+    nf4    blockwise 4-bit NormalFloat (blocks of 64, one float32 absmax per block): how peers that hold
+           their frozen experts in 4 bits ask for them
     topk   the largest ``fraction`` of entries by magnitude: int32 indices + float16 values; the sender keeps
            what was not sent as error feedback (``TopKFeedback``) and adds it to the next update
 """
@@ -26,13 +28,21 @@ from dataclasses import dataclass
 
 import torch
 
-from spes_p2p.compat import bitsandbytes
+from spes_p2p.blockwise import (
+    INT8_BLOCK,
+    NF4_BLOCK,
+    dequantize_int8,
+    dequantize_nf4,
+    int8_sizes,
+    nf4_sizes,
+    quantize_int8,
+    quantize_nf4,
+)
 from spes_p2p.errors import SpesError
 
 MAGIC, VERSION = b"SPES", 1
 MAX_HEADER_BYTES = 1 << 20
-INT8_BLOCK = 4096
-CODECS = ("none", "fp16", "int8", "topk")
+CODECS = ("none", "fp16", "int8", "nf4", "topk")
 TOPK_FRACTION = 0.02
 
 
@@ -118,8 +128,9 @@ def decode(
 
 def max_payload_bytes(expected: dict[str, TensorSpec], codec: str) -> int:
     """An upper bound on an honest payload's size: anything larger is refused before it is read."""
-    per_element = {"none": 4, "fp16": 2, "int8": 1, "topk": 6}[codec]
-    body = sum(s.numel * per_element + 4 * (s.numel // INT8_BLOCK + 1) for s in expected.values())
+    per_element = {"none": 4, "fp16": 2, "int8": 1, "nf4": 0.5, "topk": 6}[codec]
+    block = NF4_BLOCK if codec == "nf4" else INT8_BLOCK
+    body = sum(math.ceil(s.numel * per_element) + 4 * (s.numel // block + 1) for s in expected.values())
     return body + 512 * len(expected) + 1024
 
 
@@ -185,32 +196,30 @@ def _dec_fp16(parts, numel):
 
 
 def _enc_int8(flat, _):
-    if flat.numel() == 0:
-        return [torch.empty(0, dtype=torch.uint8), torch.empty(0)]
-    codes, state = bitsandbytes().functional.quantize_blockwise(flat, blocksize=INT8_BLOCK)
-    return [codes, state.absmax.float()]
+    return list(quantize_int8(flat))
 
 
 def _dec_int8(parts, numel):
+    codes, absmax = _quantized_parts(parts, int8_sizes(numel))
+    return dequantize_int8(codes, absmax)
+
+
+def _enc_nf4(flat, _):
+    return list(quantize_nf4(flat))
+
+
+def _dec_nf4(parts, numel):
+    codes, absmax = _quantized_parts(parts, nf4_sizes(numel))
+    return dequantize_nf4(codes, absmax, numel)
+
+
+def _quantized_parts(parts, sizes: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
     raw_codes, raw_absmax = _expect_parts(parts, 2)
-    codes = _frombuffer(raw_codes, torch.uint8, numel)
-    absmax = _frombuffer(raw_absmax, torch.float32, math.ceil(numel / INT8_BLOCK))
-    if numel == 0:
-        return torch.empty(0)
+    codes = _frombuffer(raw_codes, torch.uint8, sizes[0])
+    absmax = _frombuffer(raw_absmax, torch.float32, sizes[1])
     if not torch.isfinite(absmax).all():
-        raise PayloadError("int8 block scales are not finite")
-    functional = bitsandbytes().functional
-    return functional.dequantize_blockwise(codes, absmax=absmax, code=_dynamic_map(), blocksize=INT8_BLOCK)
-
-
-def _dynamic_map() -> torch.Tensor:
-    global _MAP
-    if _MAP is None:
-        _MAP = bitsandbytes().functional.create_dynamic_map(signed=True)
-    return _MAP
-
-
-_MAP = None
+        raise PayloadError("block scales are not finite")
+    return codes, absmax
 
 
 def _enc_topk(flat, fraction):
@@ -237,8 +246,8 @@ def _expect_parts(parts, n):
     return parts
 
 
-_ENCODERS = {"none": _enc_none, "fp16": _enc_fp16, "int8": _enc_int8, "topk": _enc_topk}
-_DECODERS = {"none": _dec_none, "fp16": _dec_fp16, "int8": _dec_int8, "topk": _dec_topk}
+_ENCODERS = {"none": _enc_none, "fp16": _enc_fp16, "int8": _enc_int8, "nf4": _enc_nf4, "topk": _enc_topk}
+_DECODERS = {"none": _dec_none, "fp16": _dec_fp16, "int8": _dec_int8, "nf4": _dec_nf4, "topk": _dec_topk}
 
 
 class TopKFeedback:

@@ -35,7 +35,15 @@ import msgpack
 import torch
 
 from spes_p2p.swarm.aggregate import Contribution, OuterStep, weighted_mean
-from spes_p2p.swarm.codecs import PayloadError, TensorSpec, TopKFeedback, decode, encode, max_payload_bytes
+from spes_p2p.swarm.codecs import (
+    CODECS,
+    PayloadError,
+    TensorSpec,
+    TopKFeedback,
+    decode,
+    encode,
+    max_payload_bytes,
+)
 from spes_p2p.swarm.transport import RemoteError, Transport, TransportError, Unavailable
 
 logger = logging.getLogger(__name__)
@@ -193,14 +201,13 @@ class SyncEngine:
                 del versions[old]
             self._encoded = {k: v for k, v in self._encoded.items() if k[:2] != (round_, unit)}
 
-    def stop_serving(self, unit: str) -> None:
-        with self._lock:
-            self.current.pop(unit, None)
-
     def forget_before(self, round_: int) -> None:
-        """Drops outbox entries and caches older than ``keep_rounds``."""
+        """Drops outbox entries, served weights (so a unit given up stops being served) and caches older
+        than ``keep_rounds``."""
         horizon = round_ - self.cfg.keep_rounds
         with self._lock:
+            kept = {u: {r: w for r, w in v.items() if r > horizon} for u, v in self.current.items()}
+            self.current = {u: v for u, v in kept.items() if v}
             self.outbox = {k: v for k, v in self.outbox.items() if k[0] > horizon}
             self._encoded = {k: v for k, v in self._encoded.items() if k[0] > horizon}
             self.base_hashes = {
@@ -329,7 +336,7 @@ class SyncEngine:
         """(Contribution, start hash); 'rejected' for a bad payload; 'gone' when the announcer no longer
         has it (it moved on); None when it cannot be reached right now."""
         codec = announcement["codec"]
-        limit = max_payload_bytes(self.specs[unit], codec) if codec in ("none", "fp16", "int8", "topk") else 0
+        limit = max_payload_bytes(self.specs[unit], codec) if codec in CODECS else 0
         if not 0 < announcement["bytes"] <= limit:
             logger.warning(
                 "rejecting %s's %s update: announced %s bytes (limit %d)",
@@ -404,17 +411,18 @@ class SyncEngine:
         min_round: int,
         holders: dict[str, list[str]],
         deadline: float,
-        codec: str | None = None,
+        codec: str | dict[str, str] | None = None,
         on_unit: Callable[[str, int, Tensors], None] | None = None,
         fallback: list[str] = (),
     ) -> dict[str, int]:
         """Fetches each unit in ``holders`` (unit -> live holders) from one of them, units in parallel, once
         a holder has weights of round >= ``min_round``; returns unit -> round fetched, for units obtained.
-        A unit that no holder can serve yet is taken from a ``fallback`` peer's own copy (newcomers)."""
-        codec = codec or self.cfg.refresh_codec
+        A unit that no holder can serve yet is taken from a ``fallback`` peer's own copy (newcomers).
+        ``codec``: one for every unit, or unit -> codec (default: the refresh codec)."""
+        codecs = codec if isinstance(codec, dict) else {u: codec or self.cfg.refresh_codec for u in holders}
         stop_at = time.monotonic() + deadline
         futures = {
-            u: self._pool.submit(self._refresh_unit, u, h, list(fallback), min_round, codec, stop_at)
+            u: self._pool.submit(self._refresh_unit, u, h, list(fallback), min_round, codecs[u], stop_at)
             for u, h in holders.items()
             if h or fallback
         }

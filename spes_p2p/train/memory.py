@@ -11,6 +11,7 @@ import torch
 
 from spes_p2p.errors import ConfigError
 from spes_p2p.model import ModelConfig, MoETransformer, UnitLayout, get_preset
+from spes_p2p.model.moe import SwiGLUExpert
 from spes_p2p.train.optim import tensor_bytes
 from spes_p2p.train.trainer import TrainConfig, Trainer
 
@@ -22,10 +23,12 @@ def measure(
     layout: UnitLayout,
     units: list[str],
     optimizer: str,
+    frozen_experts: str = "full",
     batch_size: int = 4,
     seq_len: int = 128,
 ) -> dict[str, int]:
-    """Allocated bytes after one real step of a trainer that owns ``units``.
+    """Allocated bytes after one real step of a trainer that owns ``units`` and holds the other experts as
+    ``frozen_experts`` (full, int8 or nf4).
 
     The step's batch routes enough tokens that every expert gets some, as in real training; an expert that
     got none would have no gradient buffer in this step.
@@ -33,7 +36,9 @@ def measure(
     _check_fits(model_cfg)
     torch.manual_seed(0)
     model = MoETransformer(model_cfg)
-    trainer = Trainer(model, layout, units, TrainConfig(optimizer=optimizer, warmup_steps=0))
+    trainer = Trainer(
+        model, layout, units, TrainConfig(optimizer=optimizer, warmup_steps=0, frozen_experts=frozen_experts)
+    )
     tokens = torch.randint(0, model_cfg.vocab_size, (batch_size, seq_len + 1))
     out = model(tokens[:, :-1], tokens[:, 1:])
     out.loss.backward()
@@ -42,7 +47,7 @@ def measure(
     report = {
         "total_params": model.num_params(),
         "trainable_params": sum(p.numel() for p in trainer.trainable),
-        "weights_bytes": sum(tensor_bytes(p) for p in model.parameters()),
+        "weights_bytes": weights_bytes(model),
         "grads_bytes": grads,
         "optimizer_bytes": tensor_bytes(list(trainer.optimizer.state.values())),
     }
@@ -50,16 +55,54 @@ def measure(
     return report
 
 
-def compare(preset: str, n_shards: int, owned_shards: list[int], optimizer: str) -> dict:
-    """A peer owning the dense part and ``owned_shards``, next to a trainer that owns every unit."""
+def weights_bytes(model: MoETransformer) -> int:
+    """Parameters plus the codes and scales of experts held quantized."""
+    quantized = sum(
+        q.nbytes for m in model.modules() if isinstance(m, SwiGLUExpert) for q in m.quantized.values()
+    )
+    return sum(tensor_bytes(p) for p in model.parameters()) + quantized
+
+
+def compare(
+    preset: str,
+    n_shards: int,
+    owned_shards: list[int],
+    optimizer: str,
+    dense_blocks: int = 1,
+    active_blocks: int = 1,
+    frozen_experts: str = "full",
+) -> dict:
+    """A peer owning ``owned_shards`` and ``active_blocks`` of the ``dense_blocks`` dense blocks (the largest
+    ones: the worst case), holding other experts as ``frozen_experts``, next to a trainer that owns every unit
+    in full precision."""
     model_cfg = get_preset(preset)
-    layout = UnitLayout(model_cfg.n_experts, n_shards)
-    units = ["dense/0", *layout.shard_units(owned_shards)]
-    report = measure(model_cfg, layout, units, optimizer)
+    layout = UnitLayout.for_model(model_cfg, n_shards, dense_blocks)
+    if not 1 <= active_blocks <= dense_blocks:
+        raise ConfigError(f"active blocks must be between 1 and the dense blocks ({dense_blocks})")
+    units = [*_largest_blocks(model_cfg, layout, active_blocks), *layout.shard_units(owned_shards)]
+    report = measure(model_cfg, layout, units, optimizer, frozen_experts)
     report["full"] = measure(model_cfg, layout, layout.units, optimizer)
     report["ratio_vs_full"] = report["total_bytes"] / report["full"]["total_bytes"]
-    report.update(preset=preset, shards=n_shards, owned_units=units, optimizer=optimizer)
+    report.update(
+        preset=preset,
+        shards=n_shards,
+        owned_units=units,
+        optimizer=optimizer,
+        dense_blocks=dense_blocks,
+        active_blocks=active_blocks,
+        frozen_experts=frozen_experts,
+    )
     return report
+
+
+def _largest_blocks(model_cfg: ModelConfig, layout: UnitLayout, count: int) -> list[str]:
+    sizes = dict.fromkeys(layout.dense_units, 0)
+    with torch.device("meta"):
+        for name, p in MoETransformer(model_cfg).named_parameters():
+            unit = layout.unit_of(name)
+            if unit in sizes:
+                sizes[unit] += p.numel()
+    return sorted(sorted(sizes, key=lambda u: -sizes[u])[:count])
 
 
 def _check_fits(model_cfg: ModelConfig) -> None:

@@ -1,7 +1,10 @@
 """The local trainer: trains only the units a peer owns, with every other parameter frozen.
 
 Frozen experts still take part in the forward pass (routing is not masked), so gradients flow through them to
-the router and attention; they simply get no gradient buffers and no optimizer state of their own.
+the router and attention; they simply get no gradient buffers and no optimizer state of their own, and may be
+held quantized (``frozen_experts``). When the trained units change (a claim moved, a dense block rotated), the
+optimizer is rebuilt for the new set; the state of a unit given up is freed, or parked in CPU memory until the
+unit comes back (``switch_state``).
 """
 
 from __future__ import annotations
@@ -14,7 +17,11 @@ import torch
 
 from spes_p2p.errors import ConfigError
 from spes_p2p.model import MoETransformer, UnitLayout, set_trainable
-from spes_p2p.train.optim import OPTIMIZERS, build_optimizer, lr_at
+from spes_p2p.model.quant import check_format
+from spes_p2p.model.units import hold_frozen_experts
+from spes_p2p.train.optim import OPTIMIZERS, build_optimizer, lr_at, tensor_bytes
+
+SWITCH_STATES = ("reset", "cpu")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -36,6 +43,8 @@ class TrainConfig:
     eval_batches: int = 8
     checkpoint_every: int = 100
     keep_checkpoints: int = 2
+    frozen_experts: str = "full"  # how experts this peer does not train are held: full, int8 or nf4
+    switch_state: str = "reset"  # optimizer state of a unit given up: reset (freed), or cpu (parked there)
 
     def __post_init__(self) -> None:
         if self.optimizer not in OPTIMIZERS:
@@ -52,6 +61,11 @@ class TrainConfig:
         ):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be at least 1, got {getattr(self, name)}")
+        check_format(self.frozen_experts)
+        if self.switch_state not in SWITCH_STATES:
+            raise ConfigError(
+                f"switch_state must be one of {', '.join(SWITCH_STATES)}, got {self.switch_state!r}"
+            )
         if self.warmup_steps < 0 or self.lr <= 0:
             raise ConfigError("warmup_steps must be >= 0 and lr > 0")
         if not 0 <= self.min_lr_ratio <= 1:
@@ -78,24 +92,37 @@ class Trainer:
         self.model, self.layout, self.cfg = model, layout, cfg
         self.step = 0
         self.tokens = 0
+        self.parked: dict[str, dict] = {}  # switch_state "cpu": parameter name -> its optimizer state
+        self.optimizer: torch.optim.Optimizer | None = None
         self.retarget(units)
 
     def retarget(self, units: list[str]) -> None:
         """Trains ``units`` from now on. The optimizer is rebuilt for the new trainable set (toggling
         ``requires_grad`` alone would leave stale state and leak memory); parameters that stay trainable
-        keep their optimizer state, the others' state is freed."""
-        old = getattr(self, "optimizer", None)
+        keep their optimizer state, the others' state is freed or parked (``switch_state``)."""
+        old, old_names = self.optimizer, getattr(self, "_names", {})
         self.units = sorted(set(units))
+        hold_frozen_experts(self.model, self.layout, self.units, self.cfg.frozen_experts)
         self.trainable = set_trainable(self.model, self.layout, self.units)
         named = [(n, p) for n, p in self.model.named_parameters() if p.requires_grad]
         c = self.cfg
         self.optimizer = build_optimizer(
             named, kind=c.optimizer, lr=c.lr, betas=(c.beta1, c.beta2), weight_decay=c.weight_decay
         )
-        if old is not None:
-            for p in self.trainable:
-                if p in old.state:
-                    self.optimizer.state[p] = old.state[p]
+        self._names = {p: n for n, p in named}
+        kept = old.state if old is not None else {}
+        for name, p in named:
+            if p in kept:
+                self.optimizer.state[p] = kept[p]
+            elif name in self.parked:
+                self.optimizer.state[p] = _moved(self.parked.pop(name), p.device)
+        if c.switch_state == "cpu":
+            for p, state in kept.items():
+                if p not in self._names:
+                    self.parked[old_names[p]] = _moved(state, torch.device("cpu"))
+
+    def parked_bytes(self) -> int:
+        return tensor_bytes(list(self.parked.values()))
 
     def lr(self) -> float:
         c = self.cfg
@@ -127,6 +154,10 @@ class Trainer:
 
     def evaluate(self, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> float:
         return evaluate(self.model, batches)
+
+
+def _moved(state: dict, device: torch.device) -> dict:
+    return {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in state.items()}
 
 
 @torch.no_grad()
