@@ -36,7 +36,7 @@ def test_late_join_and_a_killed_sole_holder_on_the_memory_backend(tmp_path):
         SimConfig(
             peers=3,
             shards=2,
-            rounds=6,
+            rounds=8,  # the newcomer joins well before the end, while the holders it downloads from live
             backend="memory",
             kills=((SOLE, 2),),
             joins=((1, 3),),
@@ -47,17 +47,17 @@ def test_late_join_and_a_killed_sole_holder_on_the_memory_backend(tmp_path):
     assert not summary["failures"]
     kinds = [e["type"] for e in summary["events"]]
     assert kinds.count("kill") == 1 and kinds.count("join") == 1
-    assert summary["rounds_completed"] == 6
+    assert summary["rounds_completed"] == 8
     assert summary["final_loss"] < summary["initial_loss"]
     newcomer = next(p for p in summary["peers"] if p["name"] == "peer3")
-    assert newcomer["final_round"] == 6
+    assert newcomer["final_round"] == 8 and newcomer["rounds"] >= 1
     for unit, info in summary["units"].items():  # every holder, the newcomer included, ends bit-identical
         assert info["max_holder_difference"] in (0.0, None), unit
-        assert info["holders"]["5"], f"{unit} uncovered at the end"
+        assert info["holders"]["7"], f"{unit} uncovered at the end"
     # the killed shard is re-claimed once the dead peer's records expire (8 s here, a few fast rounds)
     assert summary["uncovered_unit_rounds"] <= 4
     assert (tmp_path / "loss.png").stat().st_size > 10_000
-    assert json.loads((tmp_path / "summary.json").read_text())["rounds_completed"] == 6
+    assert json.loads((tmp_path / "summary.json").read_text())["rounds_completed"] == 8
 
 
 def test_network_faults_are_survived_and_corrupt_payloads_counted(tmp_path):

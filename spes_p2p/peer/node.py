@@ -52,6 +52,7 @@ from spes_p2p.train.trainer import Trainer, evaluate
 logger = logging.getLogger(__name__)
 
 Tensors = dict[str, torch.Tensor]
+_SEEDED = threading.Lock()
 
 
 @dataclass
@@ -91,8 +92,9 @@ class Peer:
         self.member = SwarmMember(transport, self.identity, member_config(settings, self.identity))
         model_cfg = model_config(settings)
         self.layout = unit_layout(settings)
-        torch.manual_seed(int(self.identity.hash, 16) % 2**31)  # every peer of a swarm starts from one model
-        self.model = MoETransformer(model_cfg)
+        with _SEEDED:  # every peer of a swarm starts from one model (the lock: simulated peers share torch)
+            torch.manual_seed(int(self.identity.hash, 16) % 2**31)
+            self.model = MoETransformer(model_cfg)
         specs = {u: specs_of(read_unit(self.model, self.layout, u)) for u in self.layout.units}
         self.sync = SyncEngine(
             transport,
@@ -143,8 +145,9 @@ class Peer:
             self.member.check_identity()
         checkpoint = self._restore() if resume else None
         view = self._at_round_boundary(self.member.view())
-        training = any(p.loss is not None for p in view.peers.values())
-        self._catch_up(view)
+        training = any(p.loss is not None or p.round > 0 for p in view.peers.values())
+        if training:  # (peers that start together all hold the seeded initial model)
+            self._catch_up(view)
         with self._lock:
             self.member.round = self.round
             # in a swarm that is training, the others read their participants before we can claim: our first
@@ -204,8 +207,9 @@ class Peer:
             return
         holders = {u: sorted(h - {me}) for u, h in view.holders.items()}
         furthest_first = [p.peer_id for p in sorted(others, key=lambda p: -p.round)]
+        landed = max(p.round for p in others) - 1  # the swarm's last landed round: holders catch up to it
         got = self.sync.refresh(
-            -1,
+            max(landed, -1),
             holders,
             self.settings.swarm.sync_deadline_max,
             codec="none",
@@ -213,7 +217,9 @@ class Peer:
             fallback=furthest_first,  # a unit whose holders are newcomers too comes from any peer's copy
         )
         self.round = max(p.round for p in others)
-        logger.info("caught up at round %d: %d of %d units downloaded", self.round, len(got), len(holders))
+        logger.info(
+            "caught up at round %d: downloaded %s (unit: its round; -1: a peer's own copy)", self.round, got
+        )
 
     def wait_for_peers(self, count: int, timeout: float, stop: threading.Event) -> int:
         """Waits (bounded) for ``count`` peers in the swarm, so a local swarm starts its rounds together."""

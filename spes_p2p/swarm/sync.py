@@ -450,11 +450,12 @@ class SyncEngine:
                 found = self._fetch_weights(peer, unit, codec, min_round, any_copy=False)
                 if found is not None:
                     return found
-            for peer in fallback:
+            last_try = time.monotonic() >= stop_at or self.abort.is_set()
+            for peer in fallback if not order or last_try else ():  # holders first, while they may catch up
                 found = self._fetch_weights(peer, unit, codec, -1, any_copy=True)
                 if found is not None:
                     return found
-            if time.monotonic() >= stop_at or self.abort.is_set():
+            if last_try:
                 logger.info("no holder had %s of round >= %d in time; keeping the old copy", unit, min_round)
                 return None
             time.sleep(self.cfg.poll_interval)

@@ -1,0 +1,399 @@
+"""spes-p2p against training alone and against DiLoCo, measured side by side in one run on one machine.
+
+    python benchmarks/run.py --quick --out runs/bench-quick   # a few minutes on 2 cores
+    python benchmarks/run.py --out runs/bench                 # the full run, under an hour on 2 cores
+
+Sections (each a function below; all figures are measured in this run):
+  memory    allocated tensor bytes per peer (weights, gradients, optimizer state, outer-step state) and peak
+            process memory, for centralized, DiLoCo, SPES, SPES+BCD and SPES with quantized frozen experts
+  bytes     bytes sent and received per peer per round: DiLoCo fp32, and SPES with each codec
+  sync      share of a peer's wall time spent waiting on the sync, with and without overlap (real processes)
+  loss      validation loss against tokens: centralized, DiLoCo, SPES (merging on and off), SPES+BCD;
+            4 peers, equal total tokens
+  scale     round time and DHT latency for 2, 4 and 8 peers (real processes, the tiny preset)
+
+Writes DIR/summary.json (the headline ratios and every table), DIR/tables.md and DIR/*.png.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import resource
+import shutil
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import torch
+
+MODES = {
+    "quick": {
+        "memory_preset": "tiny",
+        "bytes_presets": ["tiny"],
+        "loss": {"rounds": 6, "steps": 10},
+        "sync": {"rounds": 4, "steps": 10},
+        "scale": {"peers": [2, 4], "rounds": 3, "steps": 10},
+    },
+    "full": {
+        "memory_preset": "small",
+        "bytes_presets": ["tiny", "small"],
+        "loss": {"rounds": 24, "steps": 20},
+        "sync": {"rounds": 8, "steps": 20},
+        "scale": {"peers": [2, 4, 8], "rounds": 4, "steps": 20},
+    },
+}
+CODECS = ["none", "fp16", "int8", "nf4", "topk"]
+
+
+# ---------------------------------------------------------------------------------------------- memory
+
+MEMORY_CONFIGS = {  # name -> (units trained, dense blocks, frozen experts, outer state per trained weight)
+    "centralized": ("all", 1, "full", 0),
+    "diloco": ("all", 1, "full", 2),  # the round's start weights, and Nesterov momentum
+    "spes": ("1 shard", 1, "full", 1),  # the round's start weights (FedAvg: no momentum)
+    "spes+bcd": ("1 shard", 4, "full", 1),
+    "spes+int8": ("1 shard", 1, "int8", 1),
+    "spes+bcd+nf4": ("1 shard", 4, "nf4", 1),
+}
+
+
+def memory_child(preset: str, name: str) -> dict:
+    """Runs in a fresh process, so its peak RSS belongs to this configuration alone."""
+    from spes_p2p.model import UnitLayout, get_preset
+    from spes_p2p.train.memory import measure
+
+    units, blocks, frozen, outer_copies = MEMORY_CONFIGS[name]
+    cfg = get_preset(preset)
+    layout = UnitLayout.for_model(cfg, 4, blocks)
+    trained = layout.units if units == "all" else [*layout.dense_units[-1:], "experts/0"]
+    report = measure(cfg, layout, trained, "adamw8bit", frozen)
+    report["outer_bytes"] = outer_copies * 4 * report["trainable_params"]
+    outer = [torch.empty(report["trainable_params"]) for _ in range(outer_copies)]  # held, as a peer does
+    report["total_bytes"] += report["outer_bytes"]
+    report["peak_rss_bytes"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    del outer
+    return report
+
+
+def bench_memory(preset: str) -> dict:
+    rows = {}
+    for name in MEMORY_CONFIGS:
+        out = subprocess.run(
+            [sys.executable, __file__, "--memory-child", preset, name],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout
+        rows[name] = json.loads(out.strip().splitlines()[-1])
+        print(f"memory {name}: {rows[name]['total_bytes'] / 2**20:.1f} MiB", flush=True)
+    return rows
+
+
+# ----------------------------------------------------------------------------------------------- bytes
+
+
+def swarm_bytes(preset: str, codec: str, mode: str, rounds: int = 2) -> dict:
+    """Medians over 4 in-process peers (2 shards) of the bytes moved in the last round."""
+    from spes_p2p.peer import Peer
+    from spes_p2p.settings import Settings
+    from spes_p2p.swarm.memory import MemoryNetwork
+
+    s = Settings().override(
+        model__preset=preset,
+        model__shards=2,
+        method__mode=mode,
+        method__codec=codec,
+        method__steps_per_round=2,
+        method__merge=False,
+        method__overlap=False,
+        data__max_corpus_mb=2.0,
+        train__batch_size=2,
+        train__seq_len=64,
+        swarm__sync_deadline_min=0.5,
+    )
+    net = MemoryNetwork(seed=0)
+    swarm = [Peer(s, net.join(f"p{i}")) for i in range(4)]
+    for p in swarm:
+        p.join()
+    stop = threading.Event()
+    threads = [threading.Thread(target=p.run, args=(stop, None, rounds)) for p in swarm]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    rows = [p._last_row for p in swarm]
+    model_bytes = 4 * swarm[0].model.num_params()
+    for p in swarm:
+        p.close()
+    sent = statistics.median(r["bytes_sent"] for r in rows)
+    received = statistics.median(r["bytes_received"] for r in rows)
+    return {
+        "preset": preset,
+        "mode": mode,
+        "codec": codec,
+        "sent": sent,
+        "received": received,
+        "model_fp32_bytes": model_bytes,
+    }
+
+
+def bench_bytes(presets: list[str]) -> list[dict]:
+    rows = []
+    for preset in presets:
+        rows.append(swarm_bytes(preset, "none", "diloco"))
+        for codec in CODECS:
+            rows.append(swarm_bytes(preset, codec, "spes"))
+        diloco = rows[-1 - len(CODECS)]
+        for r in rows[-1 - len(CODECS) :]:
+            total = r["sent"] + r["received"]
+            r["ratio_vs_diloco_fp32"] = total / (diloco["sent"] + diloco["received"])
+            r["ratio_vs_allreduce_fp32"] = total / (2 * r["model_fp32_bytes"])
+            print(f"bytes {preset} {r['mode']} {r['codec']}: {total / 2**20:.2f} MiB", flush=True)
+    return rows
+
+
+# ------------------------------------------------------------------------------------------ swarms
+
+
+def simulate(out: Path, name: str, backend: str, peers: int, rounds: int, steps: int, **settings) -> dict:
+    from spes_p2p.sim import SimConfig, run
+
+    fields = {k: settings.pop(k) for k in ("dense_blocks", "active_blocks", "rotate_every") if k in settings}
+    folder = out / name
+    cfg = SimConfig(
+        peers=peers,
+        shards=2,
+        rounds=rounds,
+        steps_per_round=steps,
+        backend=backend,
+        out=folder,
+        extra={"train__eval_every_rounds": 2, **settings},
+        **fields,
+    )
+    started = time.perf_counter()
+    summary = run(cfg)
+    rows = {
+        d.name: [json.loads(line) for line in (d / "metrics.jsonl").read_text().splitlines()]
+        for d in sorted((folder / "peers").iterdir())
+        if (d / "metrics.jsonl").exists()
+    }
+    return {
+        "summary": summary,
+        "rows": rows,
+        "seconds": time.perf_counter() - started,
+        "tokens_per_peer_round": steps * cfg.batch_size * cfg.seq_len,
+    }
+
+
+def bench_sync(out: Path, rounds: int, steps: int) -> dict:
+    """Real spes-join processes: the share of wall time the training loop was blocked on the sync."""
+    result = {}
+    for overlap in (True, False):
+        sim = simulate(out, f"sync-overlap-{overlap}", "hivemind", 4, rounds, steps, method__overlap=overlap)
+        waited = computed = 0.0
+        for rows in sim["rows"].values():
+            for r in rows[1:]:  # the first round includes the start-up
+                waited += r["sync_wait_seconds"]
+                computed += r["compute_seconds"]
+        result["overlap" if overlap else "no_overlap"] = {
+            "sync_wait_fraction": waited / max(waited + computed, 1e-9),
+            "wait_seconds_per_round": waited / max(1, sum(len(r) - 1 for r in sim["rows"].values())),
+        }
+        print(f"sync overlap={overlap}: {result['overlap' if overlap else 'no_overlap']}", flush=True)
+    return result
+
+
+LOSS_METHODS = {
+    "diloco": {
+        "method__mode": "diloco",
+        "method__outer": "nesterov",
+        "method__outer_lr": 0.7,
+        "method__merge": False,
+    },
+    "spes": {},
+    "spes-no-merge": {"method__merge": False},
+    "spes+bcd": {"dense_blocks": 4, "active_blocks": 1, "rotate_every": 2},
+}
+
+
+def bench_loss(out: Path, rounds: int, steps: int) -> dict:
+    merge = {"method__merge_interval": 2 * steps, "method__merge_horizon": rounds * steps}
+    curves = {"centralized": centralized(out, rounds, steps)}
+    for name, settings in LOSS_METHODS.items():
+        sim = simulate(out, f"loss-{name}", "memory", 4, rounds, steps, **{**merge, **settings})
+        by_round: dict[int, list[float]] = {}
+        for rows in sim["rows"].values():
+            for r in rows:
+                if "val_loss" in r:
+                    by_round.setdefault(r["round"], []).append(r["val_loss"])
+        per_round = 4 * sim["tokens_per_peer_round"]
+        curves[name] = [((k + 1) * per_round, statistics.fmean(v)) for k, v in sorted(by_round.items())]
+        print(f"loss {name}: {curves[name][-1]}", flush=True)
+    return curves
+
+
+def centralized(out: Path, rounds: int, steps: int) -> list[tuple[int, float]]:
+    """One trainer on 4 peers' batches at once (4 x 8 sequences a step), for as many steps as a peer."""
+    from spes_p2p.train.data import DataConfig
+    from spes_p2p.train.run import RunConfig, TrainingRun
+    from spes_p2p.train.trainer import TrainConfig
+
+    # the peers' schedule (10,000 steps, warmup 50); the same 32 validation sequences as a peer's 4 x 8
+    train = TrainConfig(
+        batch_size=32, max_steps=10_000, warmup_steps=50, eval_every=2 * steps, eval_batches=1
+    )
+    cfg = RunConfig(preset="tiny", train=train, data=DataConfig(max_bytes=4_000_000))
+    folder = out / "loss-centralized"
+    shutil.rmtree(folder, ignore_errors=True)
+    TrainingRun(cfg, folder).run(stop_after=rounds * steps)
+    rows = [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()]
+    return [(r["tokens"], r["val_loss"]) for r in rows if "val_loss" in r]
+
+
+def bench_scale(out: Path, peers: list[int], rounds: int, steps: int) -> list[dict]:
+    rows = []
+    for n in peers:
+        sim = simulate(out, f"scale-{n}", "hivemind", n, rounds, steps, method__dense_group_size=4)
+        later = [r for rs in sim["rows"].values() for r in rs[1:]]
+        rows.append(
+            {
+                "peers": n,
+                "round_seconds": statistics.median(
+                    r["compute_seconds"] + r["sync_wait_seconds"] for r in later
+                ),
+                "compute_seconds": statistics.median(r["compute_seconds"] for r in later),
+                "sync_wait_seconds": statistics.median(r["sync_wait_seconds"] for r in later),
+                "dht_ms": statistics.median(r["dht_ms"] for r in later),
+            }
+        )
+        print(f"scale {rows[-1]}", flush=True)
+    return rows
+
+
+# ------------------------------------------------------------------------------------------- outputs
+
+
+def headline(results: dict) -> dict:
+    memory, bytes_rows, loss = results["memory"], results["bytes"], results["loss"]
+    preset = bytes_rows[-1]["preset"]
+    spes_int8 = next(
+        r for r in bytes_rows if r["preset"] == preset and r["mode"] == "spes" and r["codec"] == "int8"
+    )
+    final = {name: curve[-1][1] for name, curve in loss.items()}
+    return {
+        "memory_ratio_vs_diloco": memory["spes"]["total_bytes"] / memory["diloco"]["total_bytes"],
+        "memory_ratio_vs_diloco_best": min(
+            r["total_bytes"] for k, r in memory.items() if k.startswith("spes")
+        )
+        / memory["diloco"]["total_bytes"],
+        "bytes_ratio_vs_diloco_fp32": spes_int8["ratio_vs_diloco_fp32"],
+        "bytes_ratio_vs_allreduce_fp32": spes_int8["ratio_vs_allreduce_fp32"],
+        "val_loss_ratio_vs_centralized": final["spes"] / final["centralized"],
+        "val_loss_ratio_vs_diloco": final["spes"] / final["diloco"],
+        "sync_wait_fraction": results["sync"]["overlap"]["sync_wait_fraction"],
+    }
+
+
+def tables(results: dict) -> str:
+    def row(*cells) -> str:
+        return "| " + " | ".join(str(c) for c in cells) + " |"
+
+    def mib(n: float) -> str:
+        return f"{n / 2**20:.2f}"
+
+    out = [
+        row("configuration", "weights", "gradients", "optimizer", "outer state", "total", "peak RSS"),
+        row(*["---"] * 7),
+    ]
+    for name, r in results["memory"].items():
+        parts = ("weights_bytes", "grads_bytes", "optimizer_bytes", "outer_bytes")
+        out.append(
+            row(name, *(mib(r[k]) for k in parts), f"**{mib(r['total_bytes'])}**", mib(r["peak_rss_bytes"]))
+        )
+    out += [
+        "",
+        row("preset", "method", "codec", "sent MiB", "received MiB", "vs DiLoCo fp32", "vs fp32 all-reduce"),
+        row(*["---"] * 7),
+    ]
+    for r in results["bytes"]:
+        ratios = (f"{r['ratio_vs_diloco_fp32']:.3f}", f"{r['ratio_vs_allreduce_fp32']:.3f}")
+        out.append(row(r["preset"], r["mode"], r["codec"], mib(r["sent"]), mib(r["received"]), *ratios))
+    out += ["", row("sync", "share of wall time waiting", "seconds waited per round"), row(*["---"] * 3)]
+    for name, r in results["sync"].items():
+        out.append(row(name, f"{r['sync_wait_fraction']:.3f}", f"{r['wait_seconds_per_round']:.2f}"))
+    out += ["", row("method", "tokens", "final val loss"), row(*["---"] * 3)]
+    for name, curve in results["loss"].items():
+        out.append(row(name, f"{curve[-1][0]:,}", f"{curve[-1][1]:.3f}"))
+    out += ["", row("peers", "round s", "compute s", "sync wait s", "DHT op ms"), row(*["---"] * 5)]
+    for r in results["scale"]:
+        times = (f"{r[k]:.2f}" for k in ("round_seconds", "compute_seconds", "sync_wait_seconds"))
+        out.append(row(r["peers"], *times, f"{r['dht_ms']:.1f}"))
+    return "\n".join(out)
+
+
+def plots(results: dict, out: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for name, curve in results["loss"].items():
+        ax.plot([t for t, _ in curve], [v for _, v in curve], marker="o", label=name)
+    ax.set(xlabel="tokens (all peers)", ylabel="validation loss", title="Validation loss at equal tokens")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(out / "loss.png", dpi=120)
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    names = list(results["memory"])
+    ax.bar(names, [results["memory"][n]["total_bytes"] / 2**20 for n in names])
+    ax.set(ylabel="MiB", title="Allocated training state per peer")
+    ax.tick_params(axis="x", rotation=20)
+    fig.tight_layout()
+    fig.savefig(out / "memory.png", dpi=120)
+    plt.close("all")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--quick", action="store_true", help="A few minutes instead of the full run.")
+    parser.add_argument("--out", type=Path, default=Path("runs/bench"))
+    parser.add_argument("--memory-child", nargs=2, metavar=("PRESET", "CONFIG"), help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.memory_child:
+        print(json.dumps(memory_child(*args.memory_child)))
+        return
+    mode = MODES["quick" if args.quick else "full"]
+    args.out.mkdir(parents=True, exist_ok=True)
+    started = time.perf_counter()
+    results = {
+        "mode": "quick" if args.quick else "full",
+        "machine": {
+            "platform": platform.platform(),
+            "cpus": torch.get_num_threads(),
+            "torch": torch.__version__,
+        },
+        "memory": bench_memory(mode["memory_preset"]),
+        "bytes": bench_bytes(mode["bytes_presets"]),
+        "sync": bench_sync(args.out, **mode["sync"]),
+        "loss": bench_loss(args.out, **mode["loss"]),
+        "scale": bench_scale(args.out, **mode["scale"]),
+    }
+    results["seconds"] = time.perf_counter() - started
+    results = {**headline(results), **results}
+    (args.out / "summary.json").write_text(json.dumps(results, indent=1))
+    (args.out / "tables.md").write_text(tables(results) + "\n")
+    plots(results, args.out)
+    print(tables(results))
+    print(json.dumps({k: v for k, v in results.items() if not isinstance(v, (dict, list))}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
