@@ -42,6 +42,11 @@ from spes_cli.common import SpesCommand, console, dense_block_options, err_conso
     "--codec", type=click.Choice(["none", "fp16", "int8", "nf4", "topk"]), help="How updates travel."
 )
 @click.option("--overlap/--no-overlap", default=None, help="Sync round k while round k+1 trains.")
+@click.option(
+    "--method",
+    type=click.Choice(["spes", "diloco"]),
+    help="diloco: the baseline where every peer trains and averages the full model (must match).",
+)
 @click.option("--merge/--no-merge", default=None, help="Expert-merging warm-up.")
 @click.option("--corpus", help="This peer's data: stdlib, a text/.jsonl file or folder, or hf:NAME.")
 @click.option("--max-corpus-mb", type=float, help="Read at most this many MB of the corpus.")
@@ -90,6 +95,7 @@ def spes_join(
     steps_per_round,
     codec,
     overlap,
+    method,
     merge,
     corpus,
     max_corpus_mb,
@@ -133,6 +139,7 @@ def spes_join(
         method__steps_per_round=steps_per_round,
         method__codec=codec,
         method__overlap=overlap,
+        method__mode=method,
         method__merge=merge,
         data__corpus=corpus,
         data__max_corpus_mb=max_corpus_mb,

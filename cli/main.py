@@ -268,6 +268,13 @@ def status(config, peers, run_id, log_level, as_json) -> None:
 @click.option(
     "--codec", type=click.Choice(["none", "fp16", "int8", "nf4", "topk"]), default="int8", show_default=True
 )
+@click.option(
+    "--method",
+    type=click.Choice(["spes", "diloco"]),
+    default="spes",
+    show_default=True,
+    help="diloco: the baseline where every peer trains and averages the full model (Nesterov outer step).",
+)
 @dense_block_options
 @click.option("--rotate-every", default=2, show_default=True, help="Rounds between dense-block rotations.")
 @click.option("--batch-size", default=8, show_default=True)
@@ -291,6 +298,7 @@ def simulate(
     corrupt,
     partitions,
     codec,
+    method,
     dense_blocks,
     active_blocks,
     rotate_every,
@@ -320,6 +328,7 @@ def simulate(
         corrupt=corrupt,
         partitions=tuple(parse_partition(p) for p in partitions),
         codec=codec,
+        method=method,
         dense_blocks=dense_blocks or 1,
         active_blocks=active_blocks or 1,
         rotate_every=rotate_every,

@@ -71,6 +71,7 @@ class ModelSettings:
 
 @dataclass(frozen=True, kw_only=True)
 class MethodSettings:
+    mode: str = "spes"  # spes, or diloco: every peer trains and averages the full model (a baseline)
     steps_per_round: int = 100  # H: local optimizer steps between synchronizations
     codec: str = "int8"  # how updates travel: none, fp16, int8, topk
     refresh_codec: str = "int8"  # how frozen copies of other units travel
@@ -89,6 +90,7 @@ class MethodSettings:
     block_order: str = "cyclic"  # how holders move at a rotation: cyclic (block b -> b+1) or random
 
     def __post_init__(self) -> None:
+        _check(self.mode in ("spes", "diloco"), "mode", "must be spes or diloco")
         _check(self.steps_per_round >= 1, "steps_per_round", "must be at least 1")
         _check(self.codec in CODECS, "codec", f"must be one of {', '.join(CODECS)}")
         _check(self.refresh_codec in CODECS, "refresh_codec", f"must be one of {', '.join(CODECS)}")
@@ -181,6 +183,11 @@ class Settings:
     peer: PeerSettings = field(default_factory=PeerSettings)
 
     def __post_init__(self) -> None:
+        _check(
+            self.method.mode == "spes" or self.model.dense_blocks == 1,
+            "dense_blocks",
+            "must be 1 with [method] mode = diloco (every peer trains the full model)",
+        )
         _check(
             self.peer.active_blocks <= self.model.dense_blocks,
             "active_blocks",

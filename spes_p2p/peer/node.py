@@ -125,7 +125,7 @@ class Peer:
         self._lock = threading.RLock()  # the member's state, shared with the heartbeat thread
         self._stop_heartbeat = threading.Event()
         self._last_row: dict = {}
-        self._bytes_at_land = (0, 0)
+        self._stats_at_land = (0, 0, 0, 0.0)
 
     # --------------------------------------------------------------------------------------- joining
 
@@ -164,7 +164,8 @@ class Peer:
             self.trainer.retarget(self.member.units_held)  # keeps the state of what it still trains
         for unit in self.member.units_held:
             self.sync.serve_weights(self.round - 1, unit, read_unit(self.model, self.layout, unit))
-        self._bytes_at_land = (self.transport.stats.bytes_sent, self.transport.stats.bytes_received)
+        stats = self.transport.stats
+        self._stats_at_land = (stats.bytes_sent, stats.bytes_received, stats.dht_ops, stats.dht_seconds)
         return self.status()
 
     def _restore(self):
@@ -333,7 +334,9 @@ class Peer:
             self._in_flight = sync
             sync.thread.start()
         else:
+            waited = time.perf_counter()
             self._run_sync(sync)
+            sync.metrics["sync_wait_seconds"] = time.perf_counter() - waited
             self._land(sync)
         return True
 
@@ -344,7 +347,7 @@ class Peer:
             me = self.transport.peer_id
             for unit in sync.units:
                 participants = sorted(view.participants(unit, sync.round) | {me})
-                if unit.startswith("dense/"):
+                if unit.startswith("dense/") or self.settings.method.mode == "diloco":
                     participants = dense_group(
                         participants,
                         me,
@@ -386,7 +389,9 @@ class Peer:
     def _land_in_flight(self) -> None:
         sync, self._in_flight = self._in_flight, None
         if sync is not None:
+            waited = time.perf_counter()
             sync.thread.join()
+            sync.metrics["sync_wait_seconds"] = time.perf_counter() - waited  # training was blocked this long
             self._land(sync)
 
     def _land(self, sync: _Sync) -> None:
@@ -448,8 +453,10 @@ class Peer:
     def _round_row(self, sync: _Sync) -> dict:
         m = sync.metrics
         # traffic since the previous round landed: this round's exchange, plus what others fetched from us
-        sent, received = self.transport.stats.bytes_sent, self.transport.stats.bytes_received
-        (sent0, received0), self._bytes_at_land = self._bytes_at_land, (sent, received)
+        stats = self.transport.stats
+        now = (stats.bytes_sent, stats.bytes_received, stats.dht_ops, stats.dht_seconds)
+        (sent0, received0, ops0, dht0), self._stats_at_land = self._stats_at_land, now
+        sent, received, ops, dht = now
         row = {
             "round": sync.round,
             "step": self.trainer.step,
@@ -460,8 +467,10 @@ class Peer:
             "tokens_per_s": m["round_tokens"] / max(m["compute_seconds"], 1e-9),
             "bytes_sent": sent - sent0,
             "bytes_received": received - received0,
-            "sync_seconds": time.perf_counter() - m["sync_started"],
+            "sync_seconds": time.perf_counter() - m["sync_started"],  # from the round's end until landed
+            "sync_wait_seconds": m.get("sync_wait_seconds", 0.0),  # of which training was blocked
             "compute_seconds": m["compute_seconds"],
+            "dht_ms": 1000 * (dht - dht0) / max(1, ops - ops0),  # mean latency of a store or read
             "units": sync.units,
             "participants": {u: r.participants for u, r in sync.results.items()},
             "missing": {u: r.missing for u, r in sync.results.items() if r.missing},

@@ -54,10 +54,11 @@ def member_config(settings: Settings, identity: SwarmIdentity) -> MemberConfig:
     units = identity.fields["units"]
     dense = [u for u in units if u.startswith("dense/")]
     blocks = len(dense) > 1  # block coordinate descent over the dense part; B = 1 is SPES as published
+    diloco = settings.method.mode == "diloco"  # the baseline: every peer trains every unit
     return MemberConfig(
         run_id=settings.swarm.run_id,
-        claimable=[u for u in units if u.startswith("experts/")],
-        always_held=[] if blocks else dense,
+        claimable=[] if diloco else [u for u in units if u.startswith("experts/")],
+        always_held=units if diloco else [] if blocks else dense,
         dense_claimable=dense if blocks else [],
         dense_capacity=settings.peer.active_blocks,
         rotate_every=settings.method.rotate_every_rounds,

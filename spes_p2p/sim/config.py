@@ -41,6 +41,7 @@ class SimConfig:
     active_blocks: int = 1
     rotate_every: int = 2  # rounds between dense-block rotations (short, as simulations are)
     frozen_experts: str = "full"
+    method: str = "spes"  # or diloco: every peer trains the full model, Nesterov outer step (the baseline)
     extra: dict = field(default_factory=dict)  # more Settings overrides, section__field=value
 
     def __post_init__(self) -> None:
@@ -59,7 +60,10 @@ class SimConfig:
 
     def settings(self) -> Settings:
         """The peers' settings: short heartbeats and deadlines, as suits one machine."""
+        diloco = {"method__outer": "nesterov", "method__outer_lr": 0.7, "method__merge": False}
         return Settings().override(
+            method__mode=self.method,
+            **(diloco if self.method == "diloco" else {}),
             swarm__run_id="sim",
             model__preset=self.preset,
             model__experts=self.experts,

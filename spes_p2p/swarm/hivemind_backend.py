@@ -152,20 +152,26 @@ class HivemindTransport(Transport):
     def publish(self, key: str, value: Any, expires_at: float) -> bool:
         encode_record(value)  # size check before it reaches the DHT
         subkey = self.peer_id.encode() + self._validator.local_public_key
+        started = time.perf_counter()
         future = self.dht.store(key, value, expires_at, subkey=subkey, return_future=True)
         try:
             return bool(future.result(timeout=DHT_TIMEOUT))
         except TimeoutError:
             logger.warning("DHT store of %s timed out after %.0fs", key, DHT_TIMEOUT)
             return False
+        finally:
+            self.stats.dht_op(started)
 
     def read(self, key: str) -> dict[str, Entry]:
+        started = time.perf_counter()
         future = self.dht.get(key, latest=True, return_future=True)
         try:
             found = future.result(timeout=DHT_TIMEOUT)
         except TimeoutError:
             logger.warning("DHT get of %s timed out after %.0fs", key, DHT_TIMEOUT)
             return {}
+        finally:
+            self.stats.dht_op(started)
         if found is None or not isinstance(found.value, dict):
             return {}
         entries: dict[str, Entry] = {}

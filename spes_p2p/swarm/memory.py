@@ -106,6 +106,7 @@ class MemoryTransport(Transport):
 
     def publish(self, key: str, value: Any, expires_at: float) -> bool:
         self._check_alive()
+        self.stats.dht_op(time.perf_counter())  # (in memory: no latency to speak of)
         data = encode_record(value)  # enforces the size limit and msgpack-ability, like the real DHT
         with self.network.lock:
             entries = self.network.records.setdefault(key, {})
@@ -117,6 +118,7 @@ class MemoryTransport(Transport):
 
     def read(self, key: str) -> dict[str, Entry]:
         self._check_alive()
+        self.stats.dht_op(time.perf_counter())
         now = self.now()
         with self.network.lock:
             entries = dict(self.network.records.get(key, {}))

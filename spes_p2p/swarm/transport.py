@@ -22,6 +22,7 @@ Errors (all ``TransportError``, a ``SpesError``)::
 
 from __future__ import annotations
 
+import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -72,12 +73,19 @@ class Unavailable(RemoteError):
 
 @dataclass
 class TransportStats:
-    """Payload bytes this peer moved through requests (records not counted)."""
+    """Payload bytes this peer moved through requests (records not counted), and its DHT operations."""
 
     bytes_sent: int = 0
     bytes_received: int = 0
     requests_sent: int = 0
     requests_served: int = 0
+    dht_ops: int = 0  # stores and reads
+    dht_seconds: float = 0.0  # their total latency
+
+    def dht_op(self, started: float) -> None:
+        """Counts one DHT operation that began at ``started`` (time.perf_counter())."""
+        self.dht_ops += 1
+        self.dht_seconds += time.perf_counter() - started
 
 
 @dataclass(frozen=True)

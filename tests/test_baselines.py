@@ -1,0 +1,57 @@
+"""The DiLoCo baseline in the same code (``mode = diloco``), and the per-round timing figures the benchmarks
+read (time blocked on the sync, DHT latency)."""
+
+import json
+
+import pytest
+
+from spes_p2p.errors import ConfigError
+from spes_p2p.model import MoETransformer, get_preset
+from spes_p2p.settings import Settings
+from spes_p2p.sim import SimConfig, run
+
+pytestmark = pytest.mark.timeout(300)
+SIM = {"peers": 3, "shards": 2, "rounds": 4, "backend": "memory", "steps_per_round": 5, "batch_size": 4}
+SIM |= {"seq_len": 64, "max_corpus_mb": 1.0}
+
+
+def rows_of(out) -> dict[str, list[dict]]:
+    return {
+        d.name: [json.loads(line) for line in (d / "metrics.jsonl").read_text().splitlines()]
+        for d in sorted((out / "peers").iterdir())
+    }
+
+
+def test_diloco_averages_the_full_model_across_every_peer(tmp_path):
+    summary = run(SimConfig(method="diloco", codec="none", out=tmp_path, **SIM))
+    assert not summary["failures"] and summary["rounds_completed"] == 4
+    assert summary["final_loss"] < summary["initial_loss"]
+    names = {p["name"] for p in summary["peers"]}
+    for unit, info in summary["units"].items():  # every peer trains every unit, and they all agree
+        assert set(info["holders"]["3"]) == names, unit
+        assert info["max_holder_difference"] == 0.0, unit
+    model_bytes = 4 * MoETransformer(get_preset("tiny")).num_params()
+    for name, rows in rows_of(tmp_path).items():
+        last = rows[-1]
+        assert set(last["units"]) == set(summary["units"])
+        # fp32 updates of the whole model from each of the 2 others, and nothing to refresh
+        assert last["bytes_received"] == pytest.approx(2 * model_bytes, rel=0.02), name
+        assert last["refreshed"] == []
+        assert last["sync_wait_seconds"] >= 0 and last["dht_ms"] >= 0
+
+
+def test_sync_wait_is_the_blocked_time(tmp_path):
+    """Without overlap the training loop waits for the whole sync; with it, for what is left of it."""
+    run(SimConfig(out=tmp_path / "plain", extra={"method__overlap": False}, **SIM))
+    for rows in rows_of(tmp_path / "plain").values():
+        for r in rows:
+            assert r["sync_wait_seconds"] == pytest.approx(r["sync_seconds"], abs=0.05)
+    run(SimConfig(out=tmp_path / "overlap", **SIM))
+    for rows in rows_of(tmp_path / "overlap").values():
+        for r in rows:
+            assert 0 <= r["sync_wait_seconds"] <= r["sync_seconds"]
+
+
+def test_diloco_refuses_dense_blocks():
+    with pytest.raises(ConfigError, match="dense_blocks must be 1 with"):
+        Settings().override(method__mode="diloco", model__dense_blocks=2)
