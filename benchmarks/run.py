@@ -163,7 +163,11 @@ def bench_bytes(presets: list[str]) -> list[dict]:
 def simulate(out: Path, name: str, backend: str, peers: int, rounds: int, steps: int, **settings) -> dict:
     from spes_p2p.sim import SimConfig, run
 
-    fields = {k: settings.pop(k) for k in ("dense_blocks", "active_blocks", "rotate_every") if k in settings}
+    fields = {
+        k: settings.pop(k)
+        for k in ("method", "dense_blocks", "active_blocks", "rotate_every")
+        if k in settings
+    }
     folder = out / name
     cfg = SimConfig(
         peers=peers,
@@ -172,7 +176,7 @@ def simulate(out: Path, name: str, backend: str, peers: int, rounds: int, steps:
         steps_per_round=steps,
         backend=backend,
         out=folder,
-        extra={"train__eval_every_rounds": 2, **settings},
+        extra=settings,
         **fields,
     )
     started = time.perf_counter()
@@ -208,13 +212,8 @@ def bench_sync(out: Path, rounds: int, steps: int) -> dict:
     return result
 
 
-LOSS_METHODS = {
-    "diloco": {
-        "method__mode": "diloco",
-        "method__outer": "nesterov",
-        "method__outer_lr": 0.7,
-        "method__merge": False,
-    },
+LOSS_METHODS = {  # SimConfig fields, or Settings overrides (section__field)
+    "diloco": {"method": "diloco"},  # Nesterov outer step (lr 0.7, momentum 0.9), no merging
     "spes": {},
     "spes-no-merge": {"method__merge": False},
     "spes+bcd": {"dense_blocks": 4, "active_blocks": 1, "rotate_every": 2},

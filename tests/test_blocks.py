@@ -31,6 +31,10 @@ def test_one_block_is_the_whole_dense_part_as_before():
     assert layout == UnitLayout(TINY.n_experts, 2)
     assert layout.units == ["dense/0", "experts/0", "experts/1"]
     assert layout.unit_of("lm_head.weight") == layout.unit_of("embed.weight") == "dense/0"
+    settings = Settings().override(model__shards=2)  # B = 1: every peer holds dense/0, nothing rotates
+    cfg = member_config(settings, swarm_identity(settings))
+    assert cfg.always_held == ["dense/0"] and cfg.dense_claimable == []
+    assert cfg.claimable == ["experts/0", "experts/1"]
 
 
 def test_blocks_are_contiguous_atoms_balanced_by_parameter_count():

@@ -1,0 +1,26 @@
+"""The benchmark script's own accounting (the runs themselves are too long for CI: see docs/benchmarks.md)."""
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+from spes_p2p.model import MoETransformer, get_preset
+
+SCRIPT = Path(__file__).parents[1] / "benchmarks" / "run.py"
+SPEC = importlib.util.spec_from_file_location("bench_run", SCRIPT)
+bench = importlib.util.module_from_spec(SPEC)
+SPEC.loader.exec_module(bench)
+
+
+@pytest.mark.timeout(120)
+def test_memory_accounting_of_diloco_and_spes_peers():
+    params = MoETransformer(get_preset("tiny")).num_params()
+    diloco, spes = bench.memory_child("tiny", "diloco"), bench.memory_child("tiny", "spes")
+    assert diloco["trainable_params"] == params
+    assert diloco["outer_bytes"] == 2 * 4 * params  # start weights and Nesterov momentum, fp32
+    assert spes["outer_bytes"] == 4 * spes["trainable_params"] < 4 * params
+    parts = ("weights_bytes", "grads_bytes", "optimizer_bytes", "outer_bytes")
+    assert spes["total_bytes"] == sum(spes[k] for k in parts)
+    assert spes["total_bytes"] < diloco["total_bytes"]
+    assert spes["peak_rss_bytes"] > spes["total_bytes"]
