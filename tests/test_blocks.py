@@ -240,3 +240,23 @@ def test_quantized_frozen_experts_in_a_simulated_swarm(tmp_path, kind):
     assert summary["final_loss"] < summary["initial_loss"]
     for unit, info in summary["units"].items():  # holders still agree exactly; frozen copies are lossy
         assert info["max_holder_difference"] in (0.0, None), unit
+
+
+@pytest.mark.timeout(300)
+def test_two_active_blocks_without_overlap_keep_their_holders_identical(tmp_path):
+    """Without overlap a claim takes effect at once: the new holder takes the exact weights, adopts the
+    others' result for one round, then counts; every block's two holders stay bit-identical."""
+    summary = run(
+        SimConfig(
+            dense_blocks=4,
+            active_blocks=2,
+            rotate_every=2,
+            out=tmp_path,
+            extra={"method__overlap": False},
+            **SIM,
+        )
+    )
+    assert not summary["failures"] and summary["uncovered_unit_rounds"] == 0
+    assert summary["final_loss"] < summary["initial_loss"]
+    for unit, info in summary["units"].items():
+        assert info["max_holder_difference"] == 0.0, unit

@@ -421,7 +421,11 @@ class Peer:
                 row["loss"],
                 row["tokens_per_s"],
             )
-            self.member.rebalance(first_round=self.round + 1 if overlap else self.round)
+            # without overlap a new claim takes effect at once, before every other peer can see it: like a
+            # newcomer's, its first round is not counted (it adopts the others' result)
+            self.member.rebalance(
+                first_round=self.round + 1 if overlap else self.round, count_from=self.round + 1
+            )
         self.sync.forget_before(self.round)
         self._last_row = row
         if self.outputs:

@@ -3,7 +3,7 @@
 OUT/metrics.jsonl      one JSON object per round
 OUT/checkpoints/       model, optimizer and data position, every few rounds (spes_p2p.train.checkpoint)
 OUT/model.safetensors  on exit: every tensor as this peer holds it (frozen copies included)
-OUT/state.json         on exit: peer id, round, units held
+OUT/state.json         on exit: peer id, round, the units it trained last
 """
 
 from __future__ import annotations
@@ -50,7 +50,7 @@ class RunOutputs:
         state = {
             "peer_id": peer.transport.peer_id,
             "round": peer.round,
-            "units": peer.member.units_held,
+            "units": peer.trainer.units,  # those its weights were last trained and synced for
             "step": peer.trainer.step,
             "tokens": peer.trainer.tokens,
         }

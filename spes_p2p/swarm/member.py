@@ -165,17 +165,20 @@ class SwarmMember:
         self.last_view = read_view(self.transport, self.cfg.run_id, self.units)
         return self.last_view
 
-    def rebalance(self, first_round: int | None = None) -> set[str]:
-        """Re-runs the claim policy (call at sync boundaries); returns the units given up. Newly claimed units
-        are trained from ``first_round`` on (default: the current round)."""
+    def rebalance(self, first_round: int | None = None, count_from: int | None = None) -> set[str]:
+        """Re-runs the claim policy (call at sync boundaries); returns the units given up. The claims take
+        effect in ``first_round`` (default: the current round); the others count this peer's updates of a new
+        unit from ``count_from`` on (default: ``first_round``; later when they may read their participants
+        before they see the claim)."""
         view = self.view()
         first = self.round if first_round is None else first_round
+        count = first if count_from is None else count_from
         new = self._choose(view, first)
         dropped = self.held - new
         if new != self.held:
             logger.info("claims: %s -> %s", sorted(self.held), sorted(new))
         for unit in new - self.held:
-            self.since[unit] = first
+            self.since[unit] = count
             self.ending.pop(unit, None)
         for unit in dropped:
             self.ending[unit] = first - 1  # the last round it trains the unit
