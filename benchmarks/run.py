@@ -97,8 +97,10 @@ def bench_memory(preset: str) -> dict:
 # ----------------------------------------------------------------------------------------------- bytes
 
 
-def swarm_bytes(preset: str, codec: str, mode: str, rounds: int = 2) -> dict:
-    """Medians over 4 in-process peers (2 shards) of the bytes moved in the last round."""
+def swarm_bytes(preset: str, codec: str, mode: str, rounds: int = 4) -> dict:
+    """Bytes per round of 4 in-process peers (2 shards): each peer's total over the run divided by the rounds,
+    median over peers (one round's window is noisy: a peer's bytes land in whichever round it was in when
+    another peer fetched from it)."""
     from spes_p2p.peer import Peer
     from spes_p2p.settings import Settings
     from spes_p2p.swarm.memory import MemoryNetwork
@@ -126,12 +128,11 @@ def swarm_bytes(preset: str, codec: str, mode: str, rounds: int = 2) -> dict:
         t.start()
     for t in threads:
         t.join()
-    rows = [p._last_row for p in swarm]
     model_bytes = 4 * swarm[0].model.num_params()
+    sent = statistics.median(p.transport.stats.bytes_sent / rounds for p in swarm)
+    received = statistics.median(p.transport.stats.bytes_received / rounds for p in swarm)
     for p in swarm:
         p.close()
-    sent = statistics.median(r["bytes_sent"] for r in rows)
-    received = statistics.median(r["bytes_received"] for r in rows)
     return {
         "preset": preset,
         "mode": mode,
