@@ -15,7 +15,7 @@ from spes_cli.main import spes
 from spes_p2p.errors import ConfigError
 from spes_p2p.sim import SimConfig, parse_event, parse_partition, run
 from spes_p2p.sim.config import SOLE
-from spes_p2p.sim.runner import stop_process_groups
+from spes_p2p.sim.runner import ProcessFleet, stop_process_groups
 
 pytestmark = [pytest.mark.timeout(300), pytest.mark.slow]
 SMALL = {"steps_per_round": 5, "batch_size": 4, "seq_len": 64, "max_corpus_mb": 1.0}
@@ -100,6 +100,18 @@ def test_spes_simulate_with_real_processes(tmp_path):
     assert all(units[u]["holders"]["5"] for u in units), "a unit was still uncovered in the last round"
     assert summary["uncovered_unit_rounds"] <= 4
     assert "summary:" in result.output and "loss.png" in result.output
+
+
+def test_a_rerun_in_the_same_folder_does_not_dial_the_last_runs_addresses(tmp_path):
+    """Peers join through the first peer's address file; one left by an earlier run in the same --out made
+    every other peer dial a dead address ("none of the initial peers answered")."""
+    keys = tmp_path / "keys"
+    keys.mkdir()
+    (keys / "peer0.addr").write_text("/ip4/127.0.0.1/tcp/9/p2p/QmOldRun\n")
+    (keys / "peer0.key").write_bytes(b"identity")
+    ProcessFleet(SimConfig(out=tmp_path))
+    assert not (keys / "peer0.addr").exists()
+    assert (keys / "peer0.key").read_bytes() == b"identity"  # the peers keep their identities
 
 
 def test_resume_after_kill_keeps_the_peer_id(tmp_path):

@@ -185,6 +185,8 @@ class ProcessFleet(Fleet):
         super().__init__(cfg)
         (cfg.out / "logs").mkdir(parents=True, exist_ok=True)
         (cfg.out / "keys").mkdir(parents=True, exist_ok=True)
+        for stale in (cfg.out / "keys").glob("*.addr"):  # an earlier run's: peers would dial dead addresses
+            stale.unlink()
         (cfg.out / "peers.toml").write_text(to_toml(cfg.settings()))
         self.procs: dict[int, subprocess.Popen] = {}
         self.binary = str(Path(sys.executable).parent / "spes-join")
