@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 
 from spes_p2p.sim import SimConfig, run
+from spes_p2p.sim.summary import read_rows
 from spes_p2p.train.memory import compare
 
 SETTINGS = [(b, f) for b in (1, 4) for f in ("full", "int8", "nf4")]
@@ -54,8 +55,7 @@ def loss_table(preset: str, rounds: int, steps: int, out: Path) -> list[dict]:
         summary = run(cfg)
         val = []
         for peer in sorted((folder / "peers").iterdir()):
-            evals = [json.loads(line) for line in (peer / "metrics.jsonl").read_text().splitlines()]
-            evals = [row for row in evals if "val_loss" in row]
+            evals = [row for row in read_rows(peer) if "val_loss" in row]
             if evals:
                 val.append(evals[-1]["val_loss"])
         rows.append(

@@ -163,6 +163,7 @@ def bench_bytes(presets: list[str]) -> list[dict]:
 
 def simulate(out: Path, name: str, backend: str, peers: int, rounds: int, steps: int, **settings) -> dict:
     from spes_p2p.sim import SimConfig, run
+    from spes_p2p.sim.summary import read_rows
 
     fields = {
         k: settings.pop(k)
@@ -183,9 +184,7 @@ def simulate(out: Path, name: str, backend: str, peers: int, rounds: int, steps:
     started = time.perf_counter()
     summary = run(cfg)
     rows = {
-        d.name: [json.loads(line) for line in (d / "metrics.jsonl").read_text().splitlines()]
-        for d in sorted((folder / "peers").iterdir())
-        if (d / "metrics.jsonl").exists()
+        d.name: read_rows(d) for d in sorted((folder / "peers").iterdir()) if (d / "metrics.jsonl").exists()
     }
     return {
         "summary": summary,
@@ -239,6 +238,7 @@ def bench_loss(out: Path, rounds: int, steps: int) -> dict:
 
 def centralized(out: Path, rounds: int, steps: int) -> list[tuple[int, float]]:
     """One trainer on 4 peers' batches at once (4 x 8 sequences a step), for as many steps as a peer."""
+    from spes_p2p.sim.summary import read_rows
     from spes_p2p.train.data import DataConfig
     from spes_p2p.train.run import RunConfig, TrainingRun
     from spes_p2p.train.trainer import TrainConfig
@@ -251,7 +251,7 @@ def centralized(out: Path, rounds: int, steps: int) -> list[tuple[int, float]]:
     folder = out / "loss-centralized"
     shutil.rmtree(folder, ignore_errors=True)
     TrainingRun(cfg, folder).run(stop_after=rounds * steps)
-    rows = [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()]
+    rows = read_rows(folder)
     return [(r["tokens"], r["val_loss"]) for r in rows if "val_loss" in r]
 
 

@@ -11,6 +11,8 @@ from pathlib import Path
 import click
 from spes_cli.common import SpesCommand, console, dense_block_options, err_console, swarm_options
 
+from spes_p2p.settings import CODECS
+
 
 @click.command(cls=SpesCommand, context_settings={"help_option_names": ["-h", "--help"]})
 @click.option("--new-swarm", is_flag=True, help="Start the first peer of a new swarm (dial nobody).")
@@ -38,9 +40,7 @@ from spes_cli.common import SpesCommand, console, dense_block_options, err_conso
 @click.option("--heartbeat", type=float, help="Seconds between record refreshes.")
 @click.option("--record-ttl", type=float, help="Seconds before a silent peer's records vanish.")
 @click.option("--steps-per-round", type=int, help="H: local steps between synchronizations (must match).")
-@click.option(
-    "--codec", type=click.Choice(["none", "fp16", "int8", "nf4", "topk"]), help="How updates travel."
-)
+@click.option("--codec", type=click.Choice(CODECS), help="How updates travel.")
 @click.option("--overlap/--no-overlap", default=None, help="Sync round k while round k+1 trains.")
 @click.option(
     "--method",

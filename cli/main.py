@@ -8,6 +8,8 @@ from pathlib import Path
 import click
 from spes_cli.common import SpesGroup, console, dense_block_options, parse_shard_list, swarm_options
 
+from spes_p2p.settings import CODECS
+
 PRESET_NAMES = (
     "tiny",
     "small",
@@ -265,9 +267,7 @@ def status(config, peers, run_id, log_level, as_json) -> None:
     metavar="G/G@START[-END]",
     help="Memory backend: e.g. 0,1/2,3@2-3 splits the swarm in rounds 2 to 3.",
 )
-@click.option(
-    "--codec", type=click.Choice(["none", "fp16", "int8", "nf4", "topk"]), default="int8", show_default=True
-)
+@click.option("--codec", type=click.Choice(CODECS), default="int8", show_default=True)
 @click.option(
     "--method",
     type=click.Choice(["spes", "diloco"]),

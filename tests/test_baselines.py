@@ -1,14 +1,13 @@
 """The DiLoCo baseline in the same code (``mode = diloco``), and the per-round timing figures the benchmarks
 read (time blocked on the sync, DHT latency)."""
 
-import json
-
 import pytest
 
 from spes_p2p.errors import ConfigError
 from spes_p2p.model import MoETransformer, get_preset
 from spes_p2p.settings import Settings
 from spes_p2p.sim import SimConfig, run
+from spes_p2p.sim.summary import read_rows
 
 pytestmark = pytest.mark.timeout(300)
 SIM = {"peers": 3, "shards": 2, "rounds": 4, "backend": "memory", "steps_per_round": 5, "batch_size": 4}
@@ -16,10 +15,7 @@ SIM |= {"seq_len": 64, "max_corpus_mb": 1.0}
 
 
 def rows_of(out) -> dict[str, list[dict]]:
-    return {
-        d.name: [json.loads(line) for line in (d / "metrics.jsonl").read_text().splitlines()]
-        for d in sorted((out / "peers").iterdir())
-    }
+    return {d.name: read_rows(d) for d in sorted((out / "peers").iterdir())}
 
 
 def test_diloco_averages_the_full_model_across_every_peer(tmp_path):

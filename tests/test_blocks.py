@@ -1,8 +1,6 @@
 """Block coordinate descent over the dense part: the partition into blocks, the claims and their rotation,
 and the optimizer across switches."""
 
-import json
-
 import pytest
 import torch
 from hypothesis import given, settings
@@ -14,6 +12,7 @@ from spes_p2p.model.units import balanced_starts, dense_partition, read_unit
 from spes_p2p.peer.setup import member_config, swarm_identity
 from spes_p2p.settings import Settings
 from spes_p2p.sim import SimConfig, run
+from spes_p2p.sim.summary import read_rows
 from spes_p2p.swarm.claims import block_permutation, carry_block, holders_at_epoch
 from spes_p2p.swarm.member import SwarmMember
 from spes_p2p.swarm.memory import FakeClock, MemoryNetwork
@@ -210,10 +209,7 @@ SIM |= {"seq_len": 64, "max_corpus_mb": 1.0}
 
 
 def peer_rows(out) -> dict[str, list[dict]]:
-    return {
-        d.name: [json.loads(line) for line in (d / "metrics.jsonl").read_text().splitlines()]
-        for d in sorted((out / "peers").iterdir())
-    }
+    return {d.name: read_rows(d) for d in sorted((out / "peers").iterdir())}
 
 
 @pytest.mark.timeout(300)

@@ -57,6 +57,7 @@ class SimConfig:
             raise ConfigError("--drop, --delay, --corrupt and --partition need --backend memory")
         if not (0 <= self.drop < 1 and 0 <= self.corrupt < 1):
             raise ConfigError("--drop and --corrupt are probabilities in [0, 1)")
+        self.settings()  # the peers' settings are checked before anything starts
 
     def settings(self) -> Settings:
         """The peers' settings: short heartbeats and deadlines, as suits one machine."""
