@@ -400,18 +400,15 @@ class Peer:
             raise sync.error
         overlap = self.settings.method.overlap
         for unit, result in sync.results.items():
-            new = result.new_weights
             if overlap:  # keep the progress made since the round ended, on top of the synced weights
-                now = read_unit(self.model, self.layout, unit)
-                self._synced_start[unit] = new
-                new = {n: result.new_weights[n] + (now[n] - sync.end[unit][n]) for n in now}
-            write_unit(self.model, self.layout, unit, new)
+                self._write_under_progress(unit, result.new_weights, since=sync.end[unit])
+            else:
+                write_unit(self.model, self.layout, unit, result.new_weights)
         for unit, weights in sync.refreshed.items():
             if overlap and unit in self._round_start:  # trained since this round began: keep that progress
-                now = read_unit(self.model, self.layout, unit)
-                self._synced_start[unit] = weights
-                weights = {n: weights[n] + (now[n] - self._round_start[unit][n]) for n in now}
-            write_unit(self.model, self.layout, unit, weights)
+                self._write_under_progress(unit, weights, since=self._round_start[unit])
+            else:
+                write_unit(self.model, self.layout, unit, weights)
         self.round = sync.round + 1
         self._jump_ahead_if_behind()
         row = self._round_row(sync)
@@ -432,6 +429,13 @@ class Peer:
             self.outputs.append(row)
             if self.round % self.settings.train.checkpoint_every_rounds == 0:
                 self.outputs.checkpoint(self)
+
+    def _write_under_progress(self, unit: str, synced: Tensors, since: Tensors) -> None:
+        """Overlap: the unit becomes ``synced`` plus the local progress made since ``since``, and the update
+        of the round now training is measured from ``synced``."""
+        now = read_unit(self.model, self.layout, unit)
+        self._synced_start[unit] = synced
+        write_unit(self.model, self.layout, unit, {n: synced[n] + (now[n] - since[n]) for n in now})
 
     def _merge_if_due(self, sync: _Sync) -> None:
         """Expert-merging warm-up on the round's new weights, before they are served. Neighbours come from
