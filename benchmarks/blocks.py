@@ -16,8 +16,10 @@ import statistics
 import time
 from pathlib import Path
 
-from spes_p2p.sim import SimConfig, run
+from spes_p2p.model.config import ModelSettings
+from spes_p2p.sim import run, simulation
 from spes_p2p.sim.summary import read_rows
+from spes_p2p.train.config import TrainConfig
 from spes_p2p.train.memory import compare
 
 SETTINGS = [(b, f) for b in (1, 4) for f in ("full", "int8", "nf4")]
@@ -26,7 +28,8 @@ SETTINGS = [(b, f) for b in (1, 4) for f in ("full", "int8", "nf4")]
 def memory_table(preset: str) -> list[dict]:
     rows = []
     for blocks, frozen in SETTINGS:
-        r = compare(preset, 4, [0], "adamw8bit", dense_blocks=blocks, active_blocks=1, frozen_experts=frozen)
+        model = ModelSettings(preset=preset, shards=4, dense_blocks=blocks)
+        r = compare(model, 1, 1, TrainConfig(frozen_experts=frozen, batch_size=4))
         rows.append(
             {"dense_blocks": blocks, "frozen_experts": frozen, **{k: v for k, v in r.items() if k != "full"}}
         )
@@ -39,18 +42,18 @@ def loss_table(preset: str, rounds: int, steps: int, out: Path) -> list[dict]:
     for blocks, frozen in SETTINGS:
         folder = out / f"sim-B{blocks}-{frozen}"
         started = time.perf_counter()
-        cfg = SimConfig(
-            peers=4,
-            shards=2,
-            preset=preset,
-            rounds=rounds,
-            steps_per_round=steps,
-            backend="memory",
-            dense_blocks=blocks,
-            active_blocks=1,
-            rotate_every=2,
-            frozen_experts=frozen,
-            out=folder,
+        cfg = simulation(
+            sim__peers=4,
+            model__shards=2,
+            model__preset=preset,
+            run__rounds=rounds,
+            method__steps_per_round=steps,
+            sim__backend="memory",
+            model__dense_blocks=blocks,
+            peer__active_blocks=1,
+            method__rotate_every_rounds=2,
+            train__frozen_experts=frozen,
+            run__out=str(folder),
         )
         summary = run(cfg)
         val = []
@@ -62,7 +65,7 @@ def loss_table(preset: str, rounds: int, steps: int, out: Path) -> list[dict]:
             {
                 "dense_blocks": blocks,
                 "frozen_experts": frozen,
-                "tokens_per_peer": rounds * steps * cfg.batch_size * cfg.seq_len,
+                "tokens_per_peer": rounds * steps * cfg.train.batch_size * cfg.train.seq_len,
                 "val_loss": statistics.fmean(val),
                 "final_train_loss": summary["final_loss"],
                 "uncovered_unit_rounds": summary["uncovered_unit_rounds"],

@@ -17,8 +17,9 @@ from pathlib import Path
 import torch
 
 from spes_p2p.model import MoETransformer, UnitLayout, get_preset
+from spes_p2p.train.config import TrainConfig
 from spes_p2p.train.memory import weights_bytes
-from spes_p2p.train.trainer import TrainConfig, Trainer
+from spes_p2p.train.trainer import Trainer
 
 CONFIGS = {  # name -> (trains everything, dense blocks, frozen experts)
     "everything": (True, 1, "full"),

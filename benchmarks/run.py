@@ -64,14 +64,16 @@ MEMORY_CONFIGS = {  # name -> (units trained, dense blocks, frozen experts, oute
 
 def memory_child(preset: str, name: str) -> dict:
     """Runs in a fresh process, so its peak RSS belongs to this configuration alone."""
-    from spes_p2p.model import UnitLayout, get_preset
+    from spes_p2p.model.config import ModelSettings
+    from spes_p2p.train.config import TrainConfig
     from spes_p2p.train.memory import measure
 
     units, blocks, frozen, outer_copies = MEMORY_CONFIGS[name]
-    cfg = get_preset(preset)
-    layout = UnitLayout.for_model(cfg, 4, blocks)
+    model = ModelSettings(preset=preset, shards=4, dense_blocks=blocks)
+    layout = model.layout()
     trained = layout.units if units == "all" else [*layout.dense_units[-1:], "experts/0"]
-    report = measure(cfg, layout, trained, "adamw8bit", frozen)
+    train = TrainConfig(frozen_experts=frozen, batch_size=4)
+    report = measure(model.architecture(), layout, trained, train)
     report["outer_bytes"] = outer_copies * 4 * report["trainable_params"]
     outer = [torch.empty(report["trainable_params"]) for _ in range(outer_copies)]  # held, as a peer does
     report["total_bytes"] += report["outer_bytes"]
@@ -109,26 +111,26 @@ def swarm_bytes(preset: str, codec: str, mode: str, rounds: int = 4) -> dict:
         model__preset=preset,
         model__shards=2,
         method__mode=mode,
-        method__codec=codec,
+        sync__codec=codec,
         method__steps_per_round=2,
-        method__merge=False,
+        merge__enabled=False,
         method__overlap=False,
         data__max_corpus_mb=2.0,
         train__batch_size=2,
         train__seq_len=64,
-        swarm__sync_deadline_min=0.5,
+        sync__deadline_min=0.5,
     )
     net = MemoryNetwork(seed=0)
     swarm = [Peer(s, net.join(f"p{i}")) for i in range(4)]
     for p in swarm:
         p.join()
     stop = threading.Event()
-    threads = [threading.Thread(target=p.run, args=(stop, None, rounds)) for p in swarm]
+    threads = [threading.Thread(target=p.run, args=(stop, None, rounds)) for p in swarm]  # (stop, ui, rounds)
     for t in threads:
         t.start()
     for t in threads:
         t.join()
-    model_bytes = 4 * swarm[0].model.num_params()
+    model_bytes = 4 * swarm[0].local.model.num_params()
     sent = statistics.median(p.transport.stats.bytes_sent / rounds for p in swarm)
     received = statistics.median(p.transport.stats.bytes_received / rounds for p in swarm)
     for p in swarm:
@@ -161,25 +163,20 @@ def bench_bytes(presets: list[str]) -> list[dict]:
 # ------------------------------------------------------------------------------------------ swarms
 
 
-def simulate(out: Path, name: str, backend: str, peers: int, rounds: int, steps: int, **settings) -> dict:
-    from spes_p2p.sim import SimConfig, run
+def simulate(out: Path, name: str, backend: str, peers: int, rounds: int, steps: int, **changes) -> dict:
+    """A simulation with ``section__field`` changes."""
+    from spes_p2p.sim import run, simulation
     from spes_p2p.sim.summary import read_rows
 
-    fields = {
-        k: settings.pop(k)
-        for k in ("method", "dense_blocks", "active_blocks", "rotate_every")
-        if k in settings
-    }
     folder = out / name
-    cfg = SimConfig(
-        peers=peers,
-        shards=2,
-        rounds=rounds,
-        steps_per_round=steps,
-        backend=backend,
-        out=folder,
-        extra=settings,
-        **fields,
+    cfg = simulation(
+        sim__peers=peers,
+        model__shards=2,
+        run__rounds=rounds,
+        method__steps_per_round=steps,
+        sim__backend=backend,
+        run__out=str(folder),
+        **changes,
     )
     started = time.perf_counter()
     summary = run(cfg)
@@ -190,7 +187,7 @@ def simulate(out: Path, name: str, backend: str, peers: int, rounds: int, steps:
         "summary": summary,
         "rows": rows,
         "seconds": time.perf_counter() - started,
-        "tokens_per_peer_round": steps * cfg.batch_size * cfg.seq_len,
+        "tokens_per_peer_round": steps * cfg.train.batch_size * cfg.train.seq_len,
     }
 
 
@@ -212,16 +209,16 @@ def bench_sync(out: Path, rounds: int, steps: int) -> dict:
     return result
 
 
-LOSS_METHODS = {  # SimConfig fields, or Settings overrides (section__field)
-    "diloco": {"method": "diloco"},  # Nesterov outer step (lr 0.7, momentum 0.9), no merging
+LOSS_METHODS = {  # settings changes, section__field
+    "diloco": {"method__mode": "diloco"},  # Nesterov outer step (lr 0.7, momentum 0.9), no merging
     "spes": {},
-    "spes-no-merge": {"method__merge": False},
-    "spes+bcd": {"dense_blocks": 4, "active_blocks": 1, "rotate_every": 2},
+    "spes-no-merge": {"merge__enabled": False},
+    "spes+bcd": {"model__dense_blocks": 4, "peer__active_blocks": 1, "method__rotate_every_rounds": 2},
 }
 
 
 def bench_loss(out: Path, rounds: int, steps: int) -> dict:
-    merge = {"method__merge_interval": 2 * steps, "method__merge_horizon": rounds * steps}
+    merge = {"merge__interval": 2 * steps, "merge__horizon": rounds * steps, "train__eval_every": 2 * steps}
     curves = {"centralized": centralized(out, rounds, steps)}
     for name, settings in LOSS_METHODS.items():
         sim = simulate(out, f"loss-{name}", "memory", 4, rounds, steps, **{**merge, **settings})
@@ -238,19 +235,18 @@ def bench_loss(out: Path, rounds: int, steps: int) -> dict:
 
 def centralized(out: Path, rounds: int, steps: int) -> list[tuple[int, float]]:
     """One trainer on 4 peers' batches at once (4 x 8 sequences a step), for as many steps as a peer."""
+    from spes_p2p.model.config import ModelSettings
     from spes_p2p.sim.summary import read_rows
-    from spes_p2p.train.data import DataConfig
-    from spes_p2p.train.run import RunConfig, TrainingRun
-    from spes_p2p.train.trainer import TrainConfig
+    from spes_p2p.train.config import DataConfig, TrainConfig
+    from spes_p2p.train.run import TrainingRun
 
     # the peers' schedule (10,000 steps, warmup 50); the same 32 validation sequences as a peer's 4 x 8
     train = TrainConfig(
-        batch_size=32, max_steps=10_000, warmup_steps=50, eval_every=2 * steps, eval_batches=1
+        batch_size=32, total_steps=10_000, warmup_steps=50, eval_every=2 * steps, eval_batches=1
     )
-    cfg = RunConfig(preset="tiny", train=train, data=DataConfig(max_bytes=4_000_000))
     folder = out / "loss-centralized"
     shutil.rmtree(folder, ignore_errors=True)
-    TrainingRun(cfg, folder).run(stop_after=rounds * steps)
+    TrainingRun(ModelSettings(), train, DataConfig(max_corpus_mb=4.0), folder).run(stop_after=rounds * steps)
     rows = read_rows(folder)
     return [(r["tokens"], r["val_loss"]) for r in rows if "val_loss" in r]
 
@@ -258,7 +254,7 @@ def centralized(out: Path, rounds: int, steps: int) -> list[tuple[int, float]]:
 def bench_scale(out: Path, peers: list[int], rounds: int, steps: int) -> list[dict]:
     rows = []
     for n in peers:
-        sim = simulate(out, f"scale-{n}", "hivemind", n, rounds, steps, method__dense_group_size=4)
+        sim = simulate(out, f"scale-{n}", "hivemind", n, rounds, steps, sync__dense_group_size=4)
         later = [r for rs in sim["rows"].values() for r in rs[1:]]
         rows.append(
             {

@@ -9,6 +9,8 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 from rich.table import Table
 
+from spes_p2p.peer.life import Frontend
+
 
 class TrainProgress:
     """A progress bar showing the latest loss and throughput."""
@@ -81,21 +83,60 @@ def _mib(n: int) -> str:
 # ------------------------------------------------------------------------------------------------- swarm
 
 
-def print_joined(console: Console, settings, status, reachability, new_swarm: bool) -> None:
-    from spes_p2p.peer import share_snippet
+class JoinView(Frontend):
+    """spes-join on a terminal: a spinner per phase, what to share once joined, then the live swarm table."""
 
-    say = functools.partial(console.print, soft_wrap=True, highlight=False)  # addresses must stay copyable
-    say(
-        f"peer [bold]{status.peer_id}[/] in swarm [bold]{settings.swarm.run_id}[/], "
-        f"holding [bold]{', '.join(status.units) or 'nothing'}[/]"
-    )
-    for addr in status.addresses:
-        say(f"  dial me at {addr}")
-    color = "green" if reachability.reachable else "yellow"
-    say(f"[{color}]{reachability.message}[/]")
-    if new_swarm:
-        say("New swarm started. Others join with `spes-join --peers ADDR`, or with this in their peers.toml:")
-        say(share_snippet(settings, status.addresses), markup=False)
+    def __init__(self, console: Console, settings) -> None:
+        self.console, self.settings = console, settings
+        self.live: SwarmLive | None = None
+
+    def __enter__(self) -> JoinView:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop_live()
+
+    def phase(self, text: str):
+        self._stop_live()
+        return self.console.status(text)
+
+    def joined(self, status, reachability, resumed) -> None:
+        from spes_p2p.peer import share_snippet
+
+        say = functools.partial(
+            self.console.print, soft_wrap=True, highlight=False
+        )  # addresses stay copyable
+        if resumed:
+            say(f"resumed from {resumed}; now at the swarm's round {status.round}")
+        say(
+            f"peer [bold]{status.peer_id}[/] in swarm [bold]{self.settings.swarm.run_id}[/], "
+            f"holding [bold]{', '.join(status.units) or 'nothing'}[/]"
+        )
+        for addr in status.addresses:
+            say(f"  dial me at {addr}")
+        color = "green" if reachability.reachable else "yellow"
+        say(f"[{color}]{reachability.message}[/]")
+        if self.settings.run.new_swarm:
+            say(
+                "New swarm started. Others join with `spes-join --peers ADDR`, or with this as their "
+                "peers.toml:"
+            )
+            say(share_snippet(self.settings, status.addresses), markup=False)
+
+    def update(self, status) -> None:
+        if self.live is None:
+            self.live = SwarmLive(self.console, self.settings).__enter__()
+        self.live.update(status)
+
+    def left(self, status) -> None:
+        self._stop_live()
+        where = f"; outputs in {self.settings.run.out}" if self.settings.run.out else ""
+        self.console.print(f"[green]left the swarm[/] after round {status.round}{where}")
+
+    def _stop_live(self) -> None:
+        if self.live is not None:
+            self.live.__exit__(None, None, None)
+            self.live = None
 
 
 class LiveView:

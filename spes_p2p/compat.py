@@ -1,4 +1,4 @@
-"""Imports of third-party modules that need taming on our machines (see FACTS.md)."""
+"""Imports that need taming: third-party modules with side effects, and lazy re-exports of our own."""
 
 from __future__ import annotations
 
@@ -7,8 +7,29 @@ import logging
 
 def bitsandbytes():
     """bitsandbytes, imported without its CPU notice about the optional ``kernels`` package."""
-    # The notice is harmless (FACTS.md) but alarms users; it is logged once at import time.
+    # The notice is harmless (the CPU backend works without that package) but alarms users.
     logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)
     import bitsandbytes as bnb
 
     return bnb
+
+
+def lazy_exports(package: str, exports: dict[str, str]):
+    """A module ``__getattr__`` that imports ``name`` from ``package.<exports[name]>`` on first use, so that a
+    package can re-export heavy names (torch, hivemind) while its light modules stay cheap to import."""
+    import importlib
+
+    def __getattr__(name: str):
+        if name not in exports:
+            raise AttributeError(f"module {package!r} has no attribute {name!r}")
+        return getattr(importlib.import_module(f"{package}.{exports[name]}"), name)
+
+    return __getattr__
+
+
+def setup_logging(level: str) -> None:
+    """Our logs and hivemind's through one handler, at ``level`` (debug, info, warning or error)."""
+    import os
+
+    os.environ.setdefault("HIVEMIND_LOGLEVEL", level.upper())
+    logging.basicConfig(level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")

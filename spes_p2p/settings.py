@@ -1,7 +1,15 @@
-"""A peer's settings: ``peers.toml`` (data, never code), overridden by command-line flags.
+"""All settings of a peer, a simulation or a training run: the sections of every layer, composed.
 
-Sections and fields are the dataclasses below; ``peers.toml`` at the top of the repository lists every one
-with its default. A bad file gets a ``ConfigError`` naming the file, the field and, where known, the line.
+Each setting is one field of a section owned by the code it configures (see ``spes_p2p.fields``)::
+
+    [swarm] [sync] [network]   spes_p2p.swarm.config     [model]          spes_p2p.model.config
+    [method] [peer]            spes_p2p.peer.config      [train] [data] [merge]  spes_p2p.train.config
+    [sim]                      spes_p2p.sim.config       [run]            below: this invocation
+
+Values come in layers, later ones winning: the section defaults, a command's own defaults (``spes simulate``
+runs a local swarm with short heartbeats and rounds), the chosen method's defaults (DiLoCo's outer step),
+a TOML file, then command-line flags. A bad value is a ``ConfigError`` that names where it came from (the
+file and line, or the flag), its section and its field.
 """
 
 from __future__ import annotations
@@ -14,209 +22,174 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import tomli_w
+
 from spes_p2p.errors import ConfigError
+from spes_p2p.fields import SWARM, FieldError, Section, check, flag_of, setting
+from spes_p2p.model.config import ModelSettings
+from spes_p2p.peer.config import METHOD_DEFAULTS, MethodConfig, PeerConfig
+from spes_p2p.sim.config import SimConfig
+from spes_p2p.swarm.config import NetworkConfig, SwarmConfig, SyncConfig
+from spes_p2p.train.config import DataConfig, MergeConfig, TrainConfig
 
-CODECS = ("none", "fp16", "int8", "nf4", "topk")
-DEFAULT_CONFIG = Path("peers.toml")  # looked up in the working directory
+DEFAULT_CONFIG = Path("peers.toml")  # spes-join and spes status read it from the working directory
+LOG_LEVELS = ("debug", "info", "warning", "error")
 
-
-@dataclass(frozen=True, kw_only=True)
-class SwarmSettings:
-    run_id: str = "spes-demo"
-    initial_peers: tuple[str, ...] = ()  # multiaddrs of running peers, each ending in /p2p/<peer id>
-    target_replication: int = 2  # holders wanted per expert shard
-    hysteresis: int = 1  # extra holders a unit needs before a peer leaves it for a less-covered one
-    heartbeat_seconds: float = 5.0
-    record_ttl_seconds: float = 20.0  # records of a silent peer vanish after this long
-    join_timeout_seconds: float = 20.0  # bound on reaching the initial peers
-    sync_deadline_min: float = 2.0  # a round waits for late participants at least this long...
-    sync_deadline_max: float = 60.0  # ...and at most this long (adapting in between)
-
-    def __post_init__(self) -> None:
-        _check(
-            bool(re.fullmatch(r"[A-Za-z0-9._-]{1,64}", self.run_id)),
-            "run_id",
-            "must be 1-64 letters, digits, '.', '_' or '-'",
-        )
-        for addr in self.initial_peers:
-            _check_multiaddr(addr, "initial_peers", need_peer_id=True)
-        _check(self.target_replication >= 1, "target_replication", "must be at least 1")
-        _check(self.hysteresis >= 0, "hysteresis", "must be at least 0")
-        _check(self.heartbeat_seconds > 0, "heartbeat_seconds", "must be positive")
-        _check(
-            self.record_ttl_seconds > 2 * self.heartbeat_seconds,
-            "record_ttl_seconds",
-            "must exceed twice heartbeat_seconds, or records expire between heartbeats",
-        )
-        _check(self.join_timeout_seconds > 0, "join_timeout_seconds", "must be positive")
-        _check(
-            0 < self.sync_deadline_min <= self.sync_deadline_max,
-            "sync_deadline_min",
-            "must be positive and at most sync_deadline_max",
-        )
+Key = tuple[str, str]  # (section, field)
 
 
 @dataclass(frozen=True, kw_only=True)
-class ModelSettings:
-    preset: str = "tiny"
-    shards: int = 4  # expert shards: units experts/0 .. experts/<shards-1>
-    experts: int = 0  # experts per MoE layer; 0: the preset's
-    dense_blocks: int = 1  # B: the dense part in blocks dense/0 .. dense/<B-1>; 1: every peer trains it all
+class RunConfig(Section):
+    """[run]: this invocation: where outputs go and when to stop. Never part of a swarm's identity."""
 
-    def __post_init__(self) -> None:
-        _check(self.shards >= 1, "shards", "must be at least 1")
-        _check(self.experts >= 0, "experts", "must be 0 (the preset's) or more")
-        _check(self.dense_blocks >= 1, "dense_blocks", "must be at least 1")
+    out: str = setting(
+        "", "Run folder: metrics.jsonl, checkpoints, and on exit model.safetensors, state.json."
+    )
+    resume: bool = setting(False, "Continue from the newest checkpoint in --out (a peer keeps its peer id).")
+    rounds: int = setting(0, "Stop once the swarm has completed this many rounds; 0: run until stopped.")
+    new_swarm: bool = setting(False, "Found a new swarm: dial nobody.")
+    min_peers: int = setting(1, "Wait (up to --wait-seconds) for this many peers before the first round.")
+    join_round: int = setting(
+        0, "Join once the swarm has reached this round (simulated newcomers start early)."
+    )
+    wait_seconds: float = setting(300.0, "Bound on waiting for --min-peers or --join-round.")
+    addr_file: str = setting("", "Write this peer's dialable multiaddrs here, one per line, once it is up.")
+    log_level: str = setting("warning", "Log level.", choices=LOG_LEVELS)
+    owned_shards: str = setting(
+        "", "spes train: train only these expert shards and the dense part ('1', '0,2', '0-3'); empty: all."
+    )
+    stop_after: int = setting(0, "spes train: stop (with a checkpoint) after this many steps; 0: at the end.")
 
+    def validate(self) -> None:
+        check(self.rounds >= 0, "rounds", "must be at least 0 (0: until stopped)")
+        check(self.min_peers >= 1, "min_peers", "must be at least 1")
+        check(self.join_round >= 0, "join_round", "must be at least 0")
+        check(self.wait_seconds >= 0, "wait_seconds", "must be at least 0")
+        check(self.stop_after >= 0, "stop_after", "must be at least 0")
+        self.shard_list()
 
-@dataclass(frozen=True, kw_only=True)
-class MethodSettings:
-    mode: str = "spes"  # spes, or diloco: every peer trains and averages the full model (a baseline)
-    steps_per_round: int = 100  # H: local optimizer steps between synchronizations
-    codec: str = "int8"  # how updates travel: none, fp16, int8, topk
-    refresh_codec: str = "int8"  # how frozen copies of other units travel
-    outer: str = "fedavg"  # outer rule: fedavg (SPES) or nesterov (DiLoCo)
-    outer_lr: float = 1.0
-    outer_momentum: float = 0.9  # nesterov only
-    dense_group_size: int = 16  # G: the dense part is averaged in random groups of at most G peers
-    staleness: int = 1  # rounds a late update still counts
-    overlap: bool = True  # exchange round k in the background while round k+1 trains
-    merge: bool = True  # expert-merging warm-up
-    merge_interval: int = 200  # steps
-    merge_alpha: float = 0.05  # a_0
-    merge_horizon: int = 2000  # T, steps
-    merge_neighbours: int = 4  # K
-    rotate_every_rounds: int = 10  # dense blocks (B > 1): rounds between rotations; 0: never rotate
-    block_order: str = "cyclic"  # how holders move at a rotation: cyclic (block b -> b+1) or random
-
-    def __post_init__(self) -> None:
-        _check(self.mode in ("spes", "diloco"), "mode", "must be spes or diloco")
-        _check(self.steps_per_round >= 1, "steps_per_round", "must be at least 1")
-        _check(self.codec in CODECS, "codec", f"must be one of {', '.join(CODECS)}")
-        _check(self.refresh_codec in CODECS, "refresh_codec", f"must be one of {', '.join(CODECS)}")
-        _check(self.outer in ("fedavg", "nesterov"), "outer", "must be fedavg or nesterov")
-        _check(
-            self.outer_lr > 0 and 0 <= self.outer_momentum < 1, "outer_lr", "must be > 0 (momentum in [0, 1))"
-        )
-        _check(self.dense_group_size >= 2, "dense_group_size", "must be at least 2")
-        _check(self.staleness >= 0, "staleness", "must be at least 0")
-        _check(
-            self.merge_interval >= 1 and self.merge_horizon >= 1 and self.merge_neighbours >= 1,
-            "merge_interval",
-            "merge_interval, merge_horizon and merge_neighbours must be at least 1",
-        )
-        _check(0 <= self.merge_alpha <= 1, "merge_alpha", "must be in [0, 1]")
-        _check(self.rotate_every_rounds >= 0, "rotate_every_rounds", "must be at least 0")
-        _check(self.block_order in ("cyclic", "random"), "block_order", "must be cyclic or random")
+    def shard_list(self) -> tuple[int, ...] | None:
+        """``owned_shards`` as indices; None: every shard."""
+        if not self.owned_shards:
+            return None
+        shards: list[int] = []
+        try:
+            for part in self.owned_shards.split(","):
+                lo, _, hi = part.strip().partition("-")
+                shards.extend(range(int(lo), int(hi or lo) + 1))
+        except ValueError:
+            raise FieldError(
+                "owned_shards", f"{self.owned_shards!r} is not a list of shards like '1', '0,2' or '0-3'"
+            ) from None
+        return tuple(shards)
 
 
-@dataclass(frozen=True, kw_only=True)
-class TrainSettings:
-    optimizer: str = "adamw8bit"
-    lr: float = 1e-3
-    warmup_steps: int = 50
-    total_steps: int = 10_000  # length of the learning-rate schedule
-    batch_size: int = 8
-    seq_len: int = 128
-    eval_every_rounds: int = 5
-    eval_batches: int = 4
-    checkpoint_every_rounds: int = 5
-    frozen_experts: str = "full"  # how experts this peer does not train are held: full, int8 or nf4
-    switch_state: str = "reset"  # optimizer state of a unit given up: reset (freed) or cpu (kept there)
-
-    def __post_init__(self) -> None:
-        _check(self.optimizer in ("adamw8bit", "adamw"), "optimizer", "must be adamw8bit or adamw")
-        _check(self.frozen_experts in ("full", "int8", "nf4"), "frozen_experts", "must be full, int8 or nf4")
-        _check(self.switch_state in ("reset", "cpu"), "switch_state", "must be reset or cpu")
-        for name in (
-            "total_steps",
-            "batch_size",
-            "seq_len",
-            "eval_every_rounds",
-            "eval_batches",
-            "checkpoint_every_rounds",
-        ):
-            _check(getattr(self, name) >= 1, name, "must be at least 1")
-        _check(self.lr > 0 and self.warmup_steps >= 0, "lr", "lr must be > 0 and warmup_steps >= 0")
-
-
-@dataclass(frozen=True, kw_only=True)
-class DataSettings:
-    corpus: str = "stdlib"
-    max_corpus_mb: float = 0.0  # read at most this many MB of the corpus; 0: all of it
-
-
-@dataclass(frozen=True, kw_only=True)
-class NetworkSettings:
-    listen: tuple[str, ...] = ("/ip4/0.0.0.0/tcp/0",)
-    announce: tuple[str, ...] = ()  # public multiaddrs to advertise (after port forwarding)
-    identity: str = "~/.spes/identity.key"  # private key: a restarted peer keeps its peer id
-    client_mode: bool = False  # dial out only; nobody can dial this peer
-    use_relay: bool = False  # reach and be reached through relays when behind NAT
-
-    def __post_init__(self) -> None:
-        _check(bool(self.listen), "listen", "needs at least one multiaddr")
-        for addr in self.listen:
-            _check_multiaddr(addr, "listen")
-        for addr in self.announce:
-            _check_multiaddr(addr, "announce")
-
-
-@dataclass(frozen=True, kw_only=True)
-class PeerSettings:
-    capacity: int = 1  # expert shards this peer trains at once
-    active_blocks: int = 1  # dense blocks this peer trains at once (with [model] dense_blocks > 1)
-
-    def __post_init__(self) -> None:
-        _check(self.capacity >= 1, "capacity", "must be at least 1")
-        _check(self.active_blocks >= 1, "active_blocks", "must be at least 1")
+SECTIONS: dict[str, type[Section]] = {
+    "swarm": SwarmConfig,
+    "model": ModelSettings,
+    "method": MethodConfig,
+    "sync": SyncConfig,
+    "merge": MergeConfig,
+    "train": TrainConfig,
+    "data": DataConfig,
+    "network": NetworkConfig,
+    "peer": PeerConfig,
+    "run": RunConfig,
+    "sim": SimConfig,
+}
 
 
 @dataclass(frozen=True, kw_only=True)
 class Settings:
-    swarm: SwarmSettings = field(default_factory=SwarmSettings)
+    swarm: SwarmConfig = field(default_factory=SwarmConfig)
     model: ModelSettings = field(default_factory=ModelSettings)
-    method: MethodSettings = field(default_factory=MethodSettings)
-    train: TrainSettings = field(default_factory=TrainSettings)
-    data: DataSettings = field(default_factory=DataSettings)
-    network: NetworkSettings = field(default_factory=NetworkSettings)
-    peer: PeerSettings = field(default_factory=PeerSettings)
+    method: MethodConfig = field(default_factory=MethodConfig)
+    sync: SyncConfig = field(default_factory=SyncConfig)
+    merge: MergeConfig = field(default_factory=MergeConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    network: NetworkConfig = field(default_factory=NetworkConfig)
+    peer: PeerConfig = field(default_factory=PeerConfig)
+    run: RunConfig = field(default_factory=RunConfig)
+    sim: SimConfig = field(default_factory=SimConfig)
 
     def __post_init__(self) -> None:
-        _check(
-            self.method.mode == "spes" or self.model.dense_blocks == 1,
-            "dense_blocks",
-            "must be 1 with [method] mode = diloco (every peer trains the full model)",
-        )
-        _check(
-            self.peer.active_blocks <= self.model.dense_blocks,
-            "active_blocks",
-            f"must be at most [model] dense_blocks ({self.model.dense_blocks})",
-        )
+        """Checks that span sections; each names the field to change."""
+        if self.method.mode == "diloco" and self.model.dense_blocks != 1:
+            raise FieldError(
+                "dense_blocks", "must be 1 with [method] mode = diloco (it trains the full model)", "model"
+            )
+        if self.peer.active_blocks > self.model.dense_blocks:
+            raise FieldError(
+                "active_blocks", f"must be at most [model] dense_blocks ({self.model.dense_blocks})", "peer"
+            )
+        max_len = self.model.architecture().max_seq_len
+        if self.train.seq_len > max_len:
+            raise FieldError(
+                "seq_len", f"({self.train.seq_len}) exceeds the model's max_seq_len ({max_len})", "train"
+            )
+        shards = self.run.shard_list() or ()
+        bad = [s for s in shards if not 0 <= s < self.model.shards]
+        if bad:
+            raise FieldError(
+                "owned_shards", f"names shard {bad[0]}; shards are 0..{self.model.shards - 1}", "run"
+            )
 
     def override(self, **changes: Any) -> Settings:
-        """Applies ``section__field=value`` overrides (None means: keep the file's value)."""
-        sections: dict[str, dict[str, Any]] = {}
-        for name, value in changes.items():
-            if value is None:
-                continue
-            section, _, key = name.partition("__")
-            sections.setdefault(section, {})[key] = value
-        try:
-            return dataclasses.replace(
-                self, **{s: dataclasses.replace(getattr(self, s), **kv) for s, kv in sections.items()}
-            )
-        except _FieldError as exc:
-            raise ConfigError(f"{exc.field} {exc.problem}") from None
+        """These settings with ``section__field=value`` changes (None: keep). Choosing another method brings
+        its defaults for the fields not also given."""
+        values = {key_of(name): value for name, value in changes.items() if value is not None}
+        mode = values.get(("method", "mode"), self.method.mode)
+        if mode != self.method.mode:
+            values = {**METHOD_DEFAULTS.get(mode, {}), **values}
+        return _build(_values_of(self) | values, origins={})
+
+    def swarm_wide(self) -> dict[str, Any]:
+        """'section.field' -> value of every setting that must match across a swarm."""
+        return {
+            f"{name}.{f.name}": getattr(getattr(self, name), f.name)
+            for name, cls in SECTIONS.items()
+            for f in dataclasses.fields(cls)
+            if cls.scope_of(f) == SWARM
+        }
+
+    def to_toml(self, sections: tuple[str, ...] = tuple(SECTIONS)) -> str:
+        """The given sections, every field, as TOML that ``load_settings`` reads back to the same values."""
+        return tomli_w.dumps({s: getattr(self, s).to_dict() for s in sections})
 
 
-def load_settings(path: Path | None = None) -> Settings:
-    """Reads ``path``, or ./peers.toml when it exists, or the defaults."""
-    if path is None:
-        if not DEFAULT_CONFIG.exists():
-            return Settings()
-        path = DEFAULT_CONFIG
-    path = Path(path)
+@dataclass
+class Layer:
+    """Values from one source, with where each came from ('peers.toml:12', '--codec')."""
+
+    values: dict[Key, Any] = field(default_factory=dict)
+    origins: dict[Key, str] = field(default_factory=dict)
+
+
+def load_settings(
+    config: Path | None = None,
+    flags: dict[Key, Any] | None = None,
+    *,
+    defaults: dict[Key, Any] | None = None,
+    default_file: bool = False,
+) -> Settings:
+    """The layers in order: ``defaults`` (a command's own), the method's defaults, ``config`` (or, with
+    ``default_file``, ./peers.toml when it exists), then ``flags`` (None values are ignored)."""
+    if config is None and default_file and DEFAULT_CONFIG.exists():
+        config = DEFAULT_CONFIG
+    explicit = [read_toml(Path(config))] if config is not None else []
+    given = {k: v for k, v in (flags or {}).items() if v is not None}
+    explicit.append(Layer(given, {k: flag_of(_field(*k)) for k in given}))
+    chosen = {**(defaults or {}), **{k: v for layer in explicit for k, v in layer.values.items()}}
+    mode = chosen.get(("method", "mode"), MethodConfig().mode)
+    values = {**(defaults or {}), **METHOD_DEFAULTS.get(mode, {})}
+    for layer in explicit:
+        values.update(layer.values)
+    return _build(values, {k: o for layer in explicit for k, o in layer.origins.items()})
+
+
+def read_toml(path: Path) -> Layer:
+    """A TOML file's values, type-checked, each with its file and line."""
     try:
         text = path.read_text()
     except OSError as exc:
@@ -225,42 +198,72 @@ def load_settings(path: Path | None = None) -> Settings:
         data = tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"{path}: not valid TOML: {exc}") from None
-    return _from_dict(data, path, text)
-
-
-def _from_dict(data: dict, path: Path, text: str) -> Settings:
-    sections = {f.name: f.type for f in dataclasses.fields(Settings)}
-    built = {}
-    for section, values in data.items():
-        if section not in sections:
-            raise ConfigError(f"{path}: unknown section [{section}]; known: {', '.join(sections)}")
-        if not isinstance(values, dict):
+    layer = Layer()
+    for section, table in data.items():
+        if section not in SECTIONS:
+            raise ConfigError(f"{path}: unknown section [{section}]; known: {', '.join(SECTIONS)}")
+        if not isinstance(table, dict):
             raise ConfigError(f"{path}: {section} must be a [{section}] table")
-        cls = _SECTION_CLASSES[section]
-        hints = typing.get_type_hints(cls)
-        kwargs = {}
-        for key, value in values.items():
-            where = f"{path}{_line_of(text, section, key)}: [{section}] {key}"
-            if key not in hints:
-                raise ConfigError(f"{where} is not a setting; known: {', '.join(hints)}")
-            kwargs[key] = _coerce(value, hints[key], where)
+        hints = typing.get_type_hints(SECTIONS[section])
+        for name, value in table.items():
+            where = f"{path}{_line_of(text, section, name)}"
+            if name not in hints or name.isupper():
+                raise ConfigError(
+                    f"{where}: [{section}] {name} is not a setting; known: {', '.join(_field_names(section))}"
+                )
+            layer.values[(section, name)] = _coerce(value, hints[name], f"{where}: [{section}] {name}")
+            layer.origins[(section, name)] = where
+    return layer
+
+
+def _build(values: dict[Key, Any], origins: dict[Key, str]) -> Settings:
+    by_section: dict[str, dict[str, Any]] = {}
+    for (section, name), value in values.items():
+        if section not in SECTIONS or name not in _field_names(section):
+            raise ConfigError(f"[{section}] {name} is not a setting")
+        by_section.setdefault(section, {})[name] = value
+    built = {}
+    for section, cls in SECTIONS.items():
         try:
-            built[section] = cls(**kwargs)
-        except _FieldError as exc:
-            raise ConfigError(
-                f"{path}{_line_of(text, section, exc.field)}: [{section}] {exc.field} {exc.problem}"
-            ) from None
+            built[section] = cls(**by_section.get(section, {}))
+        except FieldError as exc:
+            raise _located(exc, section, origins) from None
     try:
         return Settings(**built)
-    except _FieldError as exc:  # across sections: [peer] active_blocks against [model] dense_blocks
-        raise ConfigError(
-            f"{path}{_line_of(text, 'peer', exc.field)}: [peer] {exc.field} {exc.problem}"
-        ) from None
+    except FieldError as exc:
+        raise _located(exc, exc.section, origins) from None
+
+
+def _located(exc: FieldError, section: str, origins: dict[Key, str]) -> ConfigError:
+    origin = origins.get((section, exc.field))
+    return ConfigError(f"{origin + ': ' if origin else ''}[{section}] {exc.field} {exc.problem}")
+
+
+def _values_of(settings: Settings) -> dict[Key, Any]:
+    return {(s, name): value for s in SECTIONS for name, value in getattr(settings, s).to_dict().items()}
+
+
+def key_of(name: str) -> Key:
+    """'section__field' (how code and tests name a setting) -> (section, field)."""
+    section, _, field_name = name.partition("__")
+    if not field_name:
+        raise ConfigError(f"{name!r}: expected section__field")
+    return section, field_name
+
+
+def _field(section: str, name: str) -> dataclasses.Field:
+    fields = {f.name: f for f in dataclasses.fields(SECTIONS[section])}
+    if name not in fields:
+        raise ConfigError(f"[{section}] {name} is not a setting")
+    return fields[name]
+
+
+def _field_names(section: str) -> list[str]:
+    return [f.name for f in dataclasses.fields(SECTIONS[section])]
 
 
 def _coerce(value: Any, hint: Any, where: str) -> Any:
-    origin = typing.get_origin(hint)
-    if origin is tuple:
+    if typing.get_origin(hint) is tuple:
         if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
             raise ConfigError(f"{where} must be a list of strings, got {value!r}")
         return tuple(value)
@@ -282,58 +285,22 @@ def _line_of(text: str, section: str, key: str) -> str:
     return ""
 
 
-class _FieldError(ValueError):
-    def __init__(self, field_name: str, problem: str) -> None:
-        super().__init__(f"{field_name} {problem}")
-        self.field, self.problem = field_name, problem
+def reference_toml() -> str:
+    """Every setting with its flag, help and default, commented out: the repository's peers.toml."""
+    lines = [
+        "# spes-p2p settings: every one, commented out at its default. Generated from the code:",
+        "#     python -m spes_p2p.settings > peers.toml",
+        "# spes-join and spes status read ./peers.toml; every command that runs peers or a model takes",
+        "# another file with --config. Uncomment what you change; a flag on the command line wins over it.",
+    ]
+    for name, cls in SECTIONS.items():
+        lines += ["", f"[{name}]  # {cls.__doc__.splitlines()[0].split(': ', 1)[1]}"]
+        for f in dataclasses.fields(cls):
+            lines.append(f"# {flag_of(f)}: {f.metadata['help']}")
+            value = tomli_w.dumps({f.name: getattr(cls(), f.name)})
+            lines += [f"# {line}" for line in value.splitlines()]
+    return "\n".join(lines) + "\n"
 
 
-def _check(ok: bool, field_name: str, problem: str) -> None:
-    if not ok:
-        raise _FieldError(field_name, problem)
-
-
-def _check_multiaddr(addr: str, field_name: str, need_peer_id: bool = False) -> None:
-    from multiaddr import Multiaddr
-
-    try:
-        parsed = Multiaddr(addr)
-    except Exception:  # multiaddr raises several ValueError and ParseError kinds
-        raise _FieldError(
-            field_name,
-            f"has a malformed multiaddr {addr!r} (expected e.g. /ip4/203.0.113.7/tcp/31337/p2p/<peer id>)",
-        ) from None
-    if need_peer_id and "p2p" not in [p.name for p in parsed.protocols()]:
-        raise _FieldError(field_name, f"multiaddr {addr!r} lacks its /p2p/<peer id> part")
-
-
-_SECTION_CLASSES = {
-    "swarm": SwarmSettings,
-    "model": ModelSettings,
-    "method": MethodSettings,
-    "train": TrainSettings,
-    "data": DataSettings,
-    "network": NetworkSettings,
-    "peer": PeerSettings,
-}
-
-
-def to_toml(settings: Settings) -> str:
-    """The settings as a peers.toml that ``load_settings`` reads back to the same values."""
-    lines = []
-    for section in dataclasses.fields(settings):
-        lines.append(f"[{section.name}]")
-        for f in dataclasses.fields(getattr(settings, section.name)):
-            lines.append(f"{f.name} = {_toml_value(getattr(getattr(settings, section.name), f.name))}")
-        lines.append("")
-    return "\n".join(lines)
-
-
-def _toml_value(value: Any) -> str:
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, (int, float)):
-        return repr(value)
-    if isinstance(value, str):
-        return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
-    return "[" + ", ".join(_toml_value(v) for v in value) + "]"
+if __name__ == "__main__":
+    print(reference_toml(), end="")

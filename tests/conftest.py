@@ -2,10 +2,10 @@ import os
 
 import pytest
 
-from spes_p2p.train.data import DataConfig
+from spes_p2p.train.config import DataConfig
 
 # A slice of the embedded default corpus: big enough to learn from, small enough to tokenize in seconds.
-STDLIB_TEST_BYTES = 2_000_000
+STDLIB_TEST_MB = 2.0
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -19,4 +19,4 @@ def cache_dir(tmp_path_factory) -> str:
 
 @pytest.fixture(scope="session")
 def stdlib_data(cache_dir) -> DataConfig:
-    return DataConfig(corpus="stdlib", max_bytes=STDLIB_TEST_BYTES, cache_dir=cache_dir)
+    return DataConfig(corpus="stdlib", max_corpus_mb=STDLIB_TEST_MB, cache_dir=cache_dir)

@@ -1,8 +1,17 @@
 import pytest
 import torch
 
-from spes_p2p.swarm.aggregate import Contribution, OuterStep, weighted_mean
-from spes_p2p.train.merge import MergeConfig, merge_layer
+from spes_p2p.swarm.aggregate import (
+    Contribution,
+    Fetched,
+    OuterStep,
+    averaged,
+    decide,
+    resynchronized,
+    weighted_mean,
+)
+from spes_p2p.train.config import MergeConfig
+from spes_p2p.train.merge import merge_layer
 
 
 def test_weighted_mean_weights_by_tokens_and_ignores_order():
@@ -30,9 +39,11 @@ def test_fedavg_and_nesterov_outer_steps():
 
 
 def test_merge_schedule():
-    cfg = MergeConfig(interval=200, alpha0=0.1, horizon=2000)
+    cfg = MergeConfig(interval=200, alpha=0.1, horizon=2000)
     assert (
-        cfg.alpha(0) == pytest.approx(0.1) and cfg.alpha(1000) == pytest.approx(0.05) and cfg.alpha(2000) == 0
+        cfg.alpha_at(0) == pytest.approx(0.1)
+        and cfg.alpha_at(1000) == pytest.approx(0.05)
+        and cfg.alpha_at(2000) == 0
     )
     assert cfg.due(200) and cfg.due(1800) and not cfg.due(2000) and not cfg.due(300) and not cfg.due(0)
     assert not MergeConfig(enabled=False).due(200)
@@ -57,3 +68,45 @@ def test_merge_pulls_each_expert_toward_its_nearest_neighbours():
     assert torch.equal(experts[0]["w2"], torch.zeros(2))  # inputs untouched
     unchanged = merge_layer(experts, alpha=0.0, k=1)
     assert all(torch.equal(u["w1"], e["w1"]) for u, e in zip(unchanged, experts, strict=True))
+
+
+# ------------------------------------------------------------------------ a round's decision, on values
+
+
+def contribution(peer, tokens, value, round_=0):
+    return Contribution(peer, tokens, {"w": torch.full((3,), float(value))}, round_)
+
+
+def test_a_round_averages_updates_on_one_base_and_counts_late_ones():
+    own = contribution("a", 100, 1.0)
+    fetched = [Fetched(contribution("b", 300, 3.0), base="s0")]
+    late = [contribution("c", 100, -2.0, round_=4)]
+    decision = decide("s0", own, fetched, late)
+    assert not decision.resync
+    assert [c.peer_id for c in decision.contributions] == ["a", "b", "c"]
+    start, end = {"w": torch.zeros(3)}, {"w": torch.full((3,), 9.0)}
+    new = averaged(start, end, decision.contributions, OuterStep())
+    assert torch.equal(new["w"], torch.full((3,), (100 * 1 + 300 * 3 - 100 * 2) / 500))
+
+
+def test_a_newcomer_adopts_the_others_result_and_alone_a_peer_keeps_its_own():
+    fetched = [Fetched(contribution("b", 300, 3.0), base="s0")]
+    decision = decide("s0", None, fetched, [])
+    assert [c.peer_id for c in decision.contributions] == ["b"]
+    start, end = {"w": torch.zeros(3)}, {"w": torch.full((3,), 9.0)}
+    assert torch.equal(averaged(start, end, decision.contributions, OuterStep())["w"], torch.full((3,), 3.0))
+    nobody = decide("s0", None, [], [])
+    assert torch.equal(averaged(start, end, nobody.contributions, OuterStep())["w"], end["w"])
+
+
+def test_another_base_means_resynchronizing_from_end_weights():
+    own = contribution("a", 100, 1.0)
+    fetched = [
+        Fetched(contribution("b", 300, 3.0), base="s0"),
+        Fetched(contribution("c", 100, 5.0), base="s9"),
+    ]
+    decision = decide("s0", own, fetched, [contribution("d", 50, 7.0)])
+    assert decision.resync and decision.contributions == []
+    assert [c.peer_id for c in decision.resync_from] == ["b", "c"]  # late updates do not mix in
+    ends = [contribution("a", 100, 10.0), contribution("b", 300, 30.0)]
+    assert torch.equal(resynchronized({"w": torch.zeros(3)}, ends)["w"], torch.full((3,), 25.0))

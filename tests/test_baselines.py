@@ -6,20 +6,27 @@ import pytest
 from spes_p2p.errors import ConfigError
 from spes_p2p.model import MoETransformer, get_preset
 from spes_p2p.settings import Settings
-from spes_p2p.sim import SimConfig, run
+from spes_p2p.sim import run, simulation
 from spes_p2p.sim.summary import read_rows
 
 pytestmark = pytest.mark.timeout(300)
-SIM = {"peers": 3, "shards": 2, "rounds": 4, "backend": "memory", "steps_per_round": 5, "batch_size": 4}
-SIM |= {"seq_len": 64, "max_corpus_mb": 1.0}
+SLOW = pytest.mark.slow  # trains a swarm
+SIM = {"sim__peers": 3, "model__shards": 2, "run__rounds": 4, "sim__backend": "memory"}
+SIM |= {
+    "method__steps_per_round": 5,
+    "train__batch_size": 4,
+    "train__seq_len": 64,
+    "data__max_corpus_mb": 1.0,
+}
 
 
 def rows_of(out) -> dict[str, list[dict]]:
     return {d.name: read_rows(d) for d in sorted((out / "peers").iterdir())}
 
 
+@SLOW
 def test_diloco_averages_the_full_model_across_every_peer(tmp_path):
-    summary = run(SimConfig(method="diloco", codec="none", out=tmp_path, **SIM))
+    summary = run(simulation(method__mode="diloco", sync__codec="none", run__out=str(tmp_path), **SIM))
     assert not summary["failures"] and summary["rounds_completed"] == 4
     assert summary["final_loss"] < summary["initial_loss"]
     names = {p["name"] for p in summary["peers"]}
@@ -36,18 +43,19 @@ def test_diloco_averages_the_full_model_across_every_peer(tmp_path):
         assert last["sync_wait_seconds"] >= 0 and last["dht_ms"] >= 0
 
 
+@SLOW
 def test_sync_wait_is_the_blocked_time(tmp_path):
     """Without overlap the training loop waits for the whole sync; with it, for what is left of it."""
-    run(SimConfig(out=tmp_path / "plain", extra={"method__overlap": False}, **SIM))
+    run(simulation(run__out=str(tmp_path / "plain"), method__overlap=False, **SIM))
     for rows in rows_of(tmp_path / "plain").values():
         for r in rows:
             assert r["sync_wait_seconds"] == pytest.approx(r["sync_seconds"], abs=0.05)
-    run(SimConfig(out=tmp_path / "overlap", **SIM))
+    run(simulation(run__out=str(tmp_path / "overlap"), **SIM))
     for rows in rows_of(tmp_path / "overlap").values():
         for r in rows:
             assert 0 <= r["sync_wait_seconds"] <= r["sync_seconds"]
 
 
 def test_diloco_refuses_dense_blocks():
-    with pytest.raises(ConfigError, match="dense_blocks must be 1 with"):
+    with pytest.raises(ConfigError, match=r"\[model\] dense_blocks must be 1 with"):
         Settings().override(method__mode="diloco", model__dense_blocks=2)

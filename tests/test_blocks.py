@@ -11,13 +11,14 @@ from spes_p2p.model import MoETransformer, UnitLayout, get_preset
 from spes_p2p.model.units import balanced_starts, dense_partition, read_unit
 from spes_p2p.peer.setup import member_config, swarm_identity
 from spes_p2p.settings import Settings
-from spes_p2p.sim import SimConfig, run
+from spes_p2p.sim import run, simulation
 from spes_p2p.sim.summary import read_rows
 from spes_p2p.swarm.claims import block_permutation, carry_block, holders_at_epoch
 from spes_p2p.swarm.member import SwarmMember
 from spes_p2p.swarm.memory import FakeClock, MemoryNetwork
+from spes_p2p.train.config import TrainConfig
 from spes_p2p.train.optim import tensor_bytes
-from spes_p2p.train.trainer import TrainConfig, Trainer
+from spes_p2p.train.trainer import Trainer
 
 TINY = get_preset("tiny")
 SMALL = get_preset("small")
@@ -204,17 +205,31 @@ def test_switch_state_cpu_parks_and_restores_the_state_of_a_block():
 
 # ----------------------------------------------------------------------------------- simulated swarms
 
-SIM = {"peers": 4, "shards": 2, "rounds": 6, "backend": "memory", "steps_per_round": 5, "batch_size": 4}
-SIM |= {"seq_len": 64, "max_corpus_mb": 1.0}
+SIM = {"sim__peers": 4, "model__shards": 2, "run__rounds": 6, "sim__backend": "memory"}
+SIM |= {
+    "method__steps_per_round": 5,
+    "train__batch_size": 4,
+    "train__seq_len": 64,
+    "data__max_corpus_mb": 1.0,
+}
 
 
 def peer_rows(out) -> dict[str, list[dict]]:
     return {d.name: read_rows(d) for d in sorted((out / "peers").iterdir())}
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_four_dense_blocks_rotate_stay_covered_and_lower_the_loss(tmp_path):
-    summary = run(SimConfig(dense_blocks=4, active_blocks=1, rotate_every=2, out=tmp_path, **SIM))
+    summary = run(
+        simulation(
+            model__dense_blocks=4,
+            peer__active_blocks=1,
+            method__rotate_every_rounds=2,
+            run__out=str(tmp_path),
+            **SIM,
+        )
+    )
     assert not summary["failures"]
     assert summary["rounds_completed"] == 6
     assert summary["final_loss"] < summary["initial_loss"]
@@ -228,27 +243,29 @@ def test_four_dense_blocks_rotate_stay_covered_and_lower_the_loss(tmp_path):
         assert len({b[0] for b in blocks}) > 1, f"{name} never rotated"
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("kind", ["nf4"])
 def test_quantized_frozen_experts_in_a_simulated_swarm(tmp_path, kind):
-    summary = run(SimConfig(frozen_experts=kind, out=tmp_path, **SIM))
+    summary = run(simulation(train__frozen_experts=kind, run__out=str(tmp_path), **SIM))
     assert not summary["failures"]
     assert summary["final_loss"] < summary["initial_loss"]
     for unit, info in summary["units"].items():  # holders still agree exactly; frozen copies are lossy
         assert info["max_holder_difference"] in (0.0, None), unit
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_two_active_blocks_without_overlap_keep_their_holders_identical(tmp_path):
     """Without overlap a claim takes effect at once: the new holder takes the exact weights, adopts the
     others' result for one round, then counts; every block's two holders stay bit-identical."""
     summary = run(
-        SimConfig(
-            dense_blocks=4,
-            active_blocks=2,
-            rotate_every=2,
-            out=tmp_path,
-            extra={"method__overlap": False},
+        simulation(
+            model__dense_blocks=4,
+            peer__active_blocks=2,
+            method__rotate_every_rounds=2,
+            method__overlap=False,
+            run__out=str(tmp_path),
             **SIM,
         )
     )

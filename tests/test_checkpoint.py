@@ -6,15 +6,16 @@ import pytest
 import torch
 
 from spes_p2p.errors import CheckpointError
+from spes_p2p.model.config import ModelSettings
 from spes_p2p.train import checkpoint as ckpt_mod
 from spes_p2p.train.checkpoint import flatten_state, list_checkpoints, load_checkpoint, unflatten_state
-from spes_p2p.train.run import RunConfig, TrainingRun, evaluate_checkpoint
-from spes_p2p.train.trainer import TrainConfig
+from spes_p2p.train.config import TrainConfig
+from spes_p2p.train.run import TrainingRun, evaluate_checkpoint
 
 
-def run_config(stdlib_data, **train) -> RunConfig:
+def training(stdlib_data, out, resume=False, **train) -> TrainingRun:
     base = {
-        "max_steps": 24,
+        "total_steps": 24,
         "warmup_steps": 4,
         "batch_size": 4,
         "seq_len": 32,
@@ -24,9 +25,8 @@ def run_config(stdlib_data, **train) -> RunConfig:
         "checkpoint_every": 6,
         "lr": 3e-3,
     }
-    return RunConfig(
-        preset="tiny", owned_shards=(1,), train=TrainConfig(**{**base, **train}), data=stdlib_data
-    )
+    train_cfg = TrainConfig(**{**base, **train})
+    return TrainingRun(ModelSettings(), train_cfg, stdlib_data, out, owned_shards=(1,), resume=resume)
 
 
 def losses(path) -> list[tuple[int, float]]:
@@ -37,14 +37,13 @@ def losses(path) -> list[tuple[int, float]]:
 
 @pytest.mark.parametrize("optimizer", ["adamw8bit", "adamw"])
 def test_resume_equals_continue(tmp_path, stdlib_data, optimizer):
-    cfg = run_config(stdlib_data, optimizer=optimizer)
-    straight = TrainingRun(cfg, tmp_path / "straight")
+    straight = training(stdlib_data, tmp_path / "straight", optimizer=optimizer)
     straight.run()
 
-    first = TrainingRun(cfg, tmp_path / "resumed")
+    first = training(stdlib_data, tmp_path / "resumed", optimizer=optimizer)
     first.run(stop_after=12)
     del first
-    resumed = TrainingRun(cfg, tmp_path / "resumed", resume=True)
+    resumed = training(stdlib_data, tmp_path / "resumed", resume=True, optimizer=optimizer)
     assert resumed.trainer.step == 12
     resumed.run()
 
@@ -71,7 +70,7 @@ def test_state_flattening_round_trip_keeps_sharing():
 
 
 def test_crash_mid_checkpoint_leaves_the_previous_one(tmp_path, stdlib_data, monkeypatch):
-    run = TrainingRun(run_config(stdlib_data, max_steps=12), tmp_path)
+    run = training(stdlib_data, tmp_path, total_steps=12)
     run.run(stop_after=6)
     assert [p.name for p in list_checkpoints(tmp_path)] == ["step-000006"]
 
@@ -90,7 +89,7 @@ def test_crash_mid_checkpoint_leaves_the_previous_one(tmp_path, stdlib_data, mon
 
 
 def test_corrupt_checkpoint_is_reported_and_the_previous_kept(tmp_path, stdlib_data):
-    TrainingRun(run_config(stdlib_data, max_steps=12), tmp_path).run()
+    training(stdlib_data, tmp_path, total_steps=12).run()
     newest = list_checkpoints(tmp_path)[-1]
     data = (newest / "model.safetensors").read_bytes()
     (newest / "model.safetensors").write_bytes(data[: len(data) // 2])  # truncated
@@ -112,7 +111,7 @@ def test_cli_train_resume_corrupt_and_eval(tmp_path, cache_dir):
     common = [
         "--preset",
         "tiny",
-        "--max-steps",
+        "--total-steps",
         "12",
         "--checkpoint-every",
         "6",
@@ -153,7 +152,7 @@ def test_cli_train_resume_corrupt_and_eval(tmp_path, cache_dir):
 
 
 def test_evaluate_checkpoint_matches_the_run(tmp_path, stdlib_data):
-    run = TrainingRun(run_config(stdlib_data, max_steps=6), tmp_path)
+    run = training(stdlib_data, tmp_path, total_steps=6)
     final = run.run()
     result = evaluate_checkpoint(tmp_path)
     assert result["step"] == 6

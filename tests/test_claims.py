@@ -107,7 +107,9 @@ def test_uneven_capacities():
         )
     assert len(choices["big"]) == 3
     assert all(holders_of(choices).values())
-    assert settle(choices, capacity=capacity, target=1)
+    settled = settle(choices, capacity=capacity, target=1)
+    assert all(holders_of(settled).values())  # every unit keeps a holder
+    assert {p: len(u) for p, u in settled.items()} == capacity  # and every peer fills its capacity
     # the big peer shrinks: it drops what others also hold first
     shrunk = choose_units(
         me="big", held=choices["big"], units=UNITS, holders=holders_of(choices), capacity=1, target=1

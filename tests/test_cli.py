@@ -5,13 +5,16 @@ from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
-from spes_cli.main import PRESET_NAMES, spes
+from spes_cli.join import spes_join
+from spes_cli.main import TRAIN_DEFAULTS, spes
+from spes_cli.options import SettingOption
 
-from spes_p2p.model import PRESETS
+from spes_p2p.sim.config import LOCAL_SWARM_DEFAULTS
 
 HEAVY = ("torch", "hivemind", "bitsandbytes", "libp2p", "numpy")
 
 
+@pytest.mark.slow  # a fresh interpreter
 def test_help_does_not_import_the_heavy_stack():
     code = (
         "import sys\n"
@@ -27,6 +30,7 @@ def test_help_does_not_import_the_heavy_stack():
     assert out.stdout.strip() == "[]"
 
 
+@pytest.mark.slow  # the installed console scripts
 def test_console_scripts_are_installed():
     bindir = Path(sys.executable).parent
     for script in ("spes", "spes-join"):
@@ -34,8 +38,27 @@ def test_console_scripts_are_installed():
         assert out.returncode == 0 and "Usage:" in out.stdout
 
 
-def test_preset_names_mirror_the_model_presets():
-    assert tuple(PRESETS) == PRESET_NAMES
+def setting_options(command) -> dict[str, SettingOption]:
+    return {p.opts[0]: p for p in command.params if isinstance(p, SettingOption)}
+
+
+def test_a_setting_has_the_same_flag_help_and_default_in_every_command():
+    commands = {name: spes.commands[name] for name in ("train", "memory", "simulate", "status")}
+    commands["spes-join"] = spes_join
+    own_defaults = {"simulate": LOCAL_SWARM_DEFAULTS, "train": TRAIN_DEFAULTS}  # each documented in --help
+    seen: dict[tuple, tuple] = {}
+    for name, command in commands.items():
+        for flag, option in setting_options(command).items():
+            key = (option.section, option.name.split("__", 1)[1])
+            if key in own_defaults.get(name, {}):
+                continue
+            seen.setdefault(key, (flag, option.help, option.default))
+            assert seen[key] == (flag, option.help, option.default), (name, flag)
+    assert {("sync", "codec"), ("model", "preset"), ("model", "shards"), ("train", "lr")} <= set(seen)
+    for name in ("train", "simulate", "spes-join"):  # what a run of a model needs, everywhere
+        assert {"--config", "--corpus", "--lr", "--optimizer", "--seed", "--tokenizer"} <= {
+            o for p in commands[name].params for o in p.opts
+        }, name
 
 
 def test_memory_json_counts_what_is_allocated():
@@ -47,7 +70,7 @@ def test_memory_json_counts_what_is_allocated():
             "tiny",
             "--shards",
             "4",
-            "--owned-shards",
+            "--capacity",
             "1",
             "--optimizer",
             "adamw",
@@ -85,7 +108,7 @@ def test_memory_json_counts_what_is_allocated():
 
 def test_memory_8bit_state_is_smaller():
     runner = CliRunner()
-    args = ["memory", "--preset", "tiny", "--owned-shards", "1", "--json", "--optimizer"]
+    args = ["memory", "--preset", "tiny", "--capacity", "1", "--json", "--optimizer"]
     eight = json.loads(runner.invoke(spes, [*args, "adamw8bit"]).output)
     fp32 = json.loads(runner.invoke(spes, [*args, "adamw"]).output)
     assert eight["optimizer_bytes"] < 0.5 * fp32["optimizer_bytes"]
@@ -93,22 +116,29 @@ def test_memory_8bit_state_is_smaller():
 
 
 @pytest.mark.parametrize(
-    ("args", "message"),
+    ("args", "code", "message"),
     [
-        (["memory", "--preset", "huge"], "unknown preset 'huge'; choose one of: tiny, small, 1b, 2b, 7b"),
-        (["memory", "--preset", "tiny", "--shards", "3"], "shards (3) must divide the number of experts (8)"),
-        (["memory", "--preset", "tiny", "--owned-shards", "4"], "owned shard 4 is out of range"),
-        (["train", "--corpus", "/nonexistent/corpus", "--out", "{tmp}"], "does not exist"),
-        (["train", "--resume", "--out", "{tmp}"], "nothing to resume"),
+        (["memory", "--preset", "huge"], 2, "'huge' is not one of 'tiny', 'small', '1b', '2b', '7b'"),
+        (
+            ["memory", "--shards", "3"],
+            1,
+            "--shards: [model] shards (3) must divide the number of experts (8)",
+        ),
+        (["memory", "--capacity", "5"], 1, "capacity must be between 1 and the shards (4)"),
+        (["train", "--owned-shards", "4", "--out", "{tmp}"], 1, "[run] owned_shards names shard 4"),
+        (["train", "--corpus", "/nonexistent/corpus", "--out", "{tmp}"], 1, "does not exist"),
+        (["train", "--resume", "--out", "{tmp}"], 1, "nothing to resume"),
+        (["simulate", "--join", "-1@2", "--backend", "memory"], 1, "[sim] joins take at least one newcomer"),
+        (["simulate", "--kill", "x@2"], 1, "--kill: [sim] kills take NUMBER@ROUND"),
     ],
 )
-def test_bad_input_gets_one_clear_line(args, message, tmp_path, cache_dir):
+def test_bad_input_gets_one_clear_line(args, code, message, tmp_path, cache_dir):
+    """1: our own error, one red line; 2: a usage error that click catches itself. Never a traceback."""
     args = [a.replace("{tmp}", str(tmp_path / "run")) for a in args]
     if args[0] == "train":
         args += ["--max-corpus-mb", "1", "--cache-dir", cache_dir]
-    out = subprocess.run(
-        [sys.executable, "-m", "spes_cli", *args], capture_output=True, text=True, timeout=120
-    )
-    assert out.returncode == 1, out.stderr
-    assert "Traceback" not in out.stderr
-    assert message in " ".join(out.stderr.split())
+    result = CliRunner().invoke(spes, args)
+    assert result.exit_code == code, result.output
+    assert isinstance(result.exception, SystemExit)  # not an exception that escaped
+    assert message in " ".join(result.stderr.split())
+    assert len(result.stderr.strip().splitlines()) <= 4  # (click's usage error adds its usage lines)

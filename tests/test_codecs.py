@@ -1,16 +1,20 @@
+"""Payloads: codecs in a safetensors container, and everything a receiver refuses before using a byte."""
+
+import json
 import math
 
 import pytest
 import torch
+from safetensors.torch import save
 
-from spes_p2p.swarm.codecs import (
-    CODECS,
+from spes_p2p.swarm.codecs import CODECS, TensorSpec, max_payload_bytes
+from spes_p2p.swarm.payload import (
+    FORMAT,
     PayloadError,
-    TensorSpec,
     TopKFeedback,
+    buffers_digest,
     decode,
     encode,
-    max_payload_bytes,
     specs_of,
 )
 
@@ -28,80 +32,125 @@ def rel_error(a, b):
     return max(((a[n] - b[n]).norm() / b[n].norm()).item() for n in b if b[n].numel())
 
 
-@pytest.mark.parametrize(("codec", "bound"), [("none", 0.0), ("fp16", 1e-3), ("int8", 0.02)])
+@pytest.mark.parametrize(("codec", "bound"), [("none", 0.0), ("fp16", 1e-3), ("int8", 0.02), ("nf4", 0.12)])
 def test_round_trip_error_is_bounded(codec, bound):
     tensors = sample()
-    payload = encode(tensors, codec)
-    back = decode(payload, specs_of(tensors), codec)
+    payload = encode(tensors, codec, meta={"unit": "dense/0"})
+    back = decode(payload, specs_of(tensors), codec, meta={"unit": "dense/0"})
     assert rel_error(back, tensors) <= bound
     assert len(payload) <= max_payload_bytes(specs_of(tensors), codec)
+
+
+def test_an_uncompressed_payload_is_a_plain_safetensors_file():
+    tensors = sample()
+    from safetensors.torch import load
+
+    loaded = load(encode(tensors, "none"))
+    assert all(torch.equal(loaded[n], t) for n, t in tensors.items())
 
 
 def test_sizes_shrink_with_the_codec():
     tensors = sample()
     sizes = {c: len(encode(tensors, c)) for c in CODECS}
     body = sum(t.numel() for t in tensors.values())
-    assert (
-        sizes["none"] >= 4 * body
-        and sizes["fp16"] < 0.55 * sizes["none"]
-        and sizes["int8"] < 0.3 * sizes["none"]
-    )
-    assert sizes["topk"] < 0.1 * sizes["none"]
+    assert sizes["none"] >= 4 * body
+    assert sizes["fp16"] < 0.55 * sizes["none"] and sizes["int8"] < 0.3 * sizes["none"]
+    assert sizes["nf4"] < 0.6 * sizes["int8"] and sizes["topk"] < 0.1 * sizes["none"]
 
 
 def test_topk_sends_the_largest_entries_and_error_feedback_catches_up():
     update = {"w": torch.zeros(1000)}
     update["w"][[3, 500, 999]] = torch.tensor([5.0, -7.0, 0.5])
-    back = decode(encode(update, "topk", 0.002), specs_of(update), "topk")["w"]
-    assert back.nonzero().flatten().tolist() == [3, 500]
+    back = decode(encode(update, "topk", topk_fraction=0.002), specs_of(update), "topk", topk_fraction=0.002)
+    assert back["w"].nonzero().flatten().tolist() == [3, 500]
     # with error feedback, what was held back is sent later: the sums converge
-    feedback, sent_total = TopKFeedback(), torch.zeros(1000)
+    feedback, sent_total = TopKFeedback(0.05), torch.zeros(1000)
     g = torch.Generator().manual_seed(1)
     true_total = torch.zeros(1000)
     for _ in range(200):
         u = {"w": torch.randn(1000, generator=g)}
         true_total += u["w"]
-        sent_total += decode(feedback.encode(u, 0.05), specs_of(u), "topk")["w"]
+        sent_total += decode(feedback.encode(u), specs_of(u), "topk", topk_fraction=0.05)["w"]
     assert (sent_total + feedback.residual["w"] - true_total).abs().max() < 1e-2
     assert (sent_total - true_total).norm() / true_total.norm() < 0.5
 
 
-@pytest.mark.parametrize("codec", CODECS)
-def test_corrupt_payloads_are_rejected(codec):
+@pytest.mark.parametrize("codec", list(CODECS))
+def test_damaged_or_mismatched_payloads_are_rejected(codec):
     tensors = sample()
     specs = specs_of(tensors)
-    payload = bytearray(encode(tensors, codec))
-    flipped = bytes(payload[:-3]) + bytes([payload[-3] ^ 0xFF]) + bytes(payload[-2:])
-    with pytest.raises(PayloadError, match="checksum"):
-        decode(flipped, specs, codec)
+    payload = encode(tensors, codec, meta={"unit": "experts/1", "round": "3"})
     with pytest.raises(PayloadError):
-        decode(bytes(payload[: len(payload) // 2]), specs, codec)
-    with pytest.raises(PayloadError, match="magic"):
-        decode(b"PKL" + bytes(payload[3:]), specs, codec)
-    with pytest.raises(PayloadError, match="names"):
-        decode(bytes(payload), {**specs, "extra": TensorSpec((1,))}, codec)
-    with pytest.raises(PayloadError, match="shape"):
-        decode(bytes(payload), {**specs, "bias": TensorSpec((6,))}, codec)
+        decode(payload[: len(payload) // 2], specs, codec)  # cut short
+    with pytest.raises(PayloadError, match="not a safetensors payload"):
+        decode(b"\x80\x04PKL" + payload[5:], specs, codec)  # a pickle is never read
+    with pytest.raises(PayloadError, match="differ from the expected"):
+        decode(payload, {**specs, "extra": TensorSpec((1,))}, codec)
+    with pytest.raises(PayloadError, match="expected"):
+        decode(payload, {**specs, "layers.0.w": TensorSpec((300, 71))}, codec)
+    with pytest.raises(PayloadError, match="round is '3', expected '4'"):
+        decode(payload, specs, codec, meta={"round": "4"})  # an old round's payload
+    other = next(c for c in CODECS if c != codec)
+    with pytest.raises(PayloadError):
+        decode(payload, specs, other)  # the sender does not choose the codec
 
 
-def test_non_finite_values_are_rejected():
-    bad = {"w": torch.tensor([1.0, math.nan, 2.0])}
+def test_oversized_payloads_are_refused_before_parsing():
+    tensors = {"w": torch.ones(64)}
+    huge = encode({"w": torch.ones(10_000)}, "none")
+    with pytest.raises(PayloadError, match="over the"):
+        decode(huge, specs_of(tensors), "none")
+
+
+def forged(buffers: dict, codec: str, **meta) -> bytes:
+    """A payload a dishonest sender builds by hand: well formed, with its hash right."""
+    return save(
+        buffers, metadata={"format": FORMAT, "codec": codec, "sha256": buffers_digest(buffers), **meta}
+    )
+
+
+def test_values_that_are_not_finite_are_rejected_in_every_codec():
+    spec = {"w": TensorSpec((4,))}
+    nan = torch.tensor([1.0, math.nan, 2.0, 0.0])
     with pytest.raises(PayloadError, match="not finite"):
-        decode(encode(bad, "none"), specs_of(bad), "none")
+        decode(encode({"w": nan}, "none"), spec, "none")
+    with pytest.raises(PayloadError, match="not finite"):
+        decode(forged({"w": nan.half()}, "fp16"), spec, "fp16")
+    inf_scale = {"w#codes": torch.zeros(4, dtype=torch.uint8), "w#absmax": torch.tensor([math.inf])}
+    with pytest.raises(PayloadError, match="scales are not finite"):
+        decode(forged(inf_scale, "int8"), spec, "int8")
 
 
-def test_header_cannot_point_outside_the_body():
-    import hashlib
-    import json
+def test_topk_indices_must_be_in_range_and_distinct():
+    spec = {"w": TensorSpec((100,))}
+    values = torch.ones(2, dtype=torch.float16)
+    for indices in ([5, 500], [7, 7], [9, 3]):
+        payload = forged({"w#indices": torch.tensor(indices, dtype=torch.int32), "w#values": values}, "topk")
+        with pytest.raises(PayloadError, match="indices"):
+            decode(payload, spec, "topk")
 
-    tensors = {"w": torch.ones(4)}
-    payload = encode(tensors, "none")
-    size = int.from_bytes(payload[5:9], "big")
-    header = json.loads(payload[9 : 9 + size])
-    header["tensors"][0]["parts"] = [[8, 10_000]]
-    body = payload[9 + size :]
-    header["sha256"] = hashlib.sha256(body).hexdigest()
+
+def test_buffers_of_the_wrong_dtype_or_a_forged_header_are_rejected():
+    spec = {"w": TensorSpec((4,))}
+    with pytest.raises(PayloadError, match="expected F32"):
+        decode(forged({"w": torch.ones(4, dtype=torch.float64)}, "none"), spec, "none")
+    good = encode({"w": torch.ones(4)}, "none")
+    size = int.from_bytes(good[:8], "little")
+    header = json.loads(good[8 : 8 + size])
+    header["w"]["data_offsets"] = [0, 10_000]  # pointing outside the data
     raw = json.dumps(header).encode()
-    forged = payload[:5] + len(raw).to_bytes(4, "big") + raw + body
-    with pytest.raises(PayloadError, match="outside the body"):
-        decode(forged, specs_of(tensors), "none")
+    with pytest.raises(PayloadError, match="not a safetensors payload"):
+        decode(len(raw).to_bytes(8, "little") + raw + good[8 + size :], spec, "none")
+
+
+@pytest.mark.parametrize("codec", list(CODECS))
+def test_a_bit_flipped_in_transit_is_caught_by_the_payload_hash(codec):
+    tensors = sample()
+    payload = encode(tensors, codec)
+    caught = 0
+    for position in range(len(payload) - 1, len(payload) - 301, -1):  # bytes of the buffers, from the end
+        flipped = payload[:position] + bytes([payload[position] ^ 0x10]) + payload[position + 1 :]
+        with pytest.raises(PayloadError):
+            decode(flipped, specs_of(tensors), codec)
+        caught += 1
+    assert caught == 300

@@ -5,7 +5,8 @@ import numpy as np
 import pytest
 
 from spes_p2p.errors import DataError
-from spes_p2p.train.data import DataConfig, Document, load_documents, split_documents
+from spes_p2p.train.config import DataConfig
+from spes_p2p.train.data import Document, load_documents, split_documents
 from spes_p2p.train.dataset import BatchSampler, DataShard, prepare_data
 from spes_p2p.train.tokenizer import train_tokenizer
 

@@ -229,24 +229,25 @@ def test_port_in_use_is_one_clear_line(tmp_path):
 TRAIN_TOML = """
 [method]
 steps_per_round = 8
-merge = false
+[merge]
+enabled = false
 [train]
 batch_size = 4
 seq_len = 64
 lr = 0.003
 warmup_steps = 4
-eval_every_rounds = 3
+eval_every = 24
 [data]
 max_corpus_mb = 1.0
-[swarm]
-sync_deadline_min = 1.0
-sync_deadline_max = 30.0
+[sync]
+deadline_min = 1.0
+deadline_max = 30.0
 """
 
 
 def test_spes_join_trains_and_holders_agree(swarm):
     (swarm.root / "peers.toml").write_text(TRAIN_TOML)
-    train = ["--max-rounds", "3", "--min-peers", "3", "--heartbeat", "1", "--record-ttl", "15"]
+    train = ["--rounds", "3", "--min-peers", "3", "--heartbeat", "1", "--record-ttl", "15"]
     swarm.start("a", "--new-swarm", "--out", str(swarm.root / "out-a"), *train)
     first = swarm.address("a")
     for name in "bc":

@@ -1,5 +1,5 @@
-"""The layers of DESIGN.md, checked on the source: model and trainer never import networking, and the
-swarm layer knows nothing of optimizers or data."""
+"""The layers (docs/architecture.md), checked on the source: model and trainer never import networking, the
+swarm layer knows nothing of optimizers or data, and the library never reaches for the command line."""
 
 import ast
 from pathlib import Path
@@ -34,3 +34,11 @@ def test_swarm_layer_knows_nothing_of_training():
     for path, names in imports_of("swarm").items():
         bad = sorted(n for n in names if n.startswith(("spes_p2p.train", "spes_p2p.model", "spes_p2p.peer")))
         assert not bad, f"{path} imports {bad}"
+
+
+def test_the_library_never_imports_the_command_line_nor_runs_its_scripts():
+    for path, names in imports_of(".").items():
+        assert not any(n.startswith("spes_cli") for n in names), path
+    for path in PKG.rglob("*.py"):  # a console script's name as a whole string: something launches it
+        constants = {n.value for n in ast.walk(ast.parse(path.read_text())) if isinstance(n, ast.Constant)}
+        assert "spes-join" not in constants, path

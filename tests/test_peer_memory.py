@@ -12,11 +12,10 @@ from spes_p2p.peer import Peer
 from spes_p2p.settings import Settings
 from spes_p2p.swarm.memory import MemoryNetwork
 
-pytestmark = pytest.mark.timeout(240)
+pytestmark = [pytest.mark.timeout(240), pytest.mark.slow]  # trains swarms
 
 
-def settings(**method) -> Settings:
-    method = {"merge": False, **method}
+def settings(**changes) -> Settings:
     return Settings().override(
         model__shards=2,
         method__steps_per_round=10,
@@ -25,10 +24,10 @@ def settings(**method) -> Settings:
         train__seq_len=64,
         train__lr=3e-3,
         train__warmup_steps=5,
-        train__eval_every_rounds=3,
-        swarm__sync_deadline_min=0.5,
-        swarm__sync_deadline_max=20.0,
-        **{f"method__{k}": v for k, v in method.items()},
+        train__eval_every=30,
+        sync__deadline_min=0.5,
+        sync__deadline_max=20.0,
+        **{"merge__enabled": False, **changes},
     )
 
 
@@ -41,7 +40,7 @@ def run_swarm(s: Settings, rounds: int, tmp_path, n: int = 4) -> list[Peer]:
 
     def run(peer):
         try:
-            peer.run(stop, max_rounds=rounds)
+            peer.run(stop, rounds=rounds)
             peer.drain(10)
         except Exception as exc:  # surfaced below
             errors.append(exc)
@@ -60,9 +59,9 @@ def assert_holders_agree(peers: list[Peer], exact: bool = True) -> None:
     for unit in layout.units:
         holders = [p for p in peers if unit in p.member.units_held]
         assert holders, f"{unit} uncovered"
-        reference = read_unit(holders[0].model, layout, unit)
+        reference = read_unit(holders[0].local.model, layout, unit)
         for p in peers:
-            weights = read_unit(p.model, layout, unit)
+            weights = read_unit(p.local.model, layout, unit)
             for name, ref in reference.items():
                 if p in holders and (exact or unit == "dense/0"):
                     assert torch.equal(weights[name], ref), f"holders of {unit} differ on {name}"
@@ -73,17 +72,17 @@ def assert_holders_agree(peers: list[Peer], exact: bool = True) -> None:
 
 
 @pytest.mark.parametrize(
-    "method",
+    "changes",
     [
-        {"overlap": True},
-        {"overlap": False},
-        {"overlap": True, "outer": "nesterov", "outer_lr": 0.7, "merge": True, "merge_interval": 10},
+        {"method__overlap": True},
+        {"method__overlap": False},
+        {"sync__outer": "nesterov", "sync__outer_lr": 0.7, "merge__enabled": True, "merge__interval": 10},
     ],
     ids=["overlap", "no-overlap", "nesterov-merge"],
 )
-def test_peers_train_and_agree(tmp_path, method):
-    peers = run_swarm(settings(**method), rounds=3, tmp_path=tmp_path)
-    assert_holders_agree(peers, exact=not method.get("merge"))
+def test_peers_train_and_agree(tmp_path, changes):
+    peers = run_swarm(settings(**changes), rounds=3, tmp_path=tmp_path)
+    assert_holders_agree(peers, exact=not changes.get("merge__enabled"))
     assert sorted(
         len([p for p in peers if u in p.member.units_held]) for u in ("experts/0", "experts/1")
     ) == [2, 2]
@@ -113,20 +112,20 @@ def test_peers_train_and_agree(tmp_path, method):
         state = json.loads((tmp_path / p.transport.peer_id / "state.json").read_text())
         assert state["round"] == 3 and state["units"] == held
         saved = load_file(tmp_path / p.transport.peer_id / "model.safetensors")
-        assert all(torch.equal(saved[k], v) for k, v in p.model.state_dict().items())
+        assert all(torch.equal(saved[k], v) for k, v in p.local.model.state_dict().items())
 
 
 def test_a_newcomer_catches_up_with_the_swarm(tmp_path):
-    s = settings(overlap=False)
+    s = settings(method__overlap=False)
     net = MemoryNetwork(seed=0)
     first = Peer(s, net.join("first"))
     first.join()
-    first.run(threading.Event(), max_rounds=2)
+    first.run(threading.Event(), rounds=2)
     late = Peer(s, net.join("late"))
     late.join()
     assert late.round == first.round == 2
     for unit in first.layout.units:
-        a, b = read_unit(first.model, first.layout, unit), read_unit(late.model, late.layout, unit)
+        a, b = first.local.read(unit), late.local.read(unit)
         assert all(torch.equal(a[n], b[n]) for n in a), unit  # uncompressed download
     for p in (first, late):
         p.close()

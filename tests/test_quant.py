@@ -6,7 +6,7 @@ import torch
 from spes_p2p.model import MoETransformer, UnitLayout, get_preset, read_unit, write_unit
 from spes_p2p.model.moe import SwiGLUExpert
 from spes_p2p.model.units import hold_frozen_experts
-from spes_p2p.swarm.codecs import decode, encode, specs_of
+from spes_p2p.swarm.payload import decode, encode, specs_of
 from spes_p2p.train.memory import weights_bytes
 
 TINY = get_preset("tiny")
@@ -83,3 +83,26 @@ def test_claiming_a_quantized_shard_brings_back_full_precision_parameters():
     assert model.layers[1].moe.experts[0].quantized  # shard 0 is frozen now
     hold_frozen_experts(model, LAYOUT, ["dense/0"], "full")
     assert not any(isinstance(m, SwiGLUExpert) and m.quantized for m in model.modules())
+
+
+def test_blockwise_codes_are_the_nearest_table_entries_and_the_same_from_any_thread():
+    import threading
+
+    from spes_p2p.quantize import _dynamic_map, dequantize_int8, quantize_int8
+
+    x = torch.randn(10_000, generator=torch.Generator().manual_seed(3)) * 0.1
+    codes, absmax = quantize_int8(x)
+    blocks = torch.nn.functional.pad(x, (0, -len(x) % 4096)).view(-1, 4096)
+    assert torch.equal(absmax, blocks.abs().amax(dim=1))
+    normed = (blocks / absmax[:, None]).flatten()[: len(x)]
+    table = _dynamic_map(torch.device("cpu"))
+    nearest = (normed[:, None] - table[None, :]).abs().argmin(dim=1)  # ties: the lower entry
+    assert torch.equal(codes.long(), nearest)
+    assert (dequantize_int8(codes, absmax) - x).abs().max() <= absmax.max() * 0.02
+    results = []
+    threads = [threading.Thread(target=lambda: results.append(quantize_int8(x))) for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert all(torch.equal(c, codes) and torch.equal(a, absmax) for c, a in results)

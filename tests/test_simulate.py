@@ -13,34 +13,40 @@ from click.testing import CliRunner
 from spes_cli.main import spes
 
 from spes_p2p.errors import ConfigError
-from spes_p2p.sim import SimConfig, parse_event, parse_partition, run
-from spes_p2p.sim.config import SOLE
+from spes_p2p.sim import run, simulation
+from spes_p2p.sim.config import SOLE, Event, SimConfig
 from spes_p2p.sim.runner import ProcessFleet, stop_process_groups
 
 pytestmark = [pytest.mark.timeout(300), pytest.mark.slow]
-SMALL = {"steps_per_round": 5, "batch_size": 4, "seq_len": 64, "max_corpus_mb": 1.0}
+SMALL = {
+    "method__steps_per_round": 5,
+    "train__batch_size": 4,
+    "train__seq_len": 64,
+    "data__max_corpus_mb": 1.0,
+}
 
 
 def test_event_parsing():
-    assert parse_event("1@3", "--kill") == (1, 3) and parse_event("sole@2", "--kill") == (SOLE, 2)
-    p = parse_partition("0,1/2,3@2-4")
+    cfg = SimConfig(kills=("1@3", "sole@2"), joins=("2@1",), partitions=("0,1/2,3@2-4",), backend="memory")
+    assert cfg.kill_events == [Event(SOLE, 2), Event(1, 3)] and cfg.join_events == [Event(2, 1)]
+    (p,) = cfg.partition_events
     assert p.groups == ((0, 1), (2, 3)) and (p.start, p.end) == (2, 4)
     with pytest.raises(ConfigError, match="NUMBER@ROUND"):
-        parse_event("1-3", "--join")
-    with pytest.raises(ConfigError, match="need --backend memory"):
+        SimConfig(joins=("1-3",))
+    with pytest.raises(ConfigError, match="must be memory"):
         SimConfig(backend="hivemind", drop=0.1)
 
 
 def test_late_join_and_a_killed_sole_holder_on_the_memory_backend(tmp_path):
     summary = run(
-        SimConfig(
-            peers=3,
-            shards=2,
-            rounds=8,  # the newcomer joins well before the end, while the holders it downloads from live
-            backend="memory",
-            kills=((SOLE, 2),),
-            joins=((1, 3),),
-            out=tmp_path,
+        simulation(
+            sim__peers=3,
+            model__shards=2,
+            run__rounds=8,  # the newcomer joins well before the end, while the holders it downloads from live
+            sim__backend="memory",
+            sim__kills=("sole@2",),  # (while the first three peers hold the two shards 2 + 1)
+            sim__joins=("1@4",),
+            run__out=str(tmp_path),
             **SMALL,
         )
     )
@@ -50,7 +56,7 @@ def test_late_join_and_a_killed_sole_holder_on_the_memory_backend(tmp_path):
     assert summary["rounds_completed"] == 8
     assert summary["final_loss"] < summary["initial_loss"]
     newcomer = next(p for p in summary["peers"] if p["name"] == "peer3")
-    assert newcomer["final_round"] == 8 and newcomer["rounds"] >= 1
+    assert newcomer["final_round"] == 8 and newcomer["rounds"] >= 2  # it trains soon after round 4
     for unit, info in summary["units"].items():  # every holder, the newcomer included, ends bit-identical
         assert info["max_holder_difference"] in (0.0, None), unit
         assert info["holders"]["7"], f"{unit} uncovered at the end"
@@ -62,16 +68,16 @@ def test_late_join_and_a_killed_sole_holder_on_the_memory_backend(tmp_path):
 
 def test_network_faults_are_survived_and_corrupt_payloads_counted(tmp_path):
     summary = run(
-        SimConfig(
-            peers=4,
-            shards=2,
-            rounds=4,
-            backend="memory",
-            drop=0.05,
-            delay_ms=5,
-            corrupt=0.1,
-            partitions=(parse_partition("0,1/2,3@1-1"),),
-            out=tmp_path,
+        simulation(
+            sim__peers=4,
+            model__shards=2,
+            run__rounds=4,
+            sim__backend="memory",
+            sim__drop=0.05,
+            sim__delay_ms=5.0,
+            sim__corrupt=0.1,
+            sim__partitions=("0,1/2,3@1-1",),
+            run__out=str(tmp_path),
             **SMALL,
         )
     )
@@ -109,7 +115,7 @@ def test_a_rerun_in_the_same_folder_does_not_dial_the_last_runs_addresses(tmp_pa
     keys.mkdir()
     (keys / "peer0.addr").write_text("/ip4/127.0.0.1/tcp/9/p2p/QmOldRun\n")
     (keys / "peer0.key").write_bytes(b"identity")
-    ProcessFleet(SimConfig(out=tmp_path))
+    ProcessFleet(simulation(run__out=str(tmp_path)))
     assert not (keys / "peer0.addr").exists()
     assert (keys / "peer0.key").read_bytes() == b"identity"  # the peers keep their identities
 
@@ -117,7 +123,7 @@ def test_a_rerun_in_the_same_folder_does_not_dial_the_last_runs_addresses(tmp_pa
 def test_resume_after_kill_keeps_the_peer_id(tmp_path):
     spes_join = str(Path(sys.executable).parent / "spes-join")
     (tmp_path / "peers.toml").write_text(
-        "[method]\nsteps_per_round = 5\n[train]\nbatch_size = 4\nseq_len = 64\ncheckpoint_every_rounds = 1\n"
+        "[method]\nsteps_per_round = 5\n[train]\nbatch_size = 4\nseq_len = 64\ncheckpoint_every = 5\n"
         "[data]\nmax_corpus_mb = 1.0\n[swarm]\nrecord_ttl_seconds = 6.0\nheartbeat_seconds = 1.0\n"
     )
     common = ["--listen", "/ip4/127.0.0.1/tcp/0", "--shards", "2", "--run-id", "resume"]

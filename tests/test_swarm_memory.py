@@ -2,6 +2,7 @@
 
 import logging
 
+import msgspec
 import pytest
 
 from spes_p2p.peer.setup import member_config, swarm_identity
@@ -43,14 +44,14 @@ def coverage(m: SwarmMember) -> dict[str, int]:
 
 def test_records_expire_and_the_later_expiry_wins(net, clock):
     a, b = net.join("a"), net.join("b")
-    assert a.publish("k", {"v": 1}, clock() + 10)
-    assert b.publish("k", {"v": 2}, clock() + 30)
-    assert {p: e.value for p, e in a.read("k").items()} == {"a": {"v": 1}, "b": {"v": 2}}
-    assert not a.publish("k", {"v": 3}, clock() + 5)  # older expiry than what is stored: refused
+    assert a.publish("k", b"1", clock() + 10)
+    assert b.publish("k", b"2", clock() + 30)
+    assert {p: e.value for p, e in a.read("k").items()} == {"a": b"1", "b": b"2"}
+    assert not a.publish("k", b"3", clock() + 5)  # older expiry than what is stored: refused
     clock.advance(11)
     assert set(b.read("k")) == {"b"}
     with pytest.raises(MessageTooLarge):
-        a.publish("k", {"blob": "x" * 20_000}, clock() + 10)
+        a.publish("k", b"x" * 20_000, clock() + 10)
 
 
 def test_requests_count_bytes_and_report_failures(net):
@@ -145,8 +146,10 @@ def test_records_of_the_wrong_schema_are_ignored_and_logged(net, caplog):
     good = member(net, "good")
     good.join()
     evil = net.join("evil")
-    evil.publish(peers_key("spes-demo"), {"peer_id": "evil", "units": "experts/0"}, net.clock() + TTL)
-    evil.publish(config_key("spes-demo"), {"hash": "0", "fields": {"model.shards": 9}}, net.clock() + TTL)
+    wrong_schema = msgspec.msgpack.encode({"peer_id": "evil", "units": "experts/0"})
+    evil.publish(peers_key("spes-demo"), wrong_schema, net.clock() + TTL)
+    wrong_hash = msgspec.msgpack.encode({"hash": "0" * 16, "fields": {"model.shards": 9}})
+    evil.publish(config_key("spes-demo"), wrong_hash, net.clock() + TTL)
     with caplog.at_level(logging.WARNING):
         view = good.view()
         good.check_identity()  # the bogus config entry fails its own hash check and is not trusted

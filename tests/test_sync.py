@@ -1,15 +1,15 @@
 """One round of the sync protocol on the memory backend: 4 peers, 2 expert shards, replication 2."""
 
 import threading
-import time
 
-import msgpack
 import pytest
 import torch
 
 from spes_p2p.swarm.codecs import TensorSpec, max_payload_bytes
+from spes_p2p.swarm.config import SyncConfig
 from spes_p2p.swarm.memory import MemoryNetwork
-from spes_p2p.swarm.sync import RPC_UPDATE, SyncConfig, SyncEngine, dense_group
+from spes_p2p.swarm.messages import RPC_UPDATE, UpdateRequest
+from spes_p2p.swarm.sync import SyncEngine, dense_group
 
 SPECS = {
     "dense/0": {"embed": TensorSpec((40, 8)), "norm": TensorSpec((8,))},
@@ -54,8 +54,8 @@ def run_round(engines, start, ends, peers=None, holders=HOLDERS):
 
 def make_swarm(codec="int8", deadline=10.0, peers=("p0", "p1", "p2", "p3")):
     net = MemoryNetwork(seed=0)
-    cfg = SyncConfig(run_id="t", codec=codec, deadline_min=0.2, deadline_max=deadline, poll_interval=0.01)
-    return net, {p: SyncEngine(net.join(p), cfg, SPECS) for p in peers}
+    cfg = SyncConfig(codec=codec, deadline_min=0.2, deadline_max=deadline)
+    return net, {p: SyncEngine(net.join(p), "t", cfg, SPECS) for p in peers}
 
 
 @pytest.mark.parametrize("codec", ["none", "fp16", "int8"])
@@ -79,10 +79,10 @@ def test_holders_agree_on_the_token_weighted_mean_and_updates_reach_only_holders
     # updates of a shard travel only between its holders, and their sizes are what was announced
     for caller, target, name, request, response_bytes in net.log:
         assert name == RPC_UPDATE
-        unit = msgpack.unpackb(request)["unit"]
+        unit = UpdateRequest.decode(request).unit
         assert caller in HOLDERS[unit] and target in HOLDERS[unit]
         assert response_bytes <= max_payload_bytes(SPECS[unit], codec)
-    fetched = [(c, t, msgpack.unpackb(r)["unit"]) for c, t, _, r, _ in net.log]
+    fetched = [(c, t, UpdateRequest.decode(r).unit) for c, t, _, r, _ in net.log]
     assert sorted(u for _, _, u in fetched) == sorted(
         ["dense/0"] * 12 + ["experts/0"] * 2 + ["experts/1"] * 2
     )
@@ -104,7 +104,6 @@ def test_a_holder_that_never_answers_does_not_stop_the_round():
     holders = {**HOLDERS, "experts/0": ["p0", "p2", "ghost"]}
     start = tensors(0)
     ends = {p: tensors(7) for p in engines}
-    started = time.monotonic()
     results = run_round(
         engines,
         start,
@@ -112,7 +111,6 @@ def test_a_holder_that_never_answers_does_not_stop_the_round():
         peers=["p0", "p1", "p2", "p3"],
         holders={u: [p for p in m] for u, m in holders.items()},
     )
-    assert time.monotonic() - started < 5
     r = results[("p0", "experts/0")]
     assert r.missing == ["ghost"] and r.participants == ["p0", "p2"]
     assert torch.equal(r.new_weights["w1"], results[("p2", "experts/0")].new_weights["w1"])
@@ -192,7 +190,7 @@ def test_a_late_update_counts_in_the_next_round():
     base = first["p0"].new_weights
     second = exchange_all(1, ["p0", "p1"], {p: base for p in holders}, {p: base for p in holders})
     for p in ("p0", "p1"):
-        assert ("p2", 0, unit) in engines[p].applied
+        assert second[p].participants == ["p0", "p1", "p2"]  # p2 counts, with its late update
     late_delta = end["p2"]["w1"] - start["w1"]
     # the others' updates of round 1 are zero here: the mean is the late update weighted by its tokens
     share = TOKENS["p2"] / (TOKENS["p0"] + TOKENS["p1"] + TOKENS["p2"])
@@ -201,7 +199,7 @@ def test_a_late_update_counts_in_the_next_round():
 
 
 def test_the_deadline_adapts_within_its_bounds():
-    from spes_p2p.swarm.sync import AdaptiveDeadline
+    from spes_p2p.swarm.waiting import AdaptiveDeadline
 
     d = AdaptiveDeadline(low=1.0, high=30.0, factor=2.0)
     assert d.seconds() == 30.0  # nothing observed yet: the maximum

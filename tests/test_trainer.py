@@ -4,9 +4,11 @@ import pytest
 import torch
 
 from spes_p2p.model import MoETransformer, UnitLayout, get_preset, unit_parameters
+from spes_p2p.model.config import ModelSettings
+from spes_p2p.train.config import TrainConfig
 from spes_p2p.train.optim import lr_at
-from spes_p2p.train.run import RunConfig, TrainingRun
-from spes_p2p.train.trainer import TrainConfig, Trainer
+from spes_p2p.train.run import TrainingRun
+from spes_p2p.train.trainer import Trainer
 
 TINY = get_preset("tiny")
 LAYOUT = UnitLayout(TINY.n_experts, 4)
@@ -70,7 +72,7 @@ def test_freezing_does_not_change_gradients_of_trainable_parameters():
 
 
 def test_lr_schedule_warmup_then_cosine_to_ten_percent():
-    kw = {"peak": 1.0, "warmup_steps": 10, "max_steps": 110, "min_ratio": 0.1}
+    kw = {"peak": 1.0, "warmup_steps": 10, "total_steps": 110, "min_ratio": 0.1}
     assert lr_at(0, **kw) == pytest.approx(0.1)
     assert lr_at(9, **kw) == pytest.approx(1.0)
     assert lr_at(60, **kw) == pytest.approx(0.55)
@@ -81,10 +83,10 @@ def test_lr_schedule_warmup_then_cosine_to_ten_percent():
 
 
 def test_loss_falls_on_the_stdlib_corpus(tmp_path, stdlib_data):
-    cfg = RunConfig(
-        preset="tiny",
-        train=TrainConfig(
-            max_steps=80,
+    run = TrainingRun(
+        ModelSettings(),
+        TrainConfig(
+            total_steps=80,
             warmup_steps=10,
             lr=3e-3,
             batch_size=8,
@@ -93,9 +95,9 @@ def test_loss_falls_on_the_stdlib_corpus(tmp_path, stdlib_data):
             eval_every=40,
             checkpoint_every=80,
         ),
-        data=stdlib_data,
+        stdlib_data,
+        tmp_path,
     )
-    run = TrainingRun(cfg, tmp_path)
     initial_val = run.evaluate()
     records = []
     run.run(on_log=records.append)

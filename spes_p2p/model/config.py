@@ -1,7 +1,9 @@
-"""Model configuration and the named presets.
+"""Model configuration, the named presets, and the ``[model]`` settings section.
 
-Presets `1b` and `7b` follow the configs published with SPES (DESIGN.md, section 2.1). The `2b` preset is our
-reconstruction of the paper's headline model, whose config is not published (see docs/model.md).
+Presets `1b` and `7b` follow the configs published with SPES (docs/model.md). The `2b` preset is our
+reconstruction of the paper's headline model, whose config is not published.
+
+This module imports no torch: the command line reads the presets and choices from it.
 """
 
 from __future__ import annotations
@@ -10,6 +12,9 @@ import dataclasses
 from dataclasses import dataclass
 
 from spes_p2p.errors import ConfigError
+from spes_p2p.fields import SWARM, Section, check, setting
+
+FROZEN_FORMATS = ("full", "int8", "nf4")  # how a peer may hold the experts it does not train
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -29,7 +34,7 @@ class ModelConfig:
     norm_eps: float = 1e-5
     init_std: float = 0.02
     renormalize_topk: bool = False  # OLMoE keeps the raw softmax probabilities of the top-k experts
-    # loss coefficients (DESIGN.md 2.1)
+    # loss coefficients, as in SPES
     load_balance_coef: float = 0.01
     router_z_coef: float = 1e-3
     logit_z_coef: float = 1e-5
@@ -146,3 +151,45 @@ def get_preset(name: str) -> ModelConfig:
         return PRESETS[name]
     except KeyError:
         raise ConfigError(f"unknown preset {name!r}; choose one of: {', '.join(PRESETS)}") from None
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelSettings(Section):
+    """[model]: which model the swarm trains and how it is cut into units (see docs/model.md)."""
+
+    SCOPE = SWARM
+
+    preset: str = setting("tiny", "Model preset.", choices=tuple(PRESETS))
+    shards: int = setting(4, "Expert shards: units experts/0 .. experts/<shards-1>.")
+    experts: int = setting(0, "Experts per MoE layer, overriding the preset's; 0: the preset's.")
+    dense_blocks: int = setting(
+        1, "B: the dense part in blocks dense/0 .. dense/<B-1>; 1: every peer trains all of it."
+    )
+
+    def validate(self) -> None:
+        check(self.shards >= 1, "shards", "must be at least 1")
+        check(self.experts >= 0, "experts", "must be 0 (the preset's) or more")
+        n_experts = self.experts or PRESETS[self.preset].n_experts
+        divisors = [d for d in range(1, n_experts + 1) if n_experts % d == 0]
+        check(
+            n_experts % self.shards == 0,
+            "shards",
+            f"({self.shards}) must divide the number of experts ({n_experts}); try one of {divisors}",
+        )
+        atoms = PRESETS[self.preset].n_layers + 2
+        check(
+            1 <= self.dense_blocks <= atoms,
+            "dense_blocks",
+            f"must be between 1 and {atoms} for {self.preset} (embedding, each layer, head)",
+        )
+
+    def architecture(self) -> ModelConfig:
+        """The preset, with the number of experts overridden when ``experts`` is set."""
+        model = PRESETS[self.preset]
+        return model.replace(n_experts=self.experts) if self.experts else model
+
+    def layout(self):
+        """The units of this model (``spes_p2p.model.units.UnitLayout``; imports torch)."""
+        from spes_p2p.model.units import UnitLayout
+
+        return UnitLayout.for_model(self.architecture(), self.shards, self.dense_blocks)

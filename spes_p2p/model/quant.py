@@ -12,10 +12,9 @@ from dataclasses import dataclass
 
 import torch
 
-from spes_p2p.blockwise import dequantize_int8, dequantize_nf4, quantize_int8, quantize_nf4
 from spes_p2p.errors import ConfigError
-
-FROZEN_FORMATS = ("full", "int8", "nf4")
+from spes_p2p.model.config import FROZEN_FORMATS
+from spes_p2p.quantize import dequantize_int8, dequantize_nf4, quantize_int8, quantize_nf4
 
 
 def check_format(kind: str) -> str:
@@ -26,7 +25,7 @@ def check_format(kind: str) -> str:
 
 @dataclass
 class QuantizedTensor:
-    """A float32 tensor stored as 8-bit or 4-bit codes plus one float32 scale per block (see blockwise)."""
+    """A float32 tensor stored as 8-bit or 4-bit codes plus one float32 scale per block (``blockwise``)."""
 
     kind: str  # int8 or nf4
     shape: torch.Size

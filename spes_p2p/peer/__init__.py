@@ -1,7 +1,18 @@
-"""The volunteer's life cycle, wiring the trainer (spes_p2p.train) to the swarm layer (spes_p2p.swarm)."""
+"""The volunteer's life cycle, wiring the trainer (spes_p2p.train) to the swarm layer (spes_p2p.swarm).
 
-from spes_p2p.peer.node import Peer, PeerStatus
-from spes_p2p.peer.setup import open_transport, swarm_identity
-from spes_p2p.peer.summary import share_snippet, swarm_summary
+The names below are imported on first use: ``spes_p2p.peer.config`` (its settings) stays light.
+"""
 
-__all__ = ["Peer", "PeerStatus", "open_transport", "share_snippet", "swarm_identity", "swarm_summary"]
+from spes_p2p.compat import lazy_exports
+
+_EXPORTS = {
+    "Peer": "node",
+    "PeerStatus": "node",
+    "open_transport": "setup",
+    "swarm_identity": "setup",
+    "read_swarm": "summary",
+    "share_snippet": "summary",
+    "swarm_summary": "summary",
+}
+__all__ = sorted(_EXPORTS)
+__getattr__ = lazy_exports(__name__, _EXPORTS)

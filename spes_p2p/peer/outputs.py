@@ -11,14 +11,12 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
-from typing import TYPE_CHECKING
 
+import torch
 from safetensors.torch import save_file
 
 from spes_p2p.train.checkpoint import save_checkpoint
-
-if TYPE_CHECKING:
-    from spes_p2p.peer.node import Peer
+from spes_p2p.train.trainer import Trainer
 
 
 class RunOutputs:
@@ -30,28 +28,13 @@ class RunOutputs:
         with open(self.dir / "metrics.jsonl", "a") as f:
             f.write(json.dumps(row) + "\n")
 
-    def checkpoint(self, peer: Peer) -> Path:
-        meta = {
-            "peer_id": peer.transport.peer_id,
-            "round": peer.round,
-            "units": peer.trainer.units,
-            "tokens": peer.trainer.tokens,
-            "data_position": peer.sampler.state_dict(),
-            "swarm_hash": peer.identity.hash,
-            "model_config": peer.model.cfg.to_dict(),
-            "n_shards": peer.layout.n_shards,
-        }
-        return save_checkpoint(self.dir, peer.trainer.step, peer.model, peer.trainer.optimizer, meta)
+    def checkpoint(self, model: torch.nn.Module, trainer: Trainer, meta: dict) -> Path:
+        return save_checkpoint(
+            self.dir, trainer.step, model, trainer.optimizer, meta, keep=trainer.cfg.keep_checkpoints
+        )
 
-    def finish(self, peer: Peer) -> None:
+    def finish(self, model: torch.nn.Module, state: dict) -> None:
         tmp = self.dir / ".model.safetensors.tmp"
-        save_file({k: v.detach().contiguous() for k, v in peer.model.state_dict().items()}, tmp)
+        save_file({k: v.detach().contiguous() for k, v in model.state_dict().items()}, tmp)
         os.replace(tmp, self.dir / "model.safetensors")
-        state = {
-            "peer_id": peer.transport.peer_id,
-            "round": peer.round,
-            "units": peer.trainer.units,  # those its weights were last trained and synced for
-            "step": peer.trainer.step,
-            "tokens": peer.trainer.tokens,
-        }
         (self.dir / "state.json").write_text(json.dumps(state, indent=1))

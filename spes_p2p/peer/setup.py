@@ -1,56 +1,34 @@
-"""Wiring: from a peer's settings to the configs of the layers below (swarm identity, membership, sync,
-trainer, data) and to its transport."""
+"""Wiring: from a peer's settings to what the layers below need (the swarm identity, the membership
+config) and to its transport."""
 
 from __future__ import annotations
 
-import dataclasses
 from pathlib import Path
 
 from spes_p2p import __version__
 from spes_p2p.errors import ConfigError
-from spes_p2p.model.config import ModelConfig, get_preset
-from spes_p2p.model.units import UnitLayout
 from spes_p2p.settings import Settings
 from spes_p2p.swarm.member import MemberConfig
-from spes_p2p.swarm.records import SwarmIdentity
-from spes_p2p.swarm.sync import SyncConfig
+from spes_p2p.swarm.reachability import Reachability, assess
+from spes_p2p.swarm.records import IdentityRecord, identity_record
 from spes_p2p.swarm.transport import Transport
-from spes_p2p.train.data import DataConfig
-from spes_p2p.train.merge import MergeConfig
-from spes_p2p.train.trainer import TrainConfig
 
-PROTOCOL = 1  # bumped when peers of different versions can no longer work together
+PROTOCOL = 2  # bumped when peers of different versions can no longer work together
 
 
-def model_config(settings: Settings) -> ModelConfig:
-    """The preset, with the number of experts overridden when ``[model] experts`` is set."""
-    model = get_preset(settings.model.preset)
-    return model.replace(n_experts=settings.model.experts) if settings.model.experts else model
+def swarm_identity(settings: Settings) -> IdentityRecord:
+    """The settings that must match across the swarm (every swarm-scoped setting, the model's architecture,
+    the units and the protocol version)."""
+    fields = {
+        **settings.swarm_wide(),
+        **{f"model.{k}": v for k, v in settings.model.architecture().to_dict().items()},
+        "protocol": PROTOCOL,
+        "units": settings.model.layout().units,
+    }
+    return identity_record(fields)
 
 
-def unit_layout(settings: Settings) -> UnitLayout:
-    return UnitLayout.for_model(model_config(settings), settings.model.shards, settings.model.dense_blocks)
-
-
-def swarm_identity(settings: Settings) -> SwarmIdentity:
-    """The settings that must match across the swarm: model, shards, dense blocks, method, protocol."""
-    model = model_config(settings)
-    layout = unit_layout(settings)
-    fields = {f"model.{k}": v for k, v in model.to_dict().items()}
-    fields.update(
-        {
-            "model.preset": settings.model.preset,
-            "model.shards": settings.model.shards,
-            "model.dense_blocks": settings.model.dense_blocks,
-            **{f"method.{k}": v for k, v in dataclasses.asdict(settings.method).items()},
-            "protocol": PROTOCOL,
-            "units": layout.units,
-        }
-    )
-    return SwarmIdentity(fields)
-
-
-def member_config(settings: Settings, identity: SwarmIdentity) -> MemberConfig:
+def member_config(settings: Settings, identity: IdentityRecord) -> MemberConfig:
     units = identity.fields["units"]
     dense = [u for u in units if u.startswith("dense/")]
     blocks = len(dense) > 1  # block coordinate descent over the dense part; B = 1 is SPES as published
@@ -69,6 +47,14 @@ def member_config(settings: Settings, identity: SwarmIdentity) -> MemberConfig:
         record_ttl=settings.swarm.record_ttl_seconds,
         version=__version__,
         client_mode=settings.network.client_mode,
+    )
+
+
+def reachability(settings: Settings, transport: Transport) -> Reachability:
+    """Whether other peers can dial this one, judged from what it announces."""
+    net = settings.network
+    return assess(
+        transport.addresses(), client_mode=net.client_mode, announced=bool(net.announce), relay=net.use_relay
     )
 
 
@@ -91,51 +77,4 @@ def open_transport(settings: Settings, *, new_swarm: bool, client: bool = False)
         client_mode=client or net.client_mode,
         use_relay=net.use_relay,
         startup_timeout=settings.swarm.join_timeout_seconds,
-    )
-
-
-def sync_config(settings: Settings) -> SyncConfig:
-    m, s = settings.method, settings.swarm
-    return SyncConfig(
-        run_id=s.run_id,
-        codec=m.codec,
-        refresh_codec=m.refresh_codec,
-        outer=m.outer,
-        outer_lr=m.outer_lr,
-        outer_momentum=m.outer_momentum,
-        dense_group_size=m.dense_group_size,
-        staleness=m.staleness,
-        deadline_min=s.sync_deadline_min,
-        deadline_max=s.sync_deadline_max,
-    )
-
-
-def train_config(settings: Settings) -> TrainConfig:
-    t = settings.train
-    return TrainConfig(
-        optimizer=t.optimizer,
-        lr=t.lr,
-        warmup_steps=t.warmup_steps,
-        max_steps=t.total_steps,
-        batch_size=t.batch_size,
-        seq_len=t.seq_len,
-        eval_batches=t.eval_batches,
-        frozen_experts=t.frozen_experts,
-        switch_state=t.switch_state,
-    )
-
-
-def data_config(settings: Settings) -> DataConfig:
-    mb = settings.data.max_corpus_mb
-    return DataConfig(corpus=settings.data.corpus, max_bytes=int(mb * 1e6) if mb > 0 else None)
-
-
-def merge_config(settings: Settings) -> MergeConfig:
-    m = settings.method
-    return MergeConfig(
-        enabled=m.merge,
-        interval=m.merge_interval,
-        alpha0=m.merge_alpha,
-        horizon=m.merge_horizon,
-        neighbours=m.merge_neighbours,
     )

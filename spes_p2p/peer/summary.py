@@ -7,6 +7,17 @@ from spes_p2p.swarm.member import read_identities, read_view
 from spes_p2p.swarm.transport import Transport
 
 
+def read_swarm(settings: Settings) -> dict:
+    """Joins the swarm as a client just long enough to read it: `spes status`."""
+    from spes_p2p.peer.setup import open_transport
+
+    transport = open_transport(settings, new_swarm=False, client=True)
+    try:
+        return swarm_summary(transport, settings.swarm.run_id)
+    finally:
+        transport.shutdown()
+
+
 def swarm_summary(transport: Transport, run_id: str) -> dict:
     """The swarm as `spes status --json` prints it."""
     identities = read_identities(transport, run_id)
@@ -35,11 +46,7 @@ def swarm_summary(transport: Transport, run_id: str) -> dict:
 
 
 def share_snippet(settings: Settings, addresses: list[str]) -> str:
-    """A peers.toml fragment that lets others join this swarm."""
-    peers = ", ".join(f'"{a}"' for a in addresses)
-    s = settings
-    return (
-        f'[swarm]\nrun_id = "{s.swarm.run_id}"\ninitial_peers = [{peers}]\n\n'
-        f'[model]\npreset = "{s.model.preset}"\nshards = {s.model.shards}\n\n'
-        f'[method]\nsteps_per_round = {s.method.steps_per_round}\ncodec = "{s.method.codec}"\n'
-    )
+    """A peers.toml that lets others join this swarm: its name, these addresses, and every setting that
+    must match across the swarm."""
+    with_peers = settings.override(swarm__initial_peers=tuple(addresses))
+    return with_peers.to_toml(("swarm", "model", "method", "sync", "merge"))

@@ -9,7 +9,7 @@ from pathlib import Path
 from safetensors.torch import load_file
 
 from spes_p2p.model import UnitLayout
-from spes_p2p.peer.setup import unit_layout
+from spes_p2p.settings import Settings
 
 
 def read_rows(folder: Path) -> list[dict]:
@@ -27,7 +27,7 @@ def read_rows(folder: Path) -> list[dict]:
 
 
 def summarize(
-    cfg,
+    settings: Settings,
     peers_dir: Path,
     events: list[dict],
     names: list[str],
@@ -35,21 +35,9 @@ def summarize(
     seconds: float,
     failures: list[str],
 ) -> dict:
+    """The simulation's summary, from its peers' run folders; also written to OUT/summary.json."""
     rows = {name: read_rows(peers_dir / name) for name in names}
-    layout = unit_layout(cfg.settings())
     completed = 1 + max((r["round"] for rs in rows.values() for r in rs), default=-1)
-    holders = {
-        u: {
-            str(r): sorted(
-                n for n, rs in rows.items() for row in rs if row["round"] == r and u in row["units"]
-            )
-            for r in range(completed)  # string keys, as in summary.json
-        }
-        for u in layout.units
-    }
-    by_round = {
-        r: [row["loss"] for rs in rows.values() for row in rs if row["round"] == r] for r in range(completed)
-    }
     summary = {
         "peers": [
             {
@@ -61,9 +49,59 @@ def summarize(
             for n in names
         ],
         "rounds_completed": completed,
+        **_losses(rows, completed),
+        **_coverage(settings, rows, completed, peers_dir, killed),
+        "bytes": {
+            n: {"sent": sum(r["bytes_sent"] for r in rs), "received": sum(r["bytes_received"] for r in rs)}
+            for n, rs in rows.items()
+        },
+        "rejected_payloads": sum(
+            max((r.get("rejected_payloads", 0) for r in rs), default=0) for rs in rows.values()
+        ),
+        "events": events,
+        "failures": failures,
+        "seconds": seconds,
+        "config": {
+            "peers": settings.sim.peers,
+            "shards": settings.model.shards,
+            "preset": settings.model.preset,
+            "rounds": settings.run.rounds,
+            "steps_per_round": settings.method.steps_per_round,
+            "backend": settings.sim.backend,
+            "codec": settings.sync.codec,
+        },
+    }
+    (Path(settings.run.out) / "summary.json").write_text(json.dumps(summary, indent=1))
+    return summary
+
+
+def _losses(rows: dict[str, list[dict]], completed: int) -> dict:
+    by_round = {
+        r: [row["loss"] for rs in rows.values() for row in rs if row["round"] == r] for r in range(completed)
+    }
+    return {
         "initial_loss": statistics.fmean(by_round[0]) if completed else None,
         "final_loss": statistics.fmean(by_round[completed - 1]) if completed else None,
         "loss_by_round": {str(r): statistics.fmean(v) for r, v in by_round.items() if v},
+    }
+
+
+def _coverage(
+    settings: Settings, rows: dict[str, list[dict]], completed: int, peers_dir: Path, killed: set
+) -> dict:
+    """Who trained each unit in each round, the unit-rounds nobody trained, and whether holders agree."""
+    layout = settings.model.layout()
+    holders = {
+        u: {  # string keys, as in summary.json
+            str(r): sorted(
+                n for n, rs in rows.items() for row in rs if row["round"] == r and u in row["units"]
+            )
+            for r in range(completed)
+        }
+        for u in layout.units
+    }
+    names = list(rows)
+    return {
         "uncovered_unit_rounds": sum(1 for u in holders for r in holders[u] if not holders[u][r]),
         "units": {
             u: {
@@ -72,31 +110,7 @@ def summarize(
             }
             for u in layout.units
         },
-        "bytes": {
-            n: {
-                "sent": sum(r["bytes_sent"] for r in rows[n]),
-                "received": sum(r["bytes_received"] for r in rows[n]),
-            }
-            for n in names
-        },
-        "rejected_payloads": sum(
-            max((r.get("rejected_payloads", 0) for r in rows[n]), default=0) for n in names
-        ),
-        "events": events,
-        "failures": failures,
-        "seconds": seconds,
-        "config": {
-            "peers": cfg.peers,
-            "shards": cfg.shards,
-            "preset": cfg.preset,
-            "rounds": cfg.rounds,
-            "steps_per_round": cfg.steps_per_round,
-            "backend": cfg.backend,
-            "codec": cfg.codec,
-        },
     }
-    (cfg.out / "summary.json").write_text(json.dumps(summary, indent=1))
-    return summary
 
 
 def _final_round(folder: Path, rows: list[dict]) -> int:
@@ -160,7 +174,8 @@ def plot_losses(peers_dir: Path, events: list[dict], path: Path) -> None:
     ax.set_xlabel("round")
     ax.set_ylabel("training loss")
     ax.set_title("spes simulate")
-    ax.legend(fontsize=7, ncol=2)
+    if per_round:
+        ax.legend(fontsize=7, ncol=2)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-OUTER_RULES = ("fedavg", "nesterov")
+from spes_p2p.swarm.config import OUTER_RULES
 
 
 @dataclass(frozen=True)
@@ -64,3 +64,52 @@ class OuterStep:
             self.buffers[name] = buf
             out[name] = b - self.lr * (grad + self.momentum * buf)
         return out
+
+
+# ------------------------------------------------------------------------------------ a round's decision
+
+
+@dataclass(frozen=True)
+class Fetched:
+    """Another participant's update, and the hash of the start weights it was measured from."""
+
+    contribution: Contribution
+    base: str
+
+
+@dataclass(frozen=True)
+class Decision:
+    """How a unit's round ends: the updates to average on our start weights, or (when a participant started
+    from other weights, so deltas cannot be mixed) the participants whose end weights to average instead."""
+
+    resync: bool
+    contributions: list[Contribution]  # average: every update that counts, ours first
+    resync_from: list[Contribution]  # resync: the participants (their tokens; end weights fetched later)
+
+
+def decide(
+    our_base: str, own: Contribution | None, fetched: list[Fetched], late: list[Contribution]
+) -> Decision:
+    """Which contributions a round combines, and how. ``own`` is None when this peer's update does not count
+    (a newcomer's first round): it then adopts the others' result, exactly as they compute it."""
+    if all(f.base == our_base for f in fetched):
+        contributions = ([own] if own else []) + [f.contribution for f in fetched] + late
+        return Decision(False, contributions, [])
+    return Decision(True, [], [f.contribution for f in fetched])
+
+
+def averaged(
+    start: dict[str, torch.Tensor],
+    end: dict[str, torch.Tensor],
+    contributions: list[Contribution],
+    outer: OuterStep,
+) -> dict[str, torch.Tensor]:
+    """The new weights from averaged updates; our own end weights when nobody contributed."""
+    if not contributions:
+        return {n: t.clone() for n, t in end.items()}
+    return outer.apply(start, weighted_mean(contributions))
+
+
+def resynchronized(end: dict[str, torch.Tensor], ends: list[Contribution]) -> dict[str, torch.Tensor]:
+    """The new weights when re-synchronizing: the token-weighted mean of the participants' end weights."""
+    return weighted_mean(ends) if ends else {n: t.clone() for n, t in end.items()}

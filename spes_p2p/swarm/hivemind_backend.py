@@ -8,8 +8,10 @@ Records are signed: every entry is stored under the subkey ``<peer id>[owner:<RS
 hivemind's ``RSASignatureValidator`` on every DHT node rejects writes to it that the owner did not sign. The
 RSA key is the peer's libp2p identity key, so a restarted peer keeps both its peer id and its records.
 
-Stream framing (both directions): an 8-byte big-endian length, then the payload. An answer starts with one
-status byte: 0 = ok, 1 = the handler failed (the payload is its message, UTF-8).
+Stream framing (both directions) is hivemind's own (``P2P.send_raw_data``): an 8-byte big-endian length, then
+the payload; we read it back with our size limit, checked before the payload is read. An answer starts with
+hivemind's status marker: ``P2P.MESSAGE_MARKER`` (ok) or ``P2P.ERROR_MARKER`` (the handler failed; the
+payload is its message, UTF-8).
 """
 
 from __future__ import annotations
@@ -24,9 +26,9 @@ import threading
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
 
 import hivemind
+import msgspec
 from hivemind.dht.crypto import RSASignatureValidator
 from hivemind.p2p import P2P, PeerID
 from hivemind.p2p.p2p_daemon_bindings.utils import P2PDaemonError
@@ -49,7 +51,7 @@ from spes_p2p.swarm.transport import (
     TransportError,
     TransportStats,
     Unavailable,
-    encode_record,
+    check_record_size,
 )
 
 logger = logging.getLogger(__name__)
@@ -57,8 +59,7 @@ logger = logging.getLogger(__name__)
 DHT_TIMEOUT = 10.0  # one DHT store or get
 STARTUP_TIMEOUT = 20.0  # starting p2pd and reaching the initial peers
 BOOTSTRAP_RETRY_SECONDS = 3.0
-_OK, _FAILED = b"\x00", b"\x01"
-_CHUNK = 1 << 16
+_OK, _FAILED = P2P.MESSAGE_MARKER, P2P.ERROR_MARKER
 
 
 def ensure_identity(path: Path) -> Path:
@@ -149,8 +150,8 @@ class HivemindTransport(Transport):
     def now(self) -> float:
         return get_dht_time()
 
-    def publish(self, key: str, value: Any, expires_at: float) -> bool:
-        encode_record(value)  # size check before it reaches the DHT
+    def publish(self, key: str, value: bytes, expires_at: float) -> bool:
+        check_record_size(value)  # before it reaches the DHT
         subkey = self.peer_id.encode() + self._validator.local_public_key
         started = time.perf_counter()
         future = self.dht.store(key, value, expires_at, subkey=subkey, return_future=True)
@@ -176,12 +177,12 @@ class HivemindTransport(Transport):
             return {}
         entries: dict[str, Entry] = {}
         for subkey, item in found.value.items():
-            peer = _owner_peer_id(subkey)
-            if peer is None:
-                logger.debug("ignoring an unsigned entry under %s", key)
+            peer, value = _owner_peer_id(subkey), _as_bytes(item.value)
+            if peer is None or value is None:
+                logger.debug("ignoring an unsigned or unreadable entry under %s", key)
                 continue
             if peer not in entries or item.expiration_time > entries[peer].expires_at:
-                entries[peer] = Entry(item.value, item.expiration_time)
+                entries[peer] = Entry(value, item.expiration_time)
         return entries
 
     # --------------------------------------------------------------------------------------- streams
@@ -200,7 +201,7 @@ class HivemindTransport(Transport):
                 except Exception as exc:  # the caller learns that we failed, and why
                     logger.warning("handler %s failed for %s: %s", name, caller, exc, exc_info=True)
                     response = _FAILED + str(exc).encode()
-                await _write_frame(writer, response)
+                await P2P.send_raw_data(response, writer)
                 self.stats.bytes_sent += len(response) - 1
                 self.stats.requests_served += 1
             except (asyncio.IncompleteReadError, ConnectionError, MessageTooLarge) as exc:
@@ -222,7 +223,7 @@ class HivemindTransport(Transport):
         async def call_rpc() -> bytes:
             _, reader, writer = await self._p2p.call_binary_stream_handler(PeerID.from_base58(peer_id), name)
             try:
-                await _write_frame(writer, payload)
+                await P2P.send_raw_data(payload, writer)
                 return await _read_frame(reader, max_response_bytes + 1)
             finally:
                 writer.close()
@@ -293,6 +294,17 @@ async def _cancel_other_tasks() -> None:
     await asyncio.gather(*tasks, return_exceptions=True)
 
 
+def _as_bytes(value) -> bytes | None:
+    """An entry's bytes. Peers of protocol 1 stored msgpack values rather than bytes: those are re-encoded,
+    so that the records layer reads their identity and refuses them with a message naming the protocol."""
+    if isinstance(value, bytes):
+        return value
+    try:
+        return msgspec.msgpack.encode(value)
+    except (TypeError, ValueError, OverflowError):
+        return None
+
+
 def _owner_peer_id(subkey) -> str | None:
     """The peer id in a signed subkey ``<peer id>[owner:...]``; None for unsigned subkeys."""
     raw = subkey if isinstance(subkey, bytes) else str(subkey).encode()
@@ -321,16 +333,9 @@ def _tail(text: str) -> str:
     return text.rsplit(" failed to ", 1)[-1].strip() if " failed to " in text else text.strip()
 
 
-async def _write_frame(writer: asyncio.StreamWriter, data: bytes) -> None:
-    writer.write(len(data).to_bytes(8, "big"))
-    for start in range(0, len(data), _CHUNK):
-        writer.write(data[start : start + _CHUNK])
-        await writer.drain()
-    await writer.drain()
-
-
 async def _read_frame(reader: asyncio.StreamReader, limit: int) -> bytes:
-    size = int.from_bytes(await reader.readexactly(8), "big")
+    """``P2P.receive_raw_data`` with a size limit: the length is checked before the payload is read."""
+    size = int.from_bytes(await reader.readexactly(P2P.HEADER_LEN), P2P.BYTEORDER)
     if size > limit:
         raise MessageTooLarge(f"a {size}-byte message exceeds the {limit}-byte limit")
     return await reader.readexactly(size)

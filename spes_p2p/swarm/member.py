@@ -2,6 +2,8 @@
 
 ``SwarmMember`` keeps this peer's records alive (``heartbeat``), re-evaluates its claims (``rebalance``, at
 sync boundaries) and reads the swarm (``view``). It never blocks for longer than the transport's timeouts.
+It is thread-safe: the training thread claims and reports progress, the heartbeat thread refreshes the
+records, the sync thread reads views and claims; one lock guards its state, never held across a DHT call.
 
 A holder record says from which round the peer trains the unit (``since``), in which rotation epoch it was
 made (``epoch``, dense blocks), and, for a unit the peer has given up, the last round it trained it
@@ -12,15 +14,20 @@ them exactly.
 from __future__ import annotations
 
 import logging
+import threading
 from dataclasses import dataclass, field
 
 from spes_p2p.errors import ConfigError
 from spes_p2p.swarm.claims import carry_block, choose_units, holders_at_epoch
 from spes_p2p.swarm.records import (
+    MAX_ADDRESSES,
+    HolderRecord,
+    IdentityRecord,
     PeerRecord,
-    RecordError,
-    SwarmIdentity,
+    Record,
     config_key,
+    decode_entries,
+    differences,
     holders_key,
     parse_peers,
     peers_key,
@@ -80,36 +87,32 @@ def read_view(transport: Transport, run_id: str, units: list[str]) -> SwarmView:
     peers = parse_peers(transport.read(peers_key(run_id)))
     view = SwarmView(peers, {})
     for unit in units:
-        entries = transport.read(holders_key(run_id, unit))
-        live = {
-            p: e.value
-            for p, e in entries.items()
-            if p in peers and isinstance(e.value, dict) and e.value.get("held") is True
-        }
-        view.until[unit] = {p: v["until"] for p, v in live.items() if _is_int(v.get("until"))}
+        records = decode_entries(transport.read(holders_key(run_id, unit)), HolderRecord, "holder")
+        live = {p: r for p, r in records.items() if p in peers and r.held}
+        view.until[unit] = {p: r.until for p, r in live.items() if r.until is not None}
         view.holders[unit] = set(live) - set(view.until[unit])
-        view.since[unit] = {p: v["since"] for p, v in live.items() if _is_int(v.get("since"))}
-        view.epochs[unit] = {p: v.get("epoch", 0) for p, v in live.items() if _is_int(v.get("epoch", 0))}
+        view.since[unit] = {p: r.since for p, r in live.items()}
+        view.epochs[unit] = {p: r.epoch for p, r in live.items()}
     return view
 
 
-def _is_int(value) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def read_identities(transport: Transport, run_id: str) -> dict[str, SwarmIdentity]:
-    identities = {}
-    for peer, entry in transport.read(config_key(run_id)).items():
-        try:
-            identities[peer] = SwarmIdentity.from_record(entry.value)
-        except RecordError as exc:
-            logger.warning("ignoring the config record of %s: %s", peer, exc)
-    return identities
+def read_identities(transport: Transport, run_id: str) -> dict[str, IdentityRecord]:
+    return decode_entries(transport.read(config_key(run_id)), IdentityRecord, "config")
 
 
 class SwarmMember:
-    def __init__(self, transport: Transport, identity: SwarmIdentity, cfg: MemberConfig) -> None:
+    """This peer's claims and progress, and its records in the DHT.
+
+    Threads: the training thread joins, claims, rebalances and reports progress; the heartbeat thread
+    refreshes the records; the sync thread reads views, ``since`` and ``units_held``. ``_state`` guards the
+    fields below and is never held across a DHT call; ``_publishing`` serializes whole publications (a
+    snapshot of the state, then its DHT writes), so an older snapshot never overwrites a newer one.
+    """
+
+    def __init__(self, transport: Transport, identity: IdentityRecord, cfg: MemberConfig) -> None:
         self.transport, self.identity, self.cfg = transport, identity, cfg
+        self._state = threading.RLock()
+        self._publishing = threading.Lock()
         self.held: set[str] = set()
         self.since: dict[str, int] = {}  # unit -> the first round this peer trains it
         self.ending: dict[str, int] = {}  # unit given up -> the last round this peer trained it
@@ -125,26 +128,39 @@ class SwarmMember:
 
     @property
     def units_held(self) -> list[str]:
-        return [u for u in self.units if u in self.held or u in self.cfg.always_held]
+        with self._state:
+            return [u for u in self.units if u in self.held or u in self.cfg.always_held]
+
+    def since_of(self, unit: str) -> int:
+        with self._state:
+            return self.since.get(unit, 0)
 
     def check_identity(self) -> None:
         """Raises SwarmMismatch naming the fields where this peer differs from the swarm's live peers."""
         for peer, theirs in read_identities(self.transport, self.cfg.run_id).items():
-            if peer != self.transport.peer_id and theirs.hash != self.identity.hash:
-                diffs = "; ".join(self.identity.differences(theirs))
+            if peer == self.transport.peer_id or theirs.hash == self.identity.hash:
+                continue
+            ours, other = self.identity.fields.get("protocol"), theirs.fields.get("protocol")
+            if ours != other:
                 raise SwarmMismatch(
-                    f"this peer's settings differ from swarm {self.cfg.run_id!r} (peer {peer}): {diffs}"
+                    f"swarm {self.cfg.run_id!r} speaks protocol {other} (peer {peer}) and this peer protocol "
+                    f"{ours}: their spes-p2p versions cannot work together; install the swarm's version"
                 )
+            diffs = "; ".join(differences(self.identity, theirs))
+            raise SwarmMismatch(
+                f"this peer's settings differ from swarm {self.cfg.run_id!r} (peer {peer}): {diffs}"
+            )
 
     def join(self, first_round: int | None = None) -> SwarmView:
         """Checks the swarm identity, then claims and publishes. Nothing is written if the check fails. The
         units count this peer's updates from ``first_round`` on (default: the current round)."""
         self.check_identity()
         view = self.view()
-        first = self.round if first_round is None else first_round
-        self.epoch = self.epoch_of(first)
-        self.held = self._choose(view, first)
-        self.since = {u: first for u in self.units}
+        with self._state:
+            first = self.round if first_round is None else first_round
+            self.epoch = self.epoch_of(first)
+            self.held = self._choose(view, first)
+            self.since = {u: first for u in self.units}
         self.heartbeat()
         return self.view()
 
@@ -152,18 +168,25 @@ class SwarmMember:
         return round_ // self.cfg.rotate_every if self.cfg.dense_claimable and self.cfg.rotate_every else 0
 
     def start_at(self, round_: int) -> None:
-        """A newcomer that caught up trains everything it holds from ``round_`` on."""
-        self.round = round_
-        self.since = {u: round_ for u in self.units}
+        """A peer that caught up trains everything it holds from ``round_`` on."""
+        with self._state:
+            self.round = round_
+            self.since = {u: round_ for u in self.units}
         self.heartbeat()
+
+    def report(self, round_: int, loss: float | None, tokens_per_s: float) -> None:
+        """Progress for the next heartbeat."""
+        with self._state:
+            self.round, self.loss, self.tokens_per_s = round_, loss, tokens_per_s
 
     def live_peers(self) -> set[str]:
         """Peer ids with a live, active record (one DHT read)."""
         return set(parse_peers(self.transport.read(peers_key(self.cfg.run_id))))
 
     def view(self) -> SwarmView:
-        self.last_view = read_view(self.transport, self.cfg.run_id, self.units)
-        return self.last_view
+        view = read_view(self.transport, self.cfg.run_id, self.units)
+        self.last_view = view  # (one reference swap: readers see the old view or this one)
+        return view
 
     def rebalance(self, first_round: int | None = None, count_from: int | None = None) -> set[str]:
         """Re-runs the claim policy (call at sync boundaries); returns the units given up. The claims take
@@ -171,27 +194,27 @@ class SwarmMember:
         unit from ``count_from`` on (default: ``first_round``; later when they may read their participants
         before they see the claim)."""
         view = self.view()
-        first = self.round if first_round is None else first_round
-        count = first if count_from is None else count_from
-        new = self._choose(view, first)
-        dropped = self.held - new
-        if new != self.held:
-            logger.info("claims: %s -> %s", sorted(self.held), sorted(new))
-        for unit in new - self.held:
-            self.since[unit] = count
-            self.ending.pop(unit, None)
-        for unit in dropped:
-            self.ending[unit] = first - 1  # the last round it trains the unit
-        self.held = new
+        with self._state:
+            first_round = self.round if first_round is None else first_round
+            count_from = first_round if count_from is None else count_from
+            new = self._choose(view, first_round)
+            dropped = self.held - new
+            if new != self.held:
+                logger.info("claims: %s -> %s", sorted(self.held), sorted(new))
+            for unit in new - self.held:
+                self.since[unit] = count_from
+                self.ending.pop(unit, None)
+            for unit in dropped:
+                self.ending[unit] = first_round - 1  # the last round it trains the unit
+            self.held = new
         self.heartbeat()
         return dropped
 
     def _choose(self, view: SwarmView, first_round: int) -> set[str]:
         if self.cfg.client_mode:
             return set()  # nobody can fetch a client's updates, so it holds nothing on its own
-        me = self.transport.peer_id
         experts = choose_units(
-            me=me,
+            me=self.transport.peer_id,
             held=self.held,
             units=self.cfg.claimable,
             holders=view.holders,
@@ -229,28 +252,59 @@ class SwarmMember:
     def heartbeat(self) -> None:
         """Refreshes this peer's records; a unit given up is announced as such until its last round is
         ``ENDING_ROUNDS`` behind, then released."""
-        expires = self.transport.now() + self.cfg.record_ttl
-        self.transport.publish(config_key(self.cfg.run_id), self.identity.to_record(), expires)
-        self.transport.publish(peers_key(self.cfg.run_id), self.record().to_record(), expires)
-        self._publish_holders(set(self.units_held), held=True)
-        released = {u for u, last in self.ending.items() if self.round > last + ENDING_ROUNDS}
-        self._publish_holders(set(self.ending) - released, held=True)
-        self._publish_holders(released, held=False)
-        for unit in released:
-            del self.ending[unit]
+        addresses = self.transport.addresses()[:MAX_ADDRESSES]
+        with self._publishing:
+            with self._state:
+                released = {u for u, last in self.ending.items() if self.round > last + ENDING_ROUNDS}
+                records = [
+                    (config_key(self.cfg.run_id), self.identity),
+                    (peers_key(self.cfg.run_id), self._peer_record("active", addresses)),
+                    *self._holder_records(set(self.units_held) | set(self.ending) - released, held=True),
+                    *self._holder_records(released, held=False),
+                ]
+                for unit in released:
+                    del self.ending[unit]
+            self._publish(records, self.cfg.record_ttl)
 
-    def _publish_holders(self, units: set[str], held: bool, ttl: float | None = None) -> None:
-        expires = self.transport.now() + (ttl or self.cfg.record_ttl)
-        for unit in sorted(units):
-            entry = {"held": held, "round": self.round, "since": self.since.get(unit, 0), "epoch": self.epoch}
-            if held and unit in self.ending:
-                entry["until"] = self.ending[unit]
-            self.transport.publish(holders_key(self.cfg.run_id, unit), entry, expires)
+    def leave(self) -> None:
+        """Releases every claim at once: tombstones replace the records until they expire.
 
-    def record(self, state: str = "active") -> PeerRecord:
+        A DHT keeps the entry with the later expiry, so tombstones outlive the last heartbeat's records.
+        """
+        addresses = self.transport.addresses()[:MAX_ADDRESSES]
+        with self._publishing:
+            with self._state:
+                records = [
+                    (peers_key(self.cfg.run_id), self._peer_record("left", addresses)),
+                    *self._holder_records(set(self.units_held) | set(self.ending), held=False),
+                ]
+                self.held, self.ending = set(), {}
+            self._publish(records, self.cfg.record_ttl + 1.0)
+
+    def _publish(self, records: list[tuple[str, Record]], ttl: float) -> None:
+        expires = self.transport.now() + ttl
+        for key, record in records:
+            self.transport.publish(key, record.encode(), expires)
+
+    def _holder_records(self, units: set[str], held: bool) -> list[tuple[str, HolderRecord]]:
+        return [
+            (
+                holders_key(self.cfg.run_id, unit),
+                HolderRecord(
+                    held=held,
+                    round=self.round,
+                    since=self.since.get(unit, 0),
+                    epoch=self.epoch,
+                    until=self.ending.get(unit) if held else None,
+                ),
+            )
+            for unit in sorted(units)
+        ]
+
+    def _peer_record(self, state: str, addresses: list[str]) -> PeerRecord:
         return PeerRecord(
             peer_id=self.transport.peer_id,
-            addresses=self.transport.addresses()[:16],
+            addresses=addresses,
             units=self.units_held if state == "active" else [],
             round=self.round,
             tokens_per_s=self.tokens_per_s,
@@ -260,15 +314,3 @@ class SwarmMember:
             state=state,
             client_mode=self.cfg.client_mode,
         )
-
-    def leave(self) -> None:
-        """Releases every claim at once: tombstones replace the records until they expire.
-
-        A DHT keeps the entry with the later expiry, so tombstones outlive the last heartbeat's records.
-        """
-        ttl = self.cfg.record_ttl + 1.0
-        expires = self.transport.now() + ttl
-        self.transport.publish(peers_key(self.cfg.run_id), self.record(state="left").to_record(), expires)
-        self._publish_holders(set(self.units_held) | set(self.ending), held=False, ttl=ttl)
-        self.held = set()
-        self.ending = {}

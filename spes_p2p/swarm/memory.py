@@ -12,9 +12,6 @@ import random
 import threading
 import time
 from collections.abc import Callable, Iterable
-from typing import Any
-
-import msgpack
 
 from spes_p2p.swarm.transport import (
     DEFAULT_MAX_MESSAGE_BYTES,
@@ -27,7 +24,7 @@ from spes_p2p.swarm.transport import (
     Transport,
     TransportError,
     TransportStats,
-    encode_record,
+    check_record_size,
 )
 
 
@@ -104,16 +101,16 @@ class MemoryTransport(Transport):
         if not self.alive:
             raise TransportError(f"{self.peer_id} has shut down")
 
-    def publish(self, key: str, value: Any, expires_at: float) -> bool:
+    def publish(self, key: str, value: bytes, expires_at: float) -> bool:
         self._check_alive()
         self.stats.dht_op(time.perf_counter())  # (in memory: no latency to speak of)
-        data = encode_record(value)  # enforces the size limit and msgpack-ability, like the real DHT
+        check_record_size(value)
         with self.network.lock:
             entries = self.network.records.setdefault(key, {})
             old = entries.get(self.peer_id)
             if old is not None and old.expires_at > expires_at:
                 return False  # like hivemind's DHT: the entry that expires later wins
-            entries[self.peer_id] = Entry(msgpack.unpackb(data), expires_at)
+            entries[self.peer_id] = Entry(bytes(value), expires_at)
         return True
 
     def read(self, key: str) -> dict[str, Entry]:

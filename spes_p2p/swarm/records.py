@@ -1,14 +1,16 @@
-"""The swarm's DHT records: their keys, their schema, and their validation.
+"""The swarm's DHT records: their keys, their typed schema, and strict decoding.
 
 Keys, all under the swarm's ``run_id``; every peer writes only its own entry under each key:
 
-    <run_id>/config           SwarmIdentity: the settings that must match, and their hash
-    <run_id>/peers            PeerRecord: addresses, units held, round, throughput, loss, version
-    <run_id>/holders/<unit>   {"round": int}: this peer holds <unit>
+    <run_id>/config                 IdentityRecord: the settings that must match, and their hash
+    <run_id>/peers                  PeerRecord: addresses, units held, round, throughput, loss, version
+    <run_id>/holders/<unit>         HolderRecord: this peer holds <unit> (since, until, epoch)
+    <run_id>/updates/<round>/<unit> Announcement: this peer's update of <unit> for <round> is ready
 
-Entries expire unless refreshed by the heartbeat. A peer that leaves overwrites its entries with
-``state = "left"`` and no units, so it stops counting at once instead of at expiry.
-Anything read from the DHT is validated here before use; an entry that fails is logged and ignored.
+Entries are msgpack, written and read as msgspec structs. Decoding is strict: a wrong type, a missing or
+unknown field, a value out of range, or oversized input is a ``RecordError``; readers log the entry and skip
+it, and count it in ``rejected_records``. Entries expire unless refreshed by the heartbeat; a peer that
+leaves overwrites its entries with ``state = "left"`` / ``held = False`` tombstones.
 """
 
 from __future__ import annotations
@@ -17,19 +19,124 @@ import hashlib
 import json
 import logging
 import math
-import re
-from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Annotated, Any, ClassVar, Literal, TypeVar
+
+import msgspec
+
+from spes_p2p.swarm.transport import MAX_RECORD_BYTES
 
 logger = logging.getLogger(__name__)
 
-_UNIT = re.compile(r"^(experts|dense)/\d{1,4}$")
 MAX_ADDRESSES = 16
 MAX_UNITS = 256
+
+Unit = Annotated[str, msgspec.Meta(pattern=r"^(experts|dense)/\d{1,4}$")]
+Round = Annotated[int, msgspec.Meta(ge=0)]
+Hex = Annotated[str, msgspec.Meta(pattern=r"^[0-9a-f]{16,64}$")]
+Short = Annotated[str, msgspec.Meta(max_length=512)]
+
+S = TypeVar("S", bound="Strict")
+R = TypeVar("R", bound="Record")
 
 
 class RecordError(ValueError):
     """An entry read from the DHT that does not match its schema."""
+
+
+class Strict(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """A typed message from another peer: msgpack, at most ``MAX_BYTES``, decoded strictly (a missing or
+    unknown field, a wrong type or a value out of range raises ``ERROR``)."""
+
+    MAX_BYTES: ClassVar[int]
+    ERROR: ClassVar[type[Exception]]
+
+    def encode(self) -> bytes:
+        return msgspec.msgpack.encode(self)
+
+    @classmethod
+    def decode(cls: type[S], data: bytes) -> S:
+        if not isinstance(data, bytes) or len(data) > cls.MAX_BYTES:
+            size = len(data) if isinstance(data, bytes) else type(data).__name__
+            raise cls.ERROR(f"a {size}-byte {cls.__name__}, over {cls.MAX_BYTES}")
+        try:
+            return msgspec.msgpack.decode(data, type=cls)
+        except (msgspec.MsgspecError, ValueError, TypeError) as exc:
+            raise cls.ERROR(f"malformed {cls.__name__}: {exc}") from None
+
+
+class Record(Strict):
+    """Base of every DHT record."""
+
+    MAX_BYTES = MAX_RECORD_BYTES
+    ERROR = RecordError
+
+
+class IdentityRecord(Record):
+    """The settings every peer of a swarm must share (model, shards, method), and their hash."""
+
+    hash: Hex
+    fields: dict[str, Any]
+
+    def __post_init__(self) -> None:
+        if self.hash != fields_hash(self.fields):
+            raise ValueError("config entry's hash does not match its fields")
+
+
+class PeerRecord(Record):
+    peer_id: Short
+    addresses: Annotated[list[Short], msgspec.Meta(max_length=MAX_ADDRESSES)]
+    units: Annotated[list[Unit], msgspec.Meta(max_length=MAX_UNITS)]
+    round: Round = 0
+    tokens_per_s: Annotated[float, msgspec.Meta(ge=0)] = 0.0
+    loss: float | None = None
+    version: Short = ""
+    config_hash: Short = ""
+    state: Literal["active", "left"] = "active"
+    client_mode: bool = False
+
+    def __post_init__(self) -> None:
+        if not math.isfinite(self.tokens_per_s) or (self.loss is not None and not math.isfinite(self.loss)):
+            raise ValueError("tokens_per_s and loss must be finite")
+
+
+class HolderRecord(Record):
+    """This peer holds a unit and trains it from round ``since`` on; with ``until``, it gave the unit up after
+    training it in that round, and still serves that round's weights."""
+
+    held: bool
+    round: Round
+    since: Round
+    epoch: Round = 0
+    until: Round | None = None
+
+
+class Announcement(Record):
+    """An update is ready: its size, codec, SHA-256, and ``base`` (the hash of its start weights)."""
+
+    round: Round
+    tokens: Annotated[int, msgspec.Meta(ge=0)]
+    bytes: Annotated[int, msgspec.Meta(ge=1)]
+    codec: Short
+    sha256: Hex
+    base: Hex
+
+
+def identity_record(fields: dict[str, Any]) -> IdentityRecord:
+    return IdentityRecord(fields_hash(fields), fields)
+
+
+def differences(ours: IdentityRecord, theirs: IdentityRecord) -> list[str]:
+    """'field: ours vs theirs' for every field that differs."""
+    names = sorted(set(ours.fields) | set(theirs.fields))
+    return [
+        f"{n}: {ours.fields.get(n)!r} here vs {theirs.fields.get(n)!r} in the swarm"
+        for n in names
+        if ours.fields.get(n) != theirs.fields.get(n)
+    ]
+
+
+def fields_hash(fields: dict[str, Any]) -> str:
+    return hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:16]
 
 
 def config_key(run_id: str) -> str:
@@ -44,105 +151,27 @@ def holders_key(run_id: str, unit: str) -> str:
     return f"{run_id}/holders/{unit}"
 
 
-@dataclass(frozen=True)
-class SwarmIdentity:
-    """The settings every peer of a swarm must share (model, shards, method), and their hash."""
-
-    fields: dict[str, Any]
-
-    @property
-    def hash(self) -> str:
-        return hashlib.sha256(json.dumps(self.fields, sort_keys=True).encode()).hexdigest()[:16]
-
-    def to_record(self) -> dict:
-        return {"hash": self.hash, "fields": self.fields}
-
-    @classmethod
-    def from_record(cls, value: Any) -> SwarmIdentity:
-        if not isinstance(value, dict) or not isinstance(value.get("fields"), dict):
-            raise RecordError("config entry is not {'hash': str, 'fields': dict}")
-        identity = cls(value["fields"])
-        if value.get("hash") != identity.hash:
-            raise RecordError("config entry's hash does not match its fields")
-        return identity
-
-    def differences(self, other: SwarmIdentity) -> list[str]:
-        """'field: ours vs theirs' for every field that differs."""
-        names = sorted(set(self.fields) | set(other.fields))
-        return [
-            f"{n}: {self.fields.get(n)!r} here vs {other.fields.get(n)!r} in the swarm"
-            for n in names
-            if self.fields.get(n) != other.fields.get(n)
-        ]
+def updates_key(run_id: str, round_: int, unit: str) -> str:
+    return f"{run_id}/updates/{round_}/{unit}"
 
 
-@dataclass(frozen=True)
-class PeerRecord:
-    peer_id: str
-    addresses: list[str]
-    units: list[str]
-    round: int = 0
-    tokens_per_s: float = 0.0
-    loss: float | None = None
-    version: str = ""
-    config_hash: str = ""
-    state: str = "active"  # "active" or "left"
-    client_mode: bool = False
-    extra: dict = field(default_factory=dict)  # room for later fields without breaking old readers
-
-    def to_record(self) -> dict:
-        return asdict(self)
-
-    @classmethod
-    def from_record(cls, peer_id: str, value: Any) -> PeerRecord:
-        """Validates an entry written by ``peer_id``; raises RecordError."""
-        if not isinstance(value, dict):
-            raise RecordError("peer entry is not a dict")
-        v = dict(value)
-        _expect(v.get("peer_id") == peer_id, "peer_id differs from the entry's owner")
-        _expect(_str_list(v.get("addresses"), MAX_ADDRESSES), "addresses must be a list of strings")
-        _expect(
-            _str_list(v.get("units"), MAX_UNITS) and all(_UNIT.match(u) for u in v["units"]),
-            "units must be a list of unit names",
-        )
-        _expect(isinstance(v.get("round"), int) and v["round"] >= 0, "round must be a non-negative int")
-        _expect(_finite(v.get("tokens_per_s")) and v["tokens_per_s"] >= 0, "tokens_per_s must be >= 0")
-        _expect(v.get("loss") is None or _finite(v["loss"]), "loss must be a finite number or null")
-        _expect(
-            isinstance(v.get("version"), str) and isinstance(v.get("config_hash"), str),
-            "version and config_hash must be strings",
-        )
-        _expect(v.get("state") in ("active", "left"), "state must be 'active' or 'left'")
-        _expect(isinstance(v.get("client_mode", False), bool), "client_mode must be a bool")
-        known = {f for f in cls.__dataclass_fields__}
-        return cls(
-            **{k: val for k, val in v.items() if k in known and k != "extra"},
-            extra={k: val for k, val in v.items() if k not in known},
-        )
-
-
-def _expect(ok: bool, message: str) -> None:
-    if not ok:
-        raise RecordError(message)
-
-
-def _str_list(value: Any, limit: int) -> bool:
-    return isinstance(value, list) and len(value) <= limit and all(isinstance(x, str) for x in value)
-
-
-def _finite(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+def decode_entries(entries: dict, cls: type[R], what: str) -> dict[str, R]:
+    """Valid records by the peer id that wrote them; invalid ones are logged and skipped."""
+    valid = {}
+    for peer_id, entry in entries.items():
+        try:
+            valid[peer_id] = cls.decode(entry.value)
+        except RecordError as exc:
+            logger.warning("ignoring the %s record of %s: %s", what, peer_id, exc)
+    return valid
 
 
 def parse_peers(entries: dict) -> dict[str, PeerRecord]:
-    """Valid, active peer records by peer id; invalid entries are logged and skipped."""
+    """Valid, active peer records by peer id; a record must name the peer that wrote it."""
     peers = {}
-    for peer_id, entry in entries.items():
-        try:
-            record = PeerRecord.from_record(peer_id, entry.value)
-        except RecordError as exc:
-            logger.warning("ignoring the peer record of %s: %s", peer_id, exc)
-            continue
-        if record.state == "active":
+    for peer_id, record in decode_entries(entries, PeerRecord, "peer").items():
+        if record.peer_id != peer_id:
+            logger.warning("ignoring the peer record of %s: it names %s", peer_id, record.peer_id)
+        elif record.state == "active":
             peers[peer_id] = record
     return peers

@@ -2,8 +2,9 @@
 
 A Transport gives a peer three things, whatever the backend:
 
-- a small DHT of expiring records, where every peer writes its **own entry** under a shared key
-  (``publish``) and anyone reads all live entries of a key (``read``);
+- a small DHT of expiring records, where every peer writes its **own entry** (bytes, at most
+  ``MAX_RECORD_BYTES``) under a shared key (``publish``) and anyone reads all live entries of a key
+  (``read``); what the bytes mean is ``spes_p2p.swarm.records``'s business;
 - request/response of bytes with named handlers (``serve`` / ``request``), streamed for large payloads,
   with a timeout and a size limit on every call;
 - its own peer id and dialable addresses, and a bounded ``shutdown``.
@@ -26,13 +27,10 @@ import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
-
-import msgpack
 
 from spes_p2p.errors import SpesError
 
-# DHT records are small by design: values over about 64 KB kill hivemind's DHT loop (FACTS.md).
+# DHT records are small by design (and values over about 64 KB break hivemind's DHT loop).
 MAX_RECORD_BYTES = 16 * 1024
 DEFAULT_MAX_MESSAGE_BYTES = 1 << 30
 
@@ -92,18 +90,16 @@ class TransportStats:
 class Entry:
     """One peer's entry under a DHT key."""
 
-    value: Any  # msgpack-able: dict, list, str, int, float, bool, None
+    value: bytes
     expires_at: float  # in the transport's clock (``Transport.now``)
 
 
-def encode_record(value: Any) -> bytes:
-    """The record's wire form; raises MessageTooLarge past MAX_RECORD_BYTES."""
-    data = msgpack.packb(value, use_bin_type=True)
+def check_record_size(data: bytes) -> None:
+    """Raises MessageTooLarge past MAX_RECORD_BYTES."""
     if len(data) > MAX_RECORD_BYTES:
         raise MessageTooLarge(
             f"DHT record of {len(data)} bytes exceeds {MAX_RECORD_BYTES}; keep records small"
         )
-    return data
 
 
 class Transport(ABC):
@@ -121,12 +117,12 @@ class Transport(ABC):
         """The clock record expiry is measured in (shared across peers, roughly)."""
 
     @abstractmethod
-    def publish(self, key: str, value: Any, expires_at: float) -> bool:
+    def publish(self, key: str, value: bytes, expires_at: float) -> bool:
         """Writes this peer's own entry under ``key``; True when the DHT accepted it."""
 
     @abstractmethod
     def read(self, key: str) -> dict[str, Entry]:
-        """All live entries under ``key``, by the peer id that wrote them."""
+        """All live entries under ``key`` (bytes values only), by the peer id that wrote them."""
 
     @abstractmethod
     def serve(self, name: str, handler: Handler, max_request_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> None:

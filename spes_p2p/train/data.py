@@ -11,41 +11,17 @@ of the corpus content, so a second run starts at once and two machines with the 
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import json
-import os
 import sysconfig
 from dataclasses import dataclass
 from pathlib import Path
 
-from spes_p2p.errors import ConfigError, DataError
+from spes_p2p.errors import DataError
 
 TEXT_SUFFIXES = (".txt", ".md", ".rst", ".py", ".jsonl")
 EOS = "<|endoftext|>"
-
-
-@dataclass(frozen=True, kw_only=True)
-class DataConfig:
-    corpus: str = "stdlib"
-    max_bytes: int | None = None  # read documents (in sorted order) until this many bytes of text
-    val_percent: float = 2.0  # share of documents held out for validation
-    tokenizer: str | None = None  # path to a tokenizer.json; None: train a byte-level BPE on the corpus
-    cache_dir: str | None = None  # None: $SPES_CACHE_DIR or ~/.cache/spes-p2p
-    seed: int = 0
-
-    def __post_init__(self) -> None:
-        if not 0 < self.val_percent < 50:
-            raise ConfigError(f"val_percent must be in (0, 50), got {self.val_percent}")
-        if self.max_bytes is not None and self.max_bytes < 1:
-            raise ConfigError(f"max_bytes must be positive, got {self.max_bytes}")
-
-    def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
-
-    @property
-    def cache_path(self) -> Path:
-        return Path(self.cache_dir or os.environ.get("SPES_CACHE_DIR") or Path.home() / ".cache" / "spes-p2p")
+SPLIT_SEED = 0  # the validation split is a hash of document names: every machine splits a corpus alike
 
 
 @dataclass(frozen=True)

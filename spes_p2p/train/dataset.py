@@ -17,7 +17,8 @@ import torch
 from tokenizers import Tokenizer
 
 from spes_p2p.errors import ConfigError, DataError
-from spes_p2p.train.data import DataConfig, fingerprint, load_documents, split_documents
+from spes_p2p.train.config import DataConfig
+from spes_p2p.train.data import SPLIT_SEED, fingerprint, load_documents, split_documents
 from spes_p2p.train.tokenizer import (
     atomic_write_bytes,
     encode_documents,
@@ -39,20 +40,20 @@ class PreparedData:
 def prepare_data(cfg: DataConfig, vocab_size: int) -> PreparedData:
     """Reads, splits and tokenizes the corpus; reuses the cached tokenizer and token ids when present."""
     docs = load_documents(cfg.corpus, cfg.max_bytes)
-    train_docs, val_docs = split_documents(docs, cfg.val_percent, cfg.seed)
+    train_docs, val_docs = split_documents(docs, cfg.val_percent, SPLIT_SEED)
     corpus_hash = fingerprint(docs)
     cache = cfg.cache_path
     if cfg.tokenizer:
         tok = load_tokenizer(cfg.tokenizer, vocab_size)
     else:
-        tok_path = cache / f"tokenizer-{corpus_hash[:16]}-{cfg.seed}-v{vocab_size}.json"
+        tok_path = cache / f"tokenizer-{corpus_hash[:16]}-{SPLIT_SEED}-v{vocab_size}.json"
         if tok_path.exists():
             tok = load_tokenizer(tok_path, vocab_size)
         else:
             tok = train_tokenizer(train_docs, vocab_size)
             atomic_write_bytes(tok_path, tok.to_str().encode())
     tok_hash = tokenizer_hash(tok)
-    key = hashlib.sha256(f"{corpus_hash}:{tok_hash}:{cfg.seed}:{cfg.val_percent}".encode()).hexdigest()[:16]
+    key = hashlib.sha256(f"{corpus_hash}:{tok_hash}:{SPLIT_SEED}:{cfg.val_percent}".encode()).hexdigest()[:16]
     train_ids = _cached_ids(cache / f"ids-{key}-train.npy", tok, train_docs)
     val_ids = _cached_ids(cache / f"ids-{key}-val.npy", tok, val_docs)
     return PreparedData(tok, train_ids, val_ids, corpus_hash, tok_hash)

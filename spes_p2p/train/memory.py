@@ -7,28 +7,26 @@ optimizer (a bitsandbytes default); that is counted too.
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from spes_p2p.errors import ConfigError
-from spes_p2p.model import ModelConfig, MoETransformer, UnitLayout, get_preset
+from spes_p2p.model import ModelConfig, MoETransformer, UnitLayout
+from spes_p2p.model.config import ModelSettings
 from spes_p2p.model.moe import SwiGLUExpert
+from spes_p2p.train.config import TrainConfig
 from spes_p2p.train.optim import tensor_bytes
-from spes_p2p.train.trainer import TrainConfig, Trainer
+from spes_p2p.train.trainer import Trainer
 
 KEYS = ("total_params", "trainable_params", "weights_bytes", "grads_bytes", "optimizer_bytes", "total_bytes")
 
 
 def measure(
-    model_cfg: ModelConfig,
-    layout: UnitLayout,
-    units: list[str],
-    optimizer: str,
-    frozen_experts: str = "full",
-    batch_size: int = 4,
-    seq_len: int = 128,
+    model_cfg: ModelConfig, layout: UnitLayout, units: list[str], train: TrainConfig
 ) -> dict[str, int]:
     """Allocated bytes after one real step of a trainer that owns ``units`` and holds the other experts as
-    ``frozen_experts`` (full, int8 or nf4).
+    ``train.frozen_experts`` (full, int8 or nf4).
 
     The step's batch routes enough tokens that every expert gets some, as in real training; an expert that
     got none would have no gradient buffer in this step.
@@ -36,10 +34,8 @@ def measure(
     _check_fits(model_cfg)
     torch.manual_seed(0)
     model = MoETransformer(model_cfg)
-    trainer = Trainer(
-        model, layout, units, TrainConfig(optimizer=optimizer, warmup_steps=0, frozen_experts=frozen_experts)
-    )
-    tokens = torch.randint(0, model_cfg.vocab_size, (batch_size, seq_len + 1))
+    trainer = Trainer(model, layout, units, train)
+    tokens = torch.randint(0, model_cfg.vocab_size, (train.batch_size, train.seq_len + 1))
     out = model(tokens[:, :-1], tokens[:, 1:])
     out.loss.backward()
     grads = sum(tensor_bytes(p.grad) for p in model.parameters() if p.grad is not None)
@@ -63,34 +59,27 @@ def weights_bytes(model: MoETransformer) -> int:
     return sum(tensor_bytes(p) for p in model.parameters()) + quantized
 
 
-def compare(
-    preset: str,
-    n_shards: int,
-    owned_shards: list[int],
-    optimizer: str,
-    dense_blocks: int = 1,
-    active_blocks: int = 1,
-    frozen_experts: str = "full",
-) -> dict:
-    """A peer owning ``owned_shards`` and ``active_blocks`` of the ``dense_blocks`` dense blocks (the largest
-    ones: the worst case), holding other experts as ``frozen_experts``, next to a trainer that owns every unit
-    in full precision."""
-    model_cfg = get_preset(preset)
-    layout = UnitLayout.for_model(model_cfg, n_shards, dense_blocks)
-    if not 1 <= active_blocks <= dense_blocks:
-        raise ConfigError(f"active blocks must be between 1 and the dense blocks ({dense_blocks})")
-    units = [*_largest_blocks(model_cfg, layout, active_blocks), *layout.shard_units(owned_shards)]
-    report = measure(model_cfg, layout, units, optimizer, frozen_experts)
-    report["full"] = measure(model_cfg, layout, layout.units, optimizer)
+def compare(model: ModelSettings, capacity: int, active_blocks: int, train: TrainConfig) -> dict:
+    """A peer that trains ``capacity`` expert shards and ``active_blocks`` of the dense blocks (the largest
+    ones: the worst case), holding the other experts as ``train.frozen_experts``, next to a trainer that owns
+    every unit in full precision."""
+    model_cfg, layout = model.architecture(), model.layout()
+    if not 1 <= capacity <= layout.n_shards:
+        raise ConfigError(f"capacity must be between 1 and the shards ({layout.n_shards})")
+    units = [*_largest_blocks(model_cfg, layout, active_blocks), *layout.expert_units[:capacity]]
+    report = measure(model_cfg, layout, units, train)
+    report["full"] = measure(
+        model_cfg, layout, layout.units, dataclasses.replace(train, frozen_experts="full")
+    )
     report["ratio_vs_full"] = report["total_bytes"] / report["full"]["total_bytes"]
     report.update(
-        preset=preset,
-        shards=n_shards,
+        preset=model.preset,
+        shards=model.shards,
         owned_units=units,
-        optimizer=optimizer,
-        dense_blocks=dense_blocks,
+        optimizer=train.optimizer,
+        dense_blocks=model.dense_blocks,
         active_blocks=active_blocks,
-        frozen_experts=frozen_experts,
+        frozen_experts=train.frozen_experts,
     )
     return report
 

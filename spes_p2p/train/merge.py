@@ -1,32 +1,16 @@
-"""Expert-merging warm-up (SPES, DESIGN.md 2.1): early on, pull each expert toward its most similar peers.
+"""Expert-merging warm-up (SPES): early on, pull each expert toward its most similar peers.
 
 At sync steps where ``step % interval == 0`` and while ``step < T``: per MoE layer, cosine similarity between
 the experts' flattened gate projections (w1); for each expert its K most similar other experts;
 ``theta_e <- (1 - a_t) * theta_e + a_t * mean(theta of the K neighbours)``, every update computed from the
-pre-merge weights, with ``a_t = a_0 * (1 - min(t / T, 1))``.
+pre-merge weights, with ``a_t = a_0 * (1 - min(t / T, 1))`` (settings: ``MergeConfig``, ``[merge]``).
 """
 
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
 
 import torch
-
-
-@dataclass(frozen=True, kw_only=True)
-class MergeConfig:
-    enabled: bool = True
-    interval: int = 200  # steps
-    alpha0: float = 0.05
-    horizon: int = 2000  # T: steps after which merging stops
-    neighbours: int = 4  # K
-
-    def alpha(self, step: int) -> float:
-        return self.alpha0 * (1 - min(step / self.horizon, 1.0))
-
-    def due(self, step: int) -> bool:
-        return self.enabled and step > 0 and step % self.interval == 0 and self.alpha(step) > 0
 
 
 def merge_layer(

@@ -9,15 +9,14 @@ from torch import nn
 
 from spes_p2p.compat import bitsandbytes
 from spes_p2p.errors import ConfigError
+from spes_p2p.train.config import OPTIMIZERS
 
-OPTIMIZERS = ("adamw8bit", "adamw")
 
-
-def lr_at(step: int, *, peak: float, warmup_steps: int, max_steps: int, min_ratio: float) -> float:
-    """Linear warmup to ``peak``, then cosine decay to ``min_ratio * peak`` at ``max_steps``."""
+def lr_at(step: int, *, peak: float, warmup_steps: int, total_steps: int, min_ratio: float) -> float:
+    """Linear warmup to ``peak``, then cosine decay to ``min_ratio * peak`` at ``total_steps``."""
     if step < warmup_steps:
         return peak * (step + 1) / warmup_steps
-    progress = min((step - warmup_steps) / max(1, max_steps - warmup_steps), 1.0)
+    progress = min((step - warmup_steps) / max(1, total_steps - warmup_steps), 1.0)
     return peak * (min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
 
 

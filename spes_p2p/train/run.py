@@ -9,49 +9,36 @@ import dataclasses
 import json
 import math
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
 from spes_p2p.errors import CheckpointError, ConfigError
-from spes_p2p.model import ModelConfig, MoETransformer, UnitLayout, get_preset
+from spes_p2p.model import ModelConfig, MoETransformer
+from spes_p2p.model.config import ModelSettings
 from spes_p2p.train.checkpoint import list_checkpoints, load_checkpoint, save_checkpoint
-from spes_p2p.train.data import DataConfig
+from spes_p2p.train.config import DataConfig, TrainConfig
 from spes_p2p.train.dataset import BatchSampler, DataShard, prepare_data, validation_batches
-from spes_p2p.train.trainer import StepResult, TrainConfig, Trainer, evaluate
-
-
-@dataclass(frozen=True, kw_only=True)
-class RunConfig:
-    preset: str = "tiny"
-    model: ModelConfig | None = None  # None: the preset's
-    n_shards: int = 4
-    owned_shards: tuple[int, ...] | None = None  # None: train every unit (the centralized baseline)
-    train: TrainConfig = field(default_factory=TrainConfig)
-    data: DataConfig = field(default_factory=DataConfig)
-
-    def model_config(self) -> ModelConfig:
-        return self.model or get_preset(self.preset)
-
-    def layout(self) -> UnitLayout:
-        return UnitLayout(self.model_config().n_experts, self.n_shards)
-
-    def units(self) -> list[str]:
-        """Owned shards plus the dense part (SPES trains the dense part on every peer)."""
-        layout = self.layout()
-        if self.owned_shards is None:
-            return layout.units
-        return ["dense/0", *layout.shard_units(list(self.owned_shards))]
+from spes_p2p.train.trainer import StepResult, Trainer, evaluate
 
 
 class TrainingRun:
-    """Prepares data, model and trainer (restoring the newest checkpoint when resuming), then trains."""
+    """Prepares data, model and trainer (restoring the newest checkpoint when resuming), then trains the
+    ``owned_shards`` and the dense part, or every unit when None (the centralized baseline)."""
 
     def __init__(
-        self, cfg: RunConfig, out_dir: Path, *, resume: bool = False, data_shard: DataShard | None = None
+        self,
+        model: ModelSettings,
+        train: TrainConfig,
+        data: DataConfig,
+        out_dir: Path,
+        *,
+        owned_shards: tuple[int, ...] | None = None,
+        resume: bool = False,
+        data_shard: DataShard | None = None,
     ) -> None:
-        self.cfg, self.out_dir = cfg, Path(out_dir)
+        self.model_settings, self.train_cfg, self.data_cfg = model, train, data
+        self.out_dir = Path(out_dir)
         has_checkpoints = bool(list_checkpoints(self.out_dir))
         if resume and not has_checkpoints:
             raise CheckpointError(f"nothing to resume: {self.out_dir} holds no checkpoint")
@@ -59,22 +46,27 @@ class TrainingRun:
             raise ConfigError(
                 f"{self.out_dir} already holds checkpoints: pass --resume to continue, or pick another --out"
             )
-        model_cfg = cfg.model_config()
-        if cfg.train.seq_len > model_cfg.max_seq_len:
+        model_cfg = model.architecture()
+        if train.seq_len > model_cfg.max_seq_len:
             raise ConfigError(
-                f"seq_len ({cfg.train.seq_len}) exceeds the model's max_seq_len ({model_cfg.max_seq_len})"
+                f"seq_len ({train.seq_len}) exceeds the model's max_seq_len ({model_cfg.max_seq_len})"
             )
-        layout, units = cfg.layout(), cfg.units()
-        self.data = prepare_data(cfg.data, model_cfg.vocab_size)
-        torch.manual_seed(cfg.train.seed)
+        layout = model.layout()
+        # SPES trains the dense part on every peer: a peer's view is its shards plus the dense part
+        units = (
+            layout.units
+            if owned_shards is None
+            else [*layout.dense_units, *layout.shard_units(list(owned_shards))]
+        )
+        self.data = prepare_data(data, model_cfg.vocab_size)
+        torch.manual_seed(train.seed)
         self.model = MoETransformer(model_cfg)
-        self.trainer = Trainer(self.model, layout, units, cfg.train)
-        shard = data_shard or DataShard()
+        self.trainer = Trainer(self.model, layout, units, train)
         self.sampler = BatchSampler(
-            self.data.train_ids, cfg.train.seq_len, cfg.train.batch_size, cfg.train.seed, shard
+            self.data.train_ids, train.seq_len, train.batch_size, train.seed, data_shard or DataShard()
         )
         self.val_batches = validation_batches(
-            self.data.val_ids, cfg.train.seq_len, cfg.train.batch_size, cfg.train.eval_batches
+            self.data.val_ids, train.seq_len, train.batch_size, train.eval_batches
         )
         self.out_dir.mkdir(parents=True, exist_ok=True)
         if resume:
@@ -86,11 +78,10 @@ class TrainingRun:
 
     def meta(self) -> dict:
         return {
-            "preset": self.cfg.preset,
-            "model_config": self.cfg.model_config().to_dict(),
-            "train_config": self.cfg.train.to_dict(),
-            "data_config": self.cfg.data.to_dict(),
-            "n_shards": self.cfg.n_shards,
+            "model_settings": self.model_settings.to_dict(),
+            "model_config": self.model.cfg.to_dict(),
+            "train_config": self.train_cfg.to_dict(),
+            "data_config": self.data_cfg.to_dict(),
             "units": self.trainer.units,
             "tokens": self.trainer.tokens,
             "data_position": self.sampler.state_dict(),
@@ -106,18 +97,18 @@ class TrainingRun:
             self.trainer.optimizer,
             self.meta(),
             extra_files={"tokenizer.json": self.data.tokenizer.to_str().encode()},
-            keep=self.cfg.train.keep_checkpoints,
+            keep=self.train_cfg.keep_checkpoints,
         )
 
     def _restore(self) -> None:
         ckpt = load_checkpoint(self.out_dir)
         expected = self.meta()
-        for key in ("model_config", "units", "n_shards", "corpus_hash", "tokenizer_hash"):
+        for key in ("model_settings", "model_config", "units", "corpus_hash", "tokenizer_hash"):
             if ckpt.meta.get(key) != expected[key]:
                 raise CheckpointError(
                     f"cannot resume from {ckpt.path}: its {key} differs from this run's settings"
                 )
-        if ckpt.meta["train_config"]["optimizer"] != self.cfg.train.optimizer:
+        if ckpt.meta["train_config"]["optimizer"] != self.train_cfg.optimizer:
             raise CheckpointError(
                 f"cannot resume from {ckpt.path}: it was trained with optimizer "
                 f"{ckpt.meta['train_config']['optimizer']!r}"
@@ -142,20 +133,20 @@ class TrainingRun:
     def evaluate(self) -> float:
         return self.trainer.evaluate(self.val_batches)
 
-    def run(self, *, stop_after: int | None = None, on_log: Callable[[dict], None] | None = None) -> dict:
-        """Trains until ``max_steps`` (or ``stop_after`` more steps), logging, evaluating and checkpointing.
+    def run(self, *, stop_after: int = 0, on_log: Callable[[dict], None] | None = None) -> dict:
+        """Trains until ``total_steps`` (or ``stop_after`` more steps), logging, evaluating, checkpointing.
 
         On KeyboardInterrupt a checkpoint is written before the interrupt propagates.
         """
-        cfg = self.cfg.train
-        last = cfg.max_steps if stop_after is None else min(cfg.max_steps, self.trainer.step + stop_after)
+        cfg = self.train_cfg
+        last = min(cfg.total_steps, self.trainer.step + stop_after) if stop_after else cfg.total_steps
         window: list[StepResult] = []
         record: dict = {}
         try:
             while self.trainer.step < last:
                 window.append(self.trainer.train_step(*self.sampler.next_batch()))
                 step = self.trainer.step
-                evaluating = step % cfg.eval_every == 0 or step == cfg.max_steps
+                evaluating = step % cfg.eval_every == 0 or step == cfg.total_steps
                 if step % cfg.log_every == 0 or evaluating or step == last:
                     record = self._record(window, self.evaluate() if evaluating else None)
                     self._append_metrics(record)

@@ -9,70 +9,15 @@ unit comes back (``switch_state``).
 
 from __future__ import annotations
 
-import dataclasses
 import time
 from dataclasses import dataclass
 
 import torch
 
-from spes_p2p.errors import ConfigError
 from spes_p2p.model import MoETransformer, UnitLayout, set_trainable
-from spes_p2p.model.quant import check_format
 from spes_p2p.model.units import hold_frozen_experts
-from spes_p2p.train.optim import OPTIMIZERS, build_optimizer, lr_at, tensor_bytes
-
-SWITCH_STATES = ("reset", "cpu")
-
-
-@dataclass(frozen=True, kw_only=True)
-class TrainConfig:
-    optimizer: str = "adamw8bit"
-    lr: float = 1e-3
-    min_lr_ratio: float = 0.1
-    warmup_steps: int = 50
-    max_steps: int = 300
-    weight_decay: float = 0.1
-    beta1: float = 0.9
-    beta2: float = 0.95
-    grad_clip: float = 1.0
-    batch_size: int = 8
-    seq_len: int = 128
-    seed: int = 0
-    log_every: int = 10
-    eval_every: int = 100
-    eval_batches: int = 8
-    checkpoint_every: int = 100
-    keep_checkpoints: int = 2
-    frozen_experts: str = "full"  # how experts this peer does not train are held: full, int8 or nf4
-    switch_state: str = "reset"  # optimizer state of a unit given up: reset (freed), or cpu (parked there)
-
-    def __post_init__(self) -> None:
-        if self.optimizer not in OPTIMIZERS:
-            raise ConfigError(f"optimizer must be one of {', '.join(OPTIMIZERS)}, got {self.optimizer!r}")
-        for name in (
-            "max_steps",
-            "batch_size",
-            "seq_len",
-            "log_every",
-            "eval_every",
-            "eval_batches",
-            "checkpoint_every",
-            "keep_checkpoints",
-        ):
-            if getattr(self, name) < 1:
-                raise ConfigError(f"{name} must be at least 1, got {getattr(self, name)}")
-        check_format(self.frozen_experts)
-        if self.switch_state not in SWITCH_STATES:
-            raise ConfigError(
-                f"switch_state must be one of {', '.join(SWITCH_STATES)}, got {self.switch_state!r}"
-            )
-        if self.warmup_steps < 0 or self.lr <= 0:
-            raise ConfigError("warmup_steps must be >= 0 and lr > 0")
-        if not 0 <= self.min_lr_ratio <= 1:
-            raise ConfigError(f"min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
-
-    def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
+from spes_p2p.train.config import TrainConfig
+from spes_p2p.train.optim import build_optimizer, lr_at, tensor_bytes
 
 
 @dataclass
@@ -127,7 +72,11 @@ class Trainer:
     def lr(self) -> float:
         c = self.cfg
         return lr_at(
-            self.step, peak=c.lr, warmup_steps=c.warmup_steps, max_steps=c.max_steps, min_ratio=c.min_lr_ratio
+            self.step,
+            peak=c.lr,
+            warmup_steps=c.warmup_steps,
+            total_steps=c.total_steps,
+            min_ratio=c.min_lr_ratio,
         )
 
     def train_step(self, inputs_BS: torch.Tensor, targets_BS: torch.Tensor) -> StepResult:

@@ -1,0 +1,35 @@
+"""``python -m spes_p2p.peer SETTINGS.toml``: one peer, all of its settings in one file, logging to stderr.
+
+The simulator starts its peer processes this way; ``spes-join`` runs the same life cycle
+(``spes_p2p.peer.life.live``) with a terminal view. Exit status: 0 after a clean exit, 1 on an error.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+from spes_p2p.compat import setup_logging
+from spes_p2p.errors import SpesError
+
+
+def main(argv: list[str]) -> int:
+    if len(argv) != 2:
+        print("usage: python -m spes_p2p.peer SETTINGS.toml", file=sys.stderr)
+        return 2
+    from spes_p2p.settings import load_settings
+
+    try:
+        settings = load_settings(Path(argv[1]))
+        setup_logging(settings.run.log_level)
+        from spes_p2p.peer.life import live, stop_on_signals
+
+        live(settings, stop_on_signals())
+    except SpesError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv))

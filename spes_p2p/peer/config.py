@@ -1,0 +1,57 @@
+"""The peer layer's settings sections: ``[method]`` (how the swarm trains: SPES or the DiLoCo baseline, the
+round length, overlap, dense-block rotation) and ``[peer]`` (what this volunteer takes on). Plain values."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from spes_p2p.fields import SWARM, Section, check, setting
+from spes_p2p.swarm.claims import BLOCK_ORDERS
+
+MODES = ("spes", "diloco")
+
+# A method's own defaults, applied wherever it is chosen unless a file or flag sets the field: DiLoCo as
+# published averages every parameter with a Nesterov outer step (lr 0.7, momentum 0.9) and does not merge.
+METHOD_DEFAULTS: dict[str, dict[tuple[str, str], object]] = {
+    "diloco": {("sync", "outer"): "nesterov", ("sync", "outer_lr"): 0.7, ("merge", "enabled"): False},
+}
+
+
+@dataclass(frozen=True, kw_only=True)
+class MethodConfig(Section):
+    """[method]: SPES, or the DiLoCo baseline where every peer trains and averages the full model."""
+
+    SCOPE = SWARM
+
+    mode: str = setting(
+        "spes",
+        "spes, or diloco: every peer trains and averages the full model (Nesterov outer step, no merging).",
+        choices=MODES,
+        flag="--method",
+    )
+    steps_per_round: int = setting(100, "H: local optimizer steps between synchronizations.")
+    overlap: bool = setting(True, "Exchange round k in the background while round k+1 trains.")
+    rotate_every_rounds: int = setting(
+        10, "Dense blocks (B > 1): rounds between rotations; 0: never rotate.", flag="--rotate-every"
+    )
+    block_order: str = setting(
+        "cyclic",
+        "At a rotation, holders of block b move to b+1 (cyclic) or a random block.",
+        choices=BLOCK_ORDERS,
+    )
+
+    def validate(self) -> None:
+        check(self.steps_per_round >= 1, "steps_per_round", "must be at least 1")
+        check(self.rotate_every_rounds >= 0, "rotate_every_rounds", "must be at least 0")
+
+
+@dataclass(frozen=True, kw_only=True)
+class PeerConfig(Section):
+    """[peer]: how much this volunteer trains at once."""
+
+    capacity: int = setting(1, "Expert shards this peer trains at once.")
+    active_blocks: int = setting(1, "Dense blocks this peer trains at once (with [model] dense_blocks > 1).")
+
+    def validate(self) -> None:
+        check(self.capacity >= 1, "capacity", "must be at least 1")
+        check(self.active_blocks >= 1, "active_blocks", "must be at least 1")

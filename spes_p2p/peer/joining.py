@@ -1,0 +1,88 @@
+"""Entering a swarm that is training, and catching up with it.
+
+A newcomer waits (bounded) until the swarm lands the round in progress, then downloads every unit,
+uncompressed, as of the swarm's last landed round, from a holder (or, for a unit no live holder can serve,
+from any peer's own copy), and takes the swarm's round. A peer that falls more than ``staleness`` rounds
+behind does the same. A peer that starts training a unit fetches that unit's last round exactly.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+
+import torch
+
+from spes_p2p.swarm.member import SwarmMember, SwarmView
+from spes_p2p.swarm.sync import SyncEngine
+from spes_p2p.swarm.waiting import Deadline, poll
+
+logger = logging.getLogger(__name__)
+
+POLL_SECONDS = 0.2
+
+Write = Callable[[str, dict[str, torch.Tensor]], None]
+
+
+def others_of(view: SwarmView, me: str) -> list:
+    return [p for p in view.peers.values() if p.peer_id != me]
+
+
+def is_training(view: SwarmView, me: str) -> bool:
+    """Whether the others have finished a round (peers that start together all hold the seeded model)."""
+    return any(p.loss is not None or p.round > 0 for p in others_of(view, me))
+
+
+def at_round_boundary(member: SwarmMember, seconds: float) -> SwarmView:
+    """If the swarm is training, waits (bounded) until it lands its current round, so a newcomer starts with
+    the next round from that round's results instead of joining a round it cannot finish in time."""
+    view, me = member.view(), member.transport.peer_id
+    others = others_of(view, me)
+    if not others or all(p.loss is None for p in others):  # nobody has finished a round yet
+        return view
+    current = max(p.round for p in others)
+
+    def landed() -> SwarmView | None:
+        fresh = member.view()
+        return fresh if max((p.round for p in fresh.peers.values()), default=0) > current else None
+
+    return poll(landed, Deadline(seconds), POLL_SECONDS) or member.last_view
+
+
+def catch_up(view: SwarmView, me: str, sync: SyncEngine, write: Write, seconds: float) -> int | None:
+    """Downloads every unit from the swarm; returns the swarm's round (None when nobody else is there)."""
+    others = others_of(view, me)
+    if not others:
+        return None
+    holders = {u: sorted(h - {me}) for u, h in view.holders.items()}
+    furthest_first = [p.peer_id for p in sorted(others, key=lambda p: -p.round)]
+    landed = max(p.round for p in others) - 1  # the swarm's last landed round: holders catch up to it
+    got = sync.refresh(
+        max(landed, -1),
+        holders,
+        seconds,
+        codec="none",
+        on_unit=lambda unit, _, weights: write(unit, weights),
+        fallback=furthest_first,  # a unit whose holders are newcomers too comes from any peer's copy
+    )
+    round_ = max(p.round for p in others)
+    logger.info("caught up at round %d: downloaded %s (unit: its round; -1: a peer's own copy)", round_, got)
+    return round_
+
+
+def rounds_behind(view: SwarmView, me: str, round_: int) -> int:
+    return max((p.round for p in others_of(view, me)), default=0) - round_
+
+
+def fetch_exact(
+    units: list[str], round_: int, view: SwarmView, me: str, sync: SyncEngine, write: Write, seconds: float
+) -> None:
+    """The weights of round ``round_`` of units this peer starts training, uncompressed, from those that
+    trained them then (bounded; on failure the local copy stays, and the next exchange re-synchronizes)."""
+    sync.refresh(
+        round_,
+        {u: sorted(view.participants(u, round_) - {me}) for u in units},
+        seconds,
+        codec="none",
+        on_unit=lambda unit, _, weights: write(unit, weights),
+    )

@@ -1,0 +1,56 @@
+"""Landing a round: its synced weights go into the model.
+
+Without overlap the model simply takes them. With overlap, the next round has been training since the
+round ended, so a unit becomes its synced weights plus the local progress made since (``under_progress``),
+and the next update of a trained unit is measured from its synced weights, not from where the round began.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from spes_p2p.peer.rounds import RoundJob
+
+Tensors = dict[str, torch.Tensor]
+
+
+def under_progress(synced: Tensors, now: Tensors, since: Tensors) -> Tensors:
+    """``synced`` plus the progress from ``since`` to ``now``."""
+    return {n: synced[n] + (now[n] - since[n]) for n in now}
+
+
+class Landing:
+    """Where each unit's next update is measured from. Training thread only."""
+
+    def __init__(
+        self, read: Callable[[str], Tensors], write: Callable[[str, Tensors], None], overlap: bool
+    ) -> None:
+        self.read, self.write, self.overlap = read, write, overlap
+        self.round_start: dict[str, Tensors] = {}  # the units training now, as their round began
+        self.synced_start: dict[str, Tensors] = {}  # overlap: synced weights the next update starts from
+
+    def begin_round(self, units: list[str]) -> None:
+        self.round_start = {u: self.read(u) for u in units}
+
+    def update_start(self, units: list[str]) -> dict[str, Tensors]:
+        """Where this round's updates are measured from (after the previous round landed)."""
+        return {u: self.synced_start.pop(u, self.round_start[u]) for u in units}
+
+    def land(self, job: RoundJob) -> None:
+        for unit, result in job.results.items():  # units trained in the job's round
+            self._write(unit, result.new_weights, since=job.end[unit])
+        for unit, weights in job.refreshed.items():  # frozen in that round; maybe trained now
+            self._write(unit, weights, since=self.round_start.get(unit))
+
+    def restart(self, units: list[str]) -> None:
+        """After a download of the swarm's model: this round's updates are measured from it."""
+        self.synced_start = {u: self.read(u) for u in units}
+
+    def _write(self, unit: str, synced: Tensors, since: Tensors | None) -> None:
+        if not self.overlap or since is None:
+            self.write(unit, synced)
+            return
+        self.synced_start[unit] = synced
+        self.write(unit, under_progress(synced, self.read(unit), since))

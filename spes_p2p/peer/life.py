@@ -1,0 +1,111 @@
+"""One peer's life from start to exit, as ``spes-join`` and the simulator's peer processes both run it:
+open the transport, build the peer, join (or resume), wait for the first peers, train rounds until stopped,
+serve the last round until the others have it, then release the claims and leave.
+
+A front end (the terminal view of ``spes-join``, or plain log lines) follows along through ``Frontend``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import signal
+import threading
+from contextlib import AbstractContextManager
+from pathlib import Path
+
+from spes_p2p.peer.node import Peer, PeerStatus
+from spes_p2p.peer.setup import open_transport, reachability
+from spes_p2p.settings import Settings
+from spes_p2p.swarm.reachability import Reachability
+from spes_p2p.swarm.transport import Transport
+
+logger = logging.getLogger(__name__)
+
+
+class Frontend:
+    """What a peer shows while it lives; this default writes log lines."""
+
+    def phase(self, text: str) -> AbstractContextManager:
+        logger.info(text)
+        return contextlib.nullcontext()
+
+    def started(self, peer: Peer) -> None:
+        """The peer exists (it has not joined yet)."""
+
+    def joined(self, status: PeerStatus, reachability: Reachability, resumed: Path | None) -> None:
+        if resumed:
+            logger.info("resumed from %s; now at the swarm's round %d", resumed, status.round)
+        logger.info("peer %s holding %s; dial it at %s", status.peer_id, status.units, status.addresses)
+        logger.info("%s", reachability.message)
+
+    def update(self, status: PeerStatus) -> None:
+        """After joining, and after every round."""
+        logger.info("at round %d: loss %s", status.round, status.loss)
+
+    def left(self, status: PeerStatus) -> None:
+        logger.info("left the swarm after round %d", status.round)
+
+
+def live(
+    settings: Settings, stop: threading.Event, ui: Frontend | None = None, transport: Transport | None = None
+) -> PeerStatus:
+    """Runs one peer until ``stop`` is set or ``[run] rounds`` are done; returns its final status. Without a
+    ``transport``, it opens the one the settings name."""
+    ui = ui or Frontend()
+    run = settings.run
+    if transport is None:
+        with ui.phase("Starting the peer and joining the swarm..."):
+            transport = open_transport(settings, new_swarm=run.new_swarm)
+    peer = None
+    try:
+        with ui.phase("Preparing the model and the data..."):
+            peer = Peer(settings, transport, out_dir=Path(run.out) if run.out else None)
+        ui.started(peer)
+        if run.join_round:
+            with ui.phase(f"Waiting for the swarm to reach round {run.join_round}..."):
+                peer.wait_for_round(run.join_round, run.wait_seconds, stop)
+        status = peer.join(resume=run.resume)
+        if run.addr_file:
+            _write_lines(Path(run.addr_file), status.addresses)
+        ui.joined(status, reachability(settings, transport), peer.resumed_from)
+        if run.min_peers > 1:
+            with ui.phase(f"Waiting for {run.min_peers} peers..."):
+                peer.wait_for_peers(run.min_peers, run.wait_seconds, stop)
+        ui.update(peer.status())
+        peer.run(stop, on_update=ui.update, rounds=run.rounds)
+        if not stop.is_set():
+            with ui.phase("Serving the last round until the others have it..."):
+                peer.drain(settings.sync.deadline_max)
+        final = peer.status()
+    finally:
+        with ui.phase("Releasing claims and leaving..."):
+            if peer is not None:
+                peer.close()
+            else:
+                transport.shutdown()
+    ui.left(final)
+    return final
+
+
+def stop_on_signals() -> threading.Event:
+    """SIGINT and SIGTERM ask for a clean stop (the peer leaves in order); a second one stops at once."""
+    stop = threading.Event()
+
+    def handle(signum, frame) -> None:
+        if stop.is_set():
+            raise KeyboardInterrupt
+        logger.warning("%s: leaving the swarm...", signal.Signals(signum).name)
+        stop.set()
+
+    signal.signal(signal.SIGINT, handle)
+    signal.signal(signal.SIGTERM, handle)
+    return stop
+
+
+def _write_lines(path: Path, lines: list[str]) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text("".join(line + "\n" for line in lines))
+    os.replace(tmp, path)
+    logger.info("wrote %d address(es) to %s", len(lines), path)

@@ -1,0 +1,117 @@
+"""What a peer trains with: the model, its trainer and its data, behind one lock.
+
+The training thread steps, writes synced weights and switches the trained units; the transport's handler
+threads read a unit (newcomers may ask for a peer's own copy of any unit). Every touch of the model goes
+through ``step``, ``read``, ``write`` or ``retarget``, which hold the lock.
+"""
+
+from __future__ import annotations
+
+import statistics
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from spes_p2p.model import MoETransformer, read_unit, write_unit
+from spes_p2p.model.units import UnitLayout
+from spes_p2p.settings import Settings
+from spes_p2p.train.checkpoint import Checkpoint
+from spes_p2p.train.dataset import BatchSampler, DataShard, prepare_data, validation_batches
+from spes_p2p.train.trainer import Trainer, evaluate
+
+Tensors = dict[str, torch.Tensor]
+_SEEDING = threading.Lock()  # simulated peers share torch's global generator
+
+
+@dataclass
+class Steps:
+    """What H local steps did."""
+
+    loss: float
+    tokens: int
+    seconds: float
+
+
+class LocalTraining:
+    def __init__(self, settings: Settings, layout: UnitLayout, seed: int, peer_id: str) -> None:
+        self.settings, self.layout = settings, layout
+        arch = settings.model.architecture()
+        with _SEEDING:  # every peer of a swarm starts from one model: the seed derives from the swarm
+            torch.manual_seed(seed)
+            self.model = MoETransformer(arch)
+        self.data = prepare_data(settings.data, arch.vocab_size)
+        t = settings.train
+        shard = DataShard.for_peer_id(peer_id)
+        self.sampler = BatchSampler(self.data.train_ids, t.seq_len, t.batch_size, seed=t.seed, shard=shard)
+        self.val_batches = validation_batches(self.data.val_ids, t.seq_len, t.batch_size, t.eval_batches)
+        self.trainer: Trainer | None = None
+        self._lock = threading.RLock()
+
+    def read(self, unit: str) -> Tensors:
+        with self._lock:
+            return read_unit(self.model, self.layout, unit)
+
+    def write(self, unit: str, tensors: Tensors) -> None:
+        with self._lock:
+            write_unit(self.model, self.layout, unit, tensors)
+
+    def start(self, units: list[str], round_: int, checkpoint: Checkpoint | None = None) -> None:
+        """The trainer for ``units``, at ``round_``; from a checkpoint's optimizer state when resuming."""
+        with self._lock:
+            trained = checkpoint.meta["units"] if checkpoint else units
+            self.trainer = Trainer(self.model, self.layout, trained, self.settings.train)
+            self.trainer.step = round_ * self.settings.method.steps_per_round
+            if checkpoint:
+                self.trainer.optimizer.load_state_dict(checkpoint.optimizer)
+                self.trainer.tokens = checkpoint.meta["tokens"]
+                self.trainer.retarget(units)  # keeps the state of what it still trains
+
+    def restore(self, checkpoint: Checkpoint) -> None:
+        with self._lock:
+            self.model.load_state_dict(checkpoint.model)
+            self.sampler.load_state_dict(checkpoint.meta["data_position"])
+
+    def retarget(self, units: list[str]) -> None:
+        with self._lock:
+            self.trainer.retarget(units)
+
+    def at_round(self, round_: int) -> None:
+        self.trainer.step = round_ * self.settings.method.steps_per_round
+
+    def steps(self, stop: threading.Event, between: Callable[[], None]) -> Steps | None:
+        """H local steps (``between`` runs after each); None when ``stop`` was set first."""
+        started, losses, tokens = time.perf_counter(), [], 0
+        for _ in range(self.settings.method.steps_per_round):
+            if stop.is_set():
+                return None
+            inputs, targets = self.sampler.next_batch()
+            with self._lock:
+                result = self.trainer.train_step(inputs, targets)
+            losses.append(result.loss)
+            tokens += result.tokens
+            between()
+        return Steps(statistics.fmean(losses), tokens, time.perf_counter() - started)
+
+    def frozen_experts(self, trained: list[str]) -> Tensors:
+        """Every expert weight outside ``trained`` (the merge's neighbours)."""
+        weights: Tensors = {}
+        for unit in self.layout.expert_units:
+            if unit not in trained:
+                weights.update(self.read(unit))
+        return weights
+
+    def position(self) -> dict:
+        """Where training stands: the units trained last (and synced), tokens, the data position."""
+        return {
+            "units": self.trainer.units,
+            "tokens": self.trainer.tokens,
+            "data_position": self.sampler.state_dict(),
+            "model_config": self.model.cfg.to_dict(),
+        }
+
+    def evaluate(self) -> float:
+        with self._lock:
+            return evaluate(self.model, self.val_batches)

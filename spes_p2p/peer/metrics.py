@@ -1,0 +1,53 @@
+"""A round's metrics row (``metrics.jsonl``, the live view, the simulation summary)."""
+
+from __future__ import annotations
+
+import time
+
+from spes_p2p.peer.rounds import RoundJob
+from spes_p2p.swarm.transport import TransportStats
+
+
+def crossed(round_: int, steps_per_round: int, every: int) -> bool:
+    """Whether landing round ``round_ - 1`` took the step count past a multiple of ``every``."""
+    return round_ * steps_per_round // every > (round_ - 1) * steps_per_round // every
+
+
+class RoundMetrics:
+    """Turns a landed job into its row; traffic is counted from one landing to the next (this round's
+    exchange, plus what others fetched from this peer meanwhile). Training thread only."""
+
+    def __init__(self, stats: TransportStats) -> None:
+        self.stats = stats
+        self._last = self._now()
+
+    def _now(self) -> tuple[int, int, int, float]:
+        s = self.stats
+        return s.bytes_sent, s.bytes_received, s.dht_ops, s.dht_seconds
+
+    def row(self, job: RoundJob, step: int, tokens: int, rejected: int) -> dict:
+        m = job.metrics
+        (sent0, received0, ops0, dht0), now = self._last, self._now()
+        self._last = now
+        sent, received, ops, dht = now
+        return {
+            "round": job.round,
+            "step": step,
+            "tokens": tokens,
+            "loss": m["loss"],
+            "lr": m["lr"],
+            "round_tokens": m["round_tokens"],
+            "tokens_per_s": m["round_tokens"] / max(m["compute_seconds"], 1e-9),
+            "bytes_sent": sent - sent0,
+            "bytes_received": received - received0,
+            "sync_seconds": time.perf_counter() - m["sync_started"],  # from the round's end until landed
+            "sync_wait_seconds": m.get("sync_wait_seconds", 0.0),  # of which training was blocked
+            "compute_seconds": m["compute_seconds"],
+            "dht_ms": 1000 * (dht - dht0) / max(1, ops - ops0),  # mean latency of a store or read
+            "units": job.units,
+            "participants": {u: r.participants for u, r in job.results.items()},
+            "missing": {u: r.missing for u, r in job.results.items() if r.missing},
+            "resynced": sorted(u for u, r in job.results.items() if r.resynced),
+            "refreshed": sorted(job.refreshed),
+            "rejected_payloads": rejected,
+        }

@@ -1,0 +1,147 @@
+"""A round's sync, from the end of its training until it lands.
+
+``RoundJob`` is what the training thread hands over: snapshots of the trained units at the round's start
+and end (and of the frozen experts, when a merge is due), its tokens and metrics. ``RoundSync`` does the
+sync's work on it: exchange each trained unit's update, merge when due, serve the new weights, refresh the
+frozen copies. It reads the swarm view and the job; it never touches the model. ``Pipeline`` runs it in the
+background while the next round trains (overlap), or at once, and hands finished jobs back for landing.
+
+Threads: a job belongs to the sync thread from ``submit`` until ``take`` returns it to the training thread.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from spes_p2p.model.units import UnitLayout
+from spes_p2p.settings import Settings
+from spes_p2p.swarm.member import SwarmMember, SwarmView
+from spes_p2p.swarm.sync import SyncEngine, UnitRound, dense_group
+from spes_p2p.train.merge import merge_experts
+
+logger = logging.getLogger(__name__)
+
+Tensors = dict[str, torch.Tensor]
+
+
+@dataclass
+class RoundJob:
+    round: int
+    units: list[str]  # the units trained this round
+    start: dict[str, Tensors]  # where each unit's update is measured from
+    end: dict[str, Tensors]  # the local end-of-round weights
+    tokens: int
+    metrics: dict
+    experts: Tensors | None = None  # when a merge is due: every expert weight this peer did not train
+    results: dict[str, UnitRound] = field(default_factory=dict)  # trained units
+    refreshed: dict[str, Tensors] = field(default_factory=dict)  # frozen copies
+    error: BaseException | None = None
+    thread: threading.Thread | None = None
+
+
+class RoundSync:
+    def __init__(self, settings: Settings, member: SwarmMember, sync: SyncEngine, layout: UnitLayout) -> None:
+        self.settings, self.member, self.sync, self.layout = settings, member, sync, layout
+        self.me = member.transport.peer_id
+
+    def __call__(self, job: RoundJob) -> None:
+        try:
+            view = self.member.view()
+            for unit in job.units:
+                job.results[unit] = self._exchange(job, unit, view)
+            if job.experts is not None:
+                self._merge(job)
+            for unit, result in job.results.items():
+                self.sync.serve_weights(job.round, unit, result.new_weights)
+            self._refresh(job, view)
+        except BaseException as exc:  # re-raised on the training thread when the job lands
+            job.error = exc
+
+    def _exchange(self, job: RoundJob, unit: str, view: SwarmView) -> UnitRound:
+        participants = sorted(view.participants(unit, job.round) | {self.me})
+        if unit.startswith("dense/") or self.settings.method.mode == "diloco":
+            size = self.settings.sync.dense_group_size
+            participants = dense_group(participants, self.me, job.round, self.settings.swarm.run_id, size)
+        counted = self.member.since_of(unit) <= job.round
+        return self.sync.exchange(
+            job.round, unit, job.start[unit], job.end[unit], job.tokens, participants, counted
+        )
+
+    def _merge(self, job: RoundJob) -> None:
+        """The expert-merging warm-up on the round's new weights, before they are served. Neighbours in other
+        shards come from the job's snapshot of this peer's frozen copies, which every holder of a shard got
+        from the same payloads, so holders merge alike."""
+        step = (job.round + 1) * self.settings.method.steps_per_round
+        weights = dict(job.experts)
+        for result in job.results.values():
+            weights.update(result.new_weights)
+        n = self.layout.experts_per_shard
+        owned = {
+            int(u.split("/")[1]) * n + i for u in job.results if u.startswith("experts/") for i in range(n)
+        }
+        merged = merge_experts(
+            weights, self.settings.merge.alpha_at(step), self.settings.merge.neighbours, owned
+        )
+        for result in job.results.values():
+            result.new_weights.update({k: v for k, v in merged.items() if k in result.new_weights})
+
+    def _refresh(self, job: RoundJob, view: SwarmView) -> None:
+        frozen = {
+            u: sorted(view.participants(u, job.round) - {self.me})
+            for u in self.layout.units
+            if u not in job.units
+        }
+        self.sync.refresh(
+            job.round,
+            frozen,
+            self.sync.deadline.seconds(),
+            codec={u: self.refresh_codec(u) for u in frozen},
+            on_unit=lambda unit, _, weights: job.refreshed.__setitem__(unit, weights),
+        )
+
+    def refresh_codec(self, unit: str) -> str:
+        """Exact for a unit this peer is about to train; a frozen expert held quantized: in its own format."""
+        if unit in self.member.units_held:
+            return "none"
+        frozen = self.settings.train.frozen_experts
+        if unit.startswith("experts/") and frozen != "full":
+            return frozen
+        return self.settings.sync.refresh_codec
+
+
+class Pipeline:
+    """Runs each round's sync: on a background thread with overlap, on the caller's without."""
+
+    def __init__(self, work: Callable[[RoundJob], None], overlap: bool) -> None:
+        self.work, self.overlap = work, overlap
+        self.in_flight: RoundJob | None = None
+
+    def submit(self, job: RoundJob) -> RoundJob | None:
+        """Starts the job's sync; returns it when it is already done (without overlap)."""
+        if not self.overlap:
+            waited = time.perf_counter()
+            self.work(job)
+            job.metrics["sync_wait_seconds"] = time.perf_counter() - waited
+            return job
+        job.thread = threading.Thread(target=self.work, args=(job,), name="spes-sync", daemon=True)
+        self.in_flight = job
+        job.thread.start()
+        return None
+
+    def finished(self) -> bool:
+        return self.in_flight is not None and not self.in_flight.thread.is_alive()
+
+    def take(self) -> RoundJob | None:
+        """The job in flight, once its sync is done (waiting for it); None when there is none."""
+        job, self.in_flight = self.in_flight, None
+        if job is not None:
+            waited = time.perf_counter()
+            job.thread.join()
+            job.metrics["sync_wait_seconds"] = time.perf_counter() - waited  # training was blocked this long
+        return job

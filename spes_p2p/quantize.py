@@ -1,0 +1,77 @@
+"""Blockwise 8-bit and 4-bit quantization of flat float32 tensors, shared by the codecs that move tensors
+between peers and the frozen experts a peer holds quantized. The layouts (block sizes, buffer sizes) are in
+``spes_p2p.blockwise``; the tables are bitsandbytes' (its signed dynamic map, and NF4).
+
+A value is divided by its block's absmax and takes the code of the nearest table entry (ties to the lower
+one, as bitsandbytes rounds); NF4 packs two codes per byte, the first in the high nibble.
+
+The arithmetic is plain torch rather than bitsandbytes' CPU kernels: with several threads quantizing at once
+(a peer serves, fetches and trains concurrently), those kernels now and then left a whole block of the output
+unwritten, so two peers coding the same weights could send different bytes. These ops are deterministic and
+safe to run from any thread, on any device.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from spes_p2p.blockwise import INT8_BLOCK, NF4_BLOCK
+from spes_p2p.compat import bitsandbytes
+
+
+def quantize_int8(flat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(codes uint8 [n], absmax float32 [ceil(n / 4096)])."""
+    normed, absmax = _normalized(flat, INT8_BLOCK)
+    return _nearest(normed, _dynamic_map(flat.device)).to(torch.uint8), absmax
+
+
+def dequantize_int8(codes: torch.Tensor, absmax: torch.Tensor) -> torch.Tensor:
+    return _scaled(_dynamic_map(codes.device)[codes.long()], absmax, INT8_BLOCK)
+
+
+def quantize_nf4(flat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(codes uint8 [ceil(n / 2)], absmax float32 [ceil(n / 64)])."""
+    normed, absmax = _normalized(flat, NF4_BLOCK)
+    codes = _nearest(normed, _nf4_table(flat.device))
+    if codes.numel() % 2:
+        codes = torch.cat([codes, codes.new_zeros(1)])
+    return ((codes[0::2] << 4) | codes[1::2]).to(torch.uint8), absmax
+
+
+def dequantize_nf4(codes: torch.Tensor, absmax: torch.Tensor, numel: int) -> torch.Tensor:
+    pairs = torch.stack([codes.long() >> 4, codes.long() & 0x0F], dim=1).flatten()[:numel]
+    return _scaled(_nf4_table(codes.device)[pairs], absmax, NF4_BLOCK)
+
+
+def _normalized(flat: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each value divided by its block's absmax (a block of zeros stays zero), and the absmax per block."""
+    flat = flat.detach().float().flatten()
+    n = flat.numel()
+    blocks = torch.nn.functional.pad(flat, (0, -n % block)).view(-1, block)
+    absmax = blocks.abs().amax(dim=1)
+    normed = blocks / torch.where(absmax > 0, absmax, torch.ones_like(absmax))[:, None]
+    return normed.flatten()[:n], absmax
+
+
+def _nearest(normed: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
+    """The index of the nearest entry of an ascending ``table`` (ties: the lower entry)."""
+    midpoints = (table[1:] + table[:-1]) / 2
+    return torch.bucketize(normed, midpoints)
+
+
+def _scaled(values: torch.Tensor, absmax: torch.Tensor, block: int) -> torch.Tensor:
+    return values * absmax.repeat_interleave(block)[: values.numel()]
+
+
+@functools.cache
+def _dynamic_map(device: torch.device) -> torch.Tensor:
+    table = bitsandbytes().functional.create_dynamic_map(signed=True).float().sort().values
+    table[0] = -1.0  # (bitsandbytes' own kernel sets this too: the map then spans [-1, 1])
+    return table.to(device)
+
+
+@functools.cache
+def _nf4_table(device: torch.device) -> torch.Tensor:
+    return bitsandbytes().functional.get_4bit_type("nf4", device="cpu").float().sort().values.to(device)

@@ -1,0 +1,296 @@
+"""One unit's exchange in one round, among the peers that trained it (docs/protocol.md, "A round"):
+
+1. our update = end - start weights, coded (top-k keeps its error feedback); we decode our own payload too,
+   so every holder aggregates exactly the same numbers; it goes to the outbox and is announced;
+2. the other participants' announced updates are fetched, several at a time, until all have answered, left
+   or been refused, or the round's deadline passed; late updates of the last ``staleness`` rounds count too;
+3. ``aggregate.decide`` says how the round ends: averaged updates, or re-synchronized end weights.
+
+A fetch has one typed outcome: ``Got`` (a checked update), ``Refused`` (a bad payload: counted, not waited
+for again), ``Gone`` (the peer no longer has it) or ``NotYet`` (unreachable right now: asked again).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import random
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+import torch
+
+from spes_p2p.swarm.aggregate import Contribution, Fetched, OuterStep, averaged, decide, resynchronized
+from spes_p2p.swarm.codecs import TensorSpec, max_payload_bytes
+from spes_p2p.swarm.config import SyncConfig
+from spes_p2p.swarm.messages import RPC_UPDATE, UpdateRequest
+from spes_p2p.swarm.payload import PayloadError, TopKFeedback, decode, encode
+from spes_p2p.swarm.records import Announcement, decode_entries, updates_key
+from spes_p2p.swarm.serving import Outbox, Posted, payload_meta
+from spes_p2p.swarm.transport import RemoteError, Transport, TransportError
+from spes_p2p.swarm.waiting import AdaptiveDeadline, Deadline, poll
+
+logger = logging.getLogger(__name__)
+
+POLL_SECONDS = 0.1  # between reads of a round's announcements
+LIVENESS_CHECK_SECONDS = 1.0  # between checks that the participants we wait for are still in the swarm
+ANNOUNCE_TTL = 120.0  # seconds an announcement lives in the DHT
+MIN_REQUEST_SECONDS = 0.5  # a fetch started just before the deadline still gets this long
+
+Tensors = dict[str, torch.Tensor]
+
+
+@dataclass(frozen=True)
+class Got:
+    fetched: Fetched
+
+
+@dataclass(frozen=True)
+class Refused:
+    reason: str
+
+
+@dataclass(frozen=True)
+class Gone:
+    reason: str
+
+
+@dataclass(frozen=True)
+class NotYet:
+    reason: str
+
+
+FetchOutcome = Got | Refused | Gone | NotYet
+
+
+@dataclass
+class UnitRound:
+    """What one unit's exchange did in one round."""
+
+    unit: str
+    participants: list[str]  # peers whose updates were aggregated (this one included)
+    missing: list[str]  # expected participants that did not answer in time
+    rejected: list[str]  # peers whose payloads failed validation
+    resynced: bool = False  # start weights differed, so end weights were averaged instead
+    new_weights: Tensors = field(default_factory=dict)
+
+
+def tensors_hash(tensors: Tensors) -> str:
+    h = hashlib.sha256()
+    for name in sorted(tensors):
+        h.update(name.encode())
+        h.update(tensors[name].detach().float().contiguous().numpy().tobytes())
+    return h.hexdigest()[:16]
+
+
+def dense_group(peers: list[str], me: str, round_: int, run_id: str, size: int) -> list[str]:
+    """This round's random group (at most ``size`` peers) that ``me`` averages the dense part with."""
+    order = sorted(peers)
+    random.Random(f"{run_id}:{round_}").shuffle(order)
+    n_groups = max(1, -(-len(order) // size))
+    groups = [order[i::n_groups] for i in range(n_groups)]
+    return next((g for g in groups if me in g), [me])
+
+
+class Exchange:
+    """The round's exchange of updates. Runs on the sync thread; ``rejected`` is read by others."""
+
+    def __init__(
+        self,
+        transport: Transport,
+        run_id: str,
+        cfg: SyncConfig,
+        specs: dict[str, dict[str, TensorSpec]],
+        outbox: Outbox,
+        pool: ThreadPoolExecutor,
+        abort: threading.Event,
+        live_peers=None,
+    ) -> None:
+        self.transport, self.run_id, self.cfg, self.specs = transport, run_id, cfg, specs
+        self.outbox, self.pool, self.abort = outbox, pool, abort
+        self.live_peers = live_peers  # who is still in the swarm: no round waits for peers that left
+        self.deadline = AdaptiveDeadline(cfg.deadline_min, cfg.deadline_max)
+        self.base_hashes: dict[tuple[int, str], str] = {}  # (round, unit) -> our start-weights hash
+        self.applied: set[tuple[str, int, str]] = set()  # (peer, round, unit) already aggregated
+        self.feedback: dict[str, TopKFeedback] = {}
+        self.outer: dict[str, OuterStep] = {}
+        self.rejected = 0
+        self._rejected_lock = threading.Lock()  # fetches run on the pool
+
+    def run(
+        self,
+        round_: int,
+        unit: str,
+        start: Tensors,
+        end: Tensors,
+        tokens: int,
+        participants: list[str],
+        counted: bool = True,
+    ) -> UnitRound:
+        """The unit's new weights and who took part. With ``counted`` False (a newcomer's first round, which
+        the others do not wait for) our update is neither announced nor aggregated."""
+        me = self.transport.peer_id
+        base = tensors_hash(start)
+        own = None
+        if counted:
+            own = Contribution(me, tokens, self._announce(round_, unit, start, end, tokens, base), round_)
+        others = sorted(set(participants) - {me})
+        deadline = Deadline(self.deadline.seconds(), self.abort)
+        fetched, missing, rejected = self._gather(round_, unit, others, deadline)
+        late = self._late_updates(round_, unit, deadline)
+        decision = decide(base, own, fetched, late)
+        result = UnitRound(unit, [me], missing, rejected, resynced=decision.resync)
+        if decision.resync:  # someone started elsewhere: average end weights, putting everyone on one base
+            ends = [Contribution(me, tokens, end, round_)] if counted else []
+            ends += [
+                e for e in (self._fetch_end(round_, unit, c, deadline) for c in decision.resync_from) if e
+            ]
+            result.new_weights = resynchronized(end, ends)
+            self.outer.pop(unit, None)
+            counting = ends
+        else:
+            outer = self.outer.setdefault(
+                unit, OuterStep(self.cfg.outer, self.cfg.outer_lr, self.cfg.outer_momentum)
+            )
+            result.new_weights = averaged(start, end, decision.contributions, outer)
+            counting = decision.contributions
+        result.participants = sorted({c.peer_id for c in counting})
+        self.applied |= {(c.peer_id, c.round, unit) for c in counting}
+        return result
+
+    def forget_before(self, round_: int, keep: int) -> None:
+        horizon = round_ - keep - self.cfg.staleness
+        self.base_hashes = {k: v for k, v in self.base_hashes.items() if k[0] > horizon}
+        self.applied = {k for k in self.applied if k[1] > horizon}
+
+    # ----------------------------------------------------------------------------------- our update
+
+    def _announce(
+        self, round_: int, unit: str, start: Tensors, end: Tensors, tokens: int, base: str
+    ) -> Tensors:
+        """Codes, posts and announces our update; returns its decoded form, which is what we aggregate."""
+        meta = payload_meta(unit, round_, "delta")
+        update = {n: end[n] - start[n] for n in start}
+        if self.cfg.codec == "topk":
+            payload = self.feedback.setdefault(unit, TopKFeedback(self.cfg.topk_fraction)).encode(
+                update, meta
+            )
+        else:
+            payload = encode(update, self.cfg.codec, meta=meta, topk_fraction=self.cfg.topk_fraction)
+        self.outbox.post_update(
+            round_, unit, Posted(payload, {n: t.clone() for n, t in end.items()}, tokens, base)
+        )
+        self.base_hashes[(round_, unit)] = base
+        announcement = Announcement(
+            round=round_,
+            tokens=tokens,
+            bytes=len(payload),
+            codec=self.cfg.codec,
+            sha256=hashlib.sha256(payload).hexdigest(),
+            base=base,
+        )
+        key = updates_key(self.run_id, round_, unit)
+        self.transport.publish(key, announcement.encode(), self.transport.now() + ANNOUNCE_TTL)
+        return decode(
+            payload, self.specs[unit], self.cfg.codec, meta=meta, topk_fraction=self.cfg.topk_fraction
+        )
+
+    # ----------------------------------------------------------------------------------- the others
+
+    def _gather(self, round_: int, unit: str, others: list[str], deadline: Deadline):
+        """Fetches the others' updates of this round until all answered, left, or the deadline passed."""
+        started = time.monotonic()
+        waiting, got, refused = set(others), {}, set()
+        next_liveness_check = [started + LIVENESS_CHECK_SECONDS]
+
+        def one_pass() -> bool | None:
+            announced = self._announcements(round_, unit)
+            todo = [(p, announced[p]) for p in sorted(waiting) if p in announced]
+            for (peer, _), outcome in zip(todo, self._fetch_all(round_, unit, todo, deadline), strict=True):
+                match outcome:
+                    case Got(fetched):
+                        got[peer] = fetched
+                        waiting.discard(peer)
+                    case Refused():
+                        refused.add(peer)
+                        waiting.discard(peer)
+                    case Gone():
+                        waiting.discard(peer)
+            if waiting and self.live_peers is not None and time.monotonic() >= next_liveness_check[0]:
+                waiting.intersection_update(self.live_peers())  # one whose records vanished has left
+                next_liveness_check[0] = time.monotonic() + LIVENESS_CHECK_SECONDS
+            return True if not waiting else None
+
+        if poll(one_pass, deadline, POLL_SECONDS):
+            self.deadline.observe(time.monotonic() - started)
+        else:
+            logger.info("round %d %s: deadline passed without %s", round_, unit, sorted(waiting))
+        missing = sorted(set(others) - set(got) - refused)
+        return [got[p] for p in sorted(got)], missing, sorted(refused)
+
+    def _announcements(self, round_: int, unit: str) -> dict[str, Announcement]:
+        entries = self.transport.read(updates_key(self.run_id, round_, unit))
+        announced = decode_entries(entries, Announcement, "update announcement")
+        return {p: a for p, a in announced.items() if a.round == round_}
+
+    def _fetch_all(self, round_: int, unit: str, todo: list, deadline: Deadline) -> list[FetchOutcome]:
+        return list(self.pool.map(lambda item: self._fetch(round_, unit, *item, deadline), todo))
+
+    def _fetch(
+        self, round_: int, unit: str, peer: str, announced: Announcement, deadline: Deadline
+    ) -> FetchOutcome:
+        limit = max_payload_bytes(self.specs[unit], self.cfg.codec, self.cfg.topk_fraction)
+        if announced.codec != self.cfg.codec or announced.bytes > limit:
+            return self._refuse(peer, unit, f"announced {announced.bytes} bytes of {announced.codec!r}")
+        request = UpdateRequest(round=round_, unit=unit, kind="delta").encode()
+        try:
+            payload = self._request(peer, request, limit, deadline)
+        except RemoteError as exc:  # it announced the update, so it will not come back
+            return Gone(f"{peer} no longer has its {unit} update of round {round_}: {exc}")
+        except TransportError as exc:
+            return NotYet(f"could not fetch {peer}'s {unit} update of round {round_}: {exc}")
+        try:
+            if hashlib.sha256(payload).hexdigest() != announced.sha256:
+                raise PayloadError("payload does not match its announced checksum")
+            meta = payload_meta(unit, round_, "delta")
+            tensors = decode(
+                payload, self.specs[unit], self.cfg.codec, meta=meta, topk_fraction=self.cfg.topk_fraction
+            )
+        except PayloadError as exc:
+            return self._refuse(peer, unit, str(exc))
+        return Got(Fetched(Contribution(peer, announced.tokens, tensors, round_), announced.base))
+
+    def _request(self, peer: str, request: bytes, limit: int, deadline: Deadline) -> bytes:
+        timeout = min(self.cfg.request_timeout, max(deadline.remaining(), MIN_REQUEST_SECONDS))
+        return self.transport.request(peer, RPC_UPDATE, request, timeout=timeout, max_response_bytes=limit)
+
+    def _refuse(self, peer: str, unit: str, reason: str) -> Refused:
+        logger.warning("rejecting %s's %s update: %s", peer, unit, reason)
+        with self._rejected_lock:
+            self.rejected += 1
+        return Refused(reason)
+
+    def _fetch_end(self, round_: int, unit: str, c: Contribution, deadline: Deadline) -> Contribution | None:
+        request = UpdateRequest(round=round_, unit=unit, kind="end").encode()
+        limit = max_payload_bytes(self.specs[unit], "none")
+        try:
+            payload = self._request(c.peer_id, request, limit, deadline)
+            tensors = decode(payload, self.specs[unit], "none", meta=payload_meta(unit, round_, "end"))
+        except (TransportError, PayloadError) as exc:
+            logger.info("could not fetch %s's %s end weights: %s", c.peer_id, unit, exc)
+            return None
+        return Contribution(c.peer_id, c.tokens, tensors, round_)
+
+    def _late_updates(self, round_: int, unit: str, deadline: Deadline) -> list[Contribution]:
+        """Updates of the last ``staleness`` rounds that came after those rounds closed, on our old base."""
+        todo = []
+        for past in range(max(0, round_ - self.cfg.staleness), round_):
+            our_base = self.base_hashes.get((past, unit))
+            for peer, announced in sorted(self._announcements(past, unit).items()):
+                fresh = peer != self.transport.peer_id and (peer, past, unit) not in self.applied
+                if fresh and our_base is not None and announced.base == our_base:
+                    todo.append((past, peer, announced))
+        outcomes = self.pool.map(lambda item: self._fetch(item[0], unit, *item[1:], deadline), todo)
+        return [o.fetched.contribution for o in outcomes if isinstance(o, Got)]

@@ -1,0 +1,48 @@
+"""The RPC requests peers send each other, as typed msgpack messages decoded strictly.
+
+Answers are payloads (``spes_p2p.swarm.payload``): safetensors whose metadata names the unit and round.
+
+    spes/update   UpdateRequest  -> our coded update of that round ("delta"), or its end weights ("end")
+    spes/weights  WeightsRequest -> our weights of a unit, as of ``round`` when we still have it
+
+A request that is too large, not msgpack, of the wrong schema (a missing or unknown field, a wrong type, an
+unknown unit or codec) is a ``BadRequest``: the server answers with a failure, never an exception of its own.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+import msgspec
+
+from spes_p2p.swarm.codecs import CODECS
+from spes_p2p.swarm.records import Round, Strict, Unit
+from spes_p2p.swarm.transport import RemoteError
+
+RPC_UPDATE = "spes/update"
+RPC_WEIGHTS = "spes/weights"
+MAX_REQUEST_BYTES = 1024
+
+Codec = Literal[tuple(CODECS)]  # type: ignore[valid-type]
+
+
+class BadRequest(RemoteError):
+    """A request that does not decode into its message type."""
+
+
+class Message(Strict):
+    MAX_BYTES = MAX_REQUEST_BYTES
+    ERROR = BadRequest
+
+
+class UpdateRequest(Message):
+    round: Round
+    unit: Unit
+    kind: Literal["delta", "end"] = "delta"
+
+
+class WeightsRequest(Message):
+    unit: Unit
+    codec: Codec
+    round: Annotated[int, msgspec.Meta(ge=-1)] = -1  # -1: the newest
+    any_copy: bool = False  # newcomers: a unit we do not hold is answered from our own copy

@@ -1,0 +1,199 @@
+"""Payloads: a unit's tensors, coded (``spes_p2p.swarm.codecs``), in a safetensors container.
+
+Never pickle, never ``torch.load``: the safetensors library parses the container (its header, dtypes,
+shapes and offsets), then ``decode`` checks it against what the receiver expects before using a byte:
+
+1. the size, before parsing: at most ``max_payload_bytes`` for the expected tensors and codec;
+2. the metadata: ``format``, ``codec`` and whatever the caller pins (the unit, the round);
+3. the buffers: exactly the names, dtypes and shapes the codec defines for the expected tensors;
+4. their SHA-256 (names and bytes, in name order), against the ``sha256`` in the metadata: a flipped bit in
+   transit is caught, not decoded into plausible weights;
+5. the values: finite, block scales included; top-k indices in range and distinct.
+
+Anything else is a ``PayloadError``, which the caller counts as a rejected payload.
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+import msgspec
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load, save
+
+from spes_p2p.errors import SpesError
+from spes_p2p.quantize import dequantize_int8, dequantize_nf4, quantize_int8, quantize_nf4
+from spes_p2p.swarm.codecs import (
+    TOPK_FRACTION,
+    TensorSpec,
+    buffer_name,
+    layout,
+    max_payload_bytes,
+    topk_count,
+)
+
+FORMAT = "spes-payload/2"
+_DTYPES = {torch.float32: "F32", torch.float16: "F16", torch.uint8: "U8", torch.int32: "I32"}
+
+Tensors = dict[str, torch.Tensor]
+
+
+class PayloadError(SpesError):
+    """A payload that is corrupt, oversized, or does not match what was expected."""
+
+
+class _Header(msgspec.Struct):
+    """The part of a safetensors header we read ourselves (after the library has parsed all of it)."""
+
+    metadata: dict[str, str] = msgspec.field(default_factory=dict, name="__metadata__")
+
+
+def specs_of(tensors: Tensors) -> dict[str, TensorSpec]:
+    return {
+        name: TensorSpec(tuple(t.shape), str(t.dtype).removeprefix("torch.")) for name, t in tensors.items()
+    }
+
+
+def encode(
+    tensors: Tensors, codec: str, *, meta: dict[str, str] | None = None, topk_fraction: float = TOPK_FRACTION
+) -> bytes:
+    buffers: Tensors = {}
+    for name, tensor in tensors.items():
+        flat = tensor.detach().float().contiguous().flatten()
+        parts = _ENCODE[codec](flat, topk_fraction)
+        for suffix, part in zip(
+            layout(codec, TensorSpec(tuple(tensor.shape)), topk_fraction), parts, strict=True
+        ):
+            buffers[buffer_name(name, suffix)] = part.contiguous() if suffix else part.view(tensor.shape)
+    return save(
+        buffers,
+        metadata={**(meta or {}), "format": FORMAT, "codec": codec, "sha256": buffers_digest(buffers)},
+    )
+
+
+def decode(
+    payload: bytes,
+    expected: dict[str, TensorSpec],
+    codec: str,
+    *,
+    meta: dict[str, str] | None = None,
+    topk_fraction: float = TOPK_FRACTION,
+) -> Tensors:
+    """The tensors of a checked payload; ``expected`` names every tensor it must hold and nothing else, and
+    ``meta`` the metadata values it must carry."""
+    limit = max_payload_bytes(expected, codec, topk_fraction)
+    if len(payload) > limit:
+        raise PayloadError(f"payload of {len(payload)} bytes, over the {limit}-byte bound for its unit")
+    try:
+        buffers = load(payload)
+    except (SafetensorError, ValueError, OverflowError) as exc:
+        raise PayloadError(f"not a safetensors payload: {exc}") from None
+    _check_metadata(payload, {**(meta or {}), "format": FORMAT, "codec": codec})
+    wanted = {
+        buffer_name(name, suffix): entry
+        for name, spec in expected.items()
+        for suffix, entry in layout(codec, spec, topk_fraction).items()
+    }
+    if set(buffers) != set(wanted):
+        raise PayloadError(f"payload buffers {_few(buffers)} differ from the expected {_few(wanted)}")
+    for key, (dtype, shape) in wanted.items():
+        got = buffers[key]
+        if _DTYPES.get(got.dtype) != dtype or tuple(got.shape) != tuple(shape):
+            raise PayloadError(f"{key}: {got.dtype} {tuple(got.shape)}, expected {dtype} {tuple(shape)}")
+    _check_metadata(payload, {"sha256": buffers_digest(buffers)})
+    out = {}
+    for name, spec in expected.items():
+        parts = [buffers[buffer_name(name, s)] for s in layout(codec, spec, topk_fraction)]
+        values = _DECODE[codec](parts, spec.numel)
+        if not torch.isfinite(values).all():
+            raise PayloadError(f"{name}: values are not finite")
+        out[name] = values.view(spec.shape)
+    return out
+
+
+def metadata_of(payload: bytes) -> dict[str, str]:
+    """The metadata of a payload that ``decode`` accepted (its header is already checked)."""
+    size = int.from_bytes(payload[:8], "little")
+    try:
+        return msgspec.json.decode(payload[8 : 8 + size], type=_Header).metadata
+    except msgspec.MsgspecError as exc:
+        raise PayloadError(f"payload metadata: {exc}") from None
+
+
+def _check_metadata(payload: bytes, wanted: dict[str, str]) -> None:
+    metadata = metadata_of(payload)
+    for key, value in wanted.items():
+        if metadata.get(key) != value:
+            raise PayloadError(f"payload {key} is {metadata.get(key)!r}, expected {value!r}")
+
+
+def buffers_digest(buffers: Tensors) -> str:
+    """SHA-256 of the buffers' names and bytes, in name order: the payload's ``sha256``."""
+    h = hashlib.sha256()
+    for name in sorted(buffers):
+        h.update(name.encode() + b"\0")
+        h.update(buffers[name].contiguous().view(torch.uint8).numpy())
+    return h.hexdigest()
+
+
+def _few(names) -> str:
+    names = sorted(names)
+    return ", ".join(names[:3]) + (f" (+{len(names) - 3} more)" if len(names) > 3 else "")
+
+
+# ---------------------------------------------------------------------------------------- per codec
+
+
+def _enc_topk(flat: torch.Tensor, fraction: float) -> list[torch.Tensor]:
+    k = topk_count(flat.numel(), fraction)
+    indices = flat.abs().topk(k, sorted=False).indices.sort().values
+    return [indices.int(), flat[indices].half()]
+
+
+def _dec_topk(parts: list[torch.Tensor], numel: int) -> torch.Tensor:
+    indices, values = parts[0].long(), parts[1].float()
+    if len(indices) and (indices.min() < 0 or indices.max() >= numel or (indices[1:] <= indices[:-1]).any()):
+        raise PayloadError("top-k indices out of range or not strictly increasing")
+    return torch.zeros(numel).index_put_((indices,), values)
+
+
+def _dec_quantized(dequantize):
+    def decode_parts(parts: list[torch.Tensor], numel: int) -> torch.Tensor:
+        codes, absmax = parts
+        if not torch.isfinite(absmax).all():
+            raise PayloadError("block scales are not finite")
+        return dequantize(codes, absmax, numel)
+
+    return decode_parts
+
+
+_ENCODE = {
+    "none": lambda flat, _: [flat],
+    "fp16": lambda flat, _: [flat.half()],
+    "int8": lambda flat, _: list(quantize_int8(flat)),
+    "nf4": lambda flat, _: list(quantize_nf4(flat)),
+    "topk": _enc_topk,
+}
+_DECODE = {
+    "none": lambda parts, numel: parts[0].flatten(),
+    "fp16": lambda parts, numel: parts[0].flatten().float(),
+    "int8": _dec_quantized(lambda codes, absmax, numel: dequantize_int8(codes, absmax)),
+    "nf4": _dec_quantized(dequantize_nf4),
+    "topk": _dec_topk,
+}
+
+
+class TopKFeedback:
+    """Error feedback for top-k: what a round did not send is added to the next round's update."""
+
+    def __init__(self, fraction: float = TOPK_FRACTION) -> None:
+        self.fraction = fraction
+        self.residual: Tensors = {}
+
+    def encode(self, update: Tensors, meta: dict[str, str] | None = None) -> bytes:
+        full = {n: t + self.residual[n] if n in self.residual else t.clone() for n, t in update.items()}
+        payload = encode(full, "topk", meta=meta, topk_fraction=self.fraction)
+        sent = decode(payload, specs_of(full), "topk", meta=meta, topk_fraction=self.fraction)
+        self.residual = {n: full[n] - sent[n] for n in full}
+        return payload

@@ -1,0 +1,58 @@
+"""Bounded waiting: every wait in the swarm layer ends at a deadline, or at once when the peer stops.
+
+``Deadline`` is a point in time plus the peer's abort event; ``poll`` asks a question until it has an
+answer or the deadline passes. ``AdaptiveDeadline`` sizes a round's wait from how long participants took.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from typing import TypeVar
+
+T = TypeVar("T")
+
+
+class Deadline:
+    def __init__(self, seconds: float, abort: threading.Event | None = None) -> None:
+        self.at = time.monotonic() + seconds
+        self.abort = abort or threading.Event()
+
+    def remaining(self) -> float:
+        return max(0.0, self.at - time.monotonic())
+
+    def passed(self) -> bool:
+        return self.abort.is_set() or time.monotonic() >= self.at
+
+    def sleep(self, seconds: float) -> None:
+        """Sleeps ``seconds``, less when the deadline comes first or the peer stops."""
+        self.abort.wait(min(seconds, self.remaining()))
+
+
+def poll(ask: Callable[[], T | None], deadline: Deadline, every: float) -> T | None:
+    """``ask()`` every ``every`` seconds until it returns something other than None; None at the deadline.
+    ``ask`` is tried at least once, and once more when the deadline has passed."""
+    while True:
+        last_try = deadline.passed()
+        answer = ask()
+        if answer is not None or last_try:
+            return answer
+        deadline.sleep(every)
+
+
+class AdaptiveDeadline:
+    """How long a round waits for the last participant: ``factor`` x a running mean of observed waits, within
+    [low, high]; the first round waits up to ``high``."""
+
+    def __init__(self, low: float, high: float, factor: float = 2.0) -> None:
+        self.low, self.high, self.factor = low, high, factor
+        self.mean_wait: float | None = None
+
+    def seconds(self) -> float:
+        if self.mean_wait is None:
+            return self.high
+        return min(self.high, max(self.low, self.factor * self.mean_wait))
+
+    def observe(self, wait: float) -> None:
+        self.mean_wait = wait if self.mean_wait is None else 0.7 * self.mean_wait + 0.3 * wait

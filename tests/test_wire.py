@@ -1,0 +1,106 @@
+"""Typed wire messages: DHT records and RPC requests decode strictly, and a bad one is one rejection, never an
+exception that escapes a server."""
+
+import msgspec
+import pytest
+import torch
+
+from spes_p2p.swarm.config import SyncConfig
+from spes_p2p.swarm.memory import MemoryNetwork
+from spes_p2p.swarm.messages import MAX_REQUEST_BYTES, RPC_UPDATE, RPC_WEIGHTS, UpdateRequest, WeightsRequest
+from spes_p2p.swarm.payload import decode, specs_of
+from spes_p2p.swarm.records import (
+    Announcement,
+    HolderRecord,
+    IdentityRecord,
+    PeerRecord,
+    RecordError,
+    identity_record,
+    parse_peers,
+)
+from spes_p2p.swarm.sync import SyncEngine
+from spes_p2p.swarm.transport import Entry, RemoteError
+
+HEX = "ab" * 8
+
+
+def peer(**changes) -> dict:
+    return {"peer_id": "p", "addresses": [], "units": ["experts/0"], **changes}
+
+
+@pytest.mark.parametrize(
+    ("cls", "value", "problem"),
+    [
+        (PeerRecord, peer(units="experts/0"), "Expected `array`"),
+        (PeerRecord, peer(units=["experts/x"]), "matching regex"),
+        (PeerRecord, peer(round=-1), ">= 0"),
+        (PeerRecord, peer(loss=float("nan")), "finite"),
+        (PeerRecord, peer(admin=True), "unknown field"),
+        (PeerRecord, {"addresses": [], "units": []}, "missing required field `peer_id`"),
+        (PeerRecord, peer(addresses=["a"] * 17), "length <= 16"),
+        (PeerRecord, peer(state="owner"), "Invalid enum value"),
+        (HolderRecord, {"held": True, "round": 0, "since": 0, "until": "later"}, "Expected `int | null`"),
+        (
+            Announcement,
+            {"round": 1, "tokens": -5, "bytes": 9, "codec": "none", "sha256": HEX, "base": HEX},
+            ">= 0",
+        ),
+        (IdentityRecord, {"hash": HEX, "fields": {"model.shards": 2}}, "hash does not match"),
+    ],
+)
+def test_records_of_the_wrong_schema_are_refused(cls, value, problem):
+    with pytest.raises(RecordError, match=problem):
+        cls.decode(msgspec.msgpack.encode(value))
+
+
+def test_records_round_trip_and_oversized_or_foreign_bytes_are_refused():
+    record = PeerRecord(
+        peer_id="p", addresses=["/ip4/1.2.3.4/tcp/5/p2p/p"], units=["dense/0"], round=3, loss=2.5
+    )
+    assert PeerRecord.decode(record.encode()) == record
+    identity = identity_record({"model.shards": 2, "units": ["dense/0"]})
+    assert IdentityRecord.decode(identity.encode()) == identity
+    with pytest.raises(RecordError, match="20000-byte PeerRecord, over 16384"):
+        PeerRecord.decode(b"\x90" * 20_000)
+    with pytest.raises(RecordError):
+        PeerRecord.decode(b"\x80\x04\x95 a pickle")
+
+
+def test_a_peer_record_must_name_the_peer_that_wrote_it():
+    mine = PeerRecord(peer_id="a", addresses=[], units=[]).encode()
+    assert set(parse_peers({"a": Entry(mine, 0.0), "b": Entry(mine, 0.0)})) == {"a"}
+
+
+@pytest.mark.parametrize(
+    ("request_bytes", "problem"),
+    [
+        (b"\x00" * (MAX_REQUEST_BYTES + 1), "1025-byte"),
+        (b"not msgpack at all", "malformed"),
+        (msgspec.msgpack.encode({"round": 0, "unit": "experts/0", "kind": "all"}), "malformed"),
+        (msgspec.msgpack.encode({"round": 0, "unit": "../etc/passwd"}), "malformed"),
+        (msgspec.msgpack.encode({"round": 0, "unit": "experts/0", "sudo": 1}), "malformed"),
+        (msgspec.msgpack.encode({"unit": "experts/0", "codec": "pickle"}), "malformed"),
+    ],
+)
+def test_a_server_answers_malformed_requests_with_a_failure(request_bytes, problem):
+    net = MemoryNetwork()
+    specs = {"experts/0": specs_of({"w": torch.zeros(4)})}
+    SyncEngine(net.join("server"), "t", SyncConfig(), specs)
+    client = net.join("client")
+    for name in (RPC_UPDATE, RPC_WEIGHTS):
+        with pytest.raises(RemoteError, match=problem):
+            client.request("server", name, request_bytes, timeout=1)
+
+
+def test_requests_round_trip_and_weights_carry_their_round():
+    assert UpdateRequest.decode(UpdateRequest(round=2, unit="dense/1").encode()).kind == "delta"
+    net = MemoryNetwork()
+    weights = {"w": torch.arange(4.0)}
+    engine = SyncEngine(net.join("server"), "t", SyncConfig(), {"dense/0": specs_of(weights)})
+    engine.serve_weights(7, "dense/0", weights)
+    request = WeightsRequest(unit="dense/0", codec="none", round=7).encode()
+    payload = net.join("client").request("server", RPC_WEIGHTS, request, timeout=1)
+    got = decode(
+        payload, specs_of(weights), "none", meta={"unit": "dense/0", "round": "7", "kind": "weights"}
+    )
+    assert torch.equal(got["w"], weights["w"])
