@@ -9,6 +9,7 @@ behind does the same. A peer that starts training a unit fetches that unit's las
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Callable
 
 import torch
@@ -22,6 +23,25 @@ logger = logging.getLogger(__name__)
 POLL_SECONDS = 0.2
 
 Write = Callable[[str, dict[str, torch.Tensor]], None]
+
+
+def wait_for_peers(member: SwarmMember, count: int, timeout: float, stop: threading.Event) -> int:
+    """Waits (bounded) for ``count`` peers in the swarm, so a local swarm starts its rounds together."""
+
+    def enough() -> bool | None:
+        return len(member.view().peers) >= count or None
+
+    poll(enough, Deadline(timeout, stop), POLL_SECONDS)
+    return len(member.last_view.peers)
+
+
+def wait_for_round(member: SwarmMember, round_: int, timeout: float, stop: threading.Event) -> bool:
+    """Waits (bounded) until the swarm has reached ``round_``, before joining it."""
+
+    def reached() -> bool | None:
+        return max((p.round for p in member.view().peers.values()), default=0) >= round_ or None
+
+    return bool(poll(reached, Deadline(timeout, stop), POLL_SECONDS))
 
 
 def others_of(view: SwarmView, me: str) -> list:

@@ -15,6 +15,7 @@ import threading
 from contextlib import AbstractContextManager
 from pathlib import Path
 
+from spes_p2p.peer import joining
 from spes_p2p.peer.node import Peer, PeerStatus
 from spes_p2p.peer.setup import open_transport, reachability
 from spes_p2p.settings import Settings
@@ -65,14 +66,14 @@ def live(
         ui.started(peer)
         if run.join_round:
             with ui.phase(f"Waiting for the swarm to reach round {run.join_round}..."):
-                peer.wait_for_round(run.join_round, run.wait_seconds, stop)
+                joining.wait_for_round(peer.member, run.join_round, run.wait_seconds, stop)
         status = peer.join(resume=run.resume)
         if run.addr_file:
             _write_lines(Path(run.addr_file), status.addresses)
         ui.joined(status, reachability(settings, transport), peer.resumed_from)
         if run.min_peers > 1:
             with ui.phase(f"Waiting for {run.min_peers} peers..."):
-                peer.wait_for_peers(run.min_peers, run.wait_seconds, stop)
+                joining.wait_for_peers(peer.member, run.min_peers, run.wait_seconds, stop)
         ui.update(peer.status())
         peer.run(stop, on_update=ui.update, rounds=run.rounds)
         if not stop.is_set():

@@ -130,23 +130,6 @@ class Peer:
         if round_ is not None:
             self.round = round_
 
-    def wait_for_peers(self, count: int, timeout: float, stop: threading.Event) -> int:
-        """Waits (bounded) for ``count`` peers in the swarm, so a local swarm starts its rounds together."""
-
-        def enough() -> bool | None:
-            return len(self.member.view().peers) >= count or None
-
-        poll(enough, Deadline(timeout, stop), POLL_SECONDS)
-        return len(self.member.last_view.peers)
-
-    def wait_for_round(self, round_: int, timeout: float, stop: threading.Event) -> bool:
-        """Waits (bounded) until the swarm has reached ``round_``, before joining it."""
-
-        def reached() -> bool | None:
-            return max((p.round for p in self.member.view().peers.values()), default=0) >= round_ or None
-
-        return bool(poll(reached, Deadline(timeout, stop), POLL_SECONDS))
-
     def drain(self, timeout: float) -> bool:
         """After the last round: keeps serving until every live peer has landed that round too (or timeout),
         so nobody misses this peer's final update or weights."""
