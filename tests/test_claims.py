@@ -150,3 +150,31 @@ def test_random_joins_and_departures_keep_every_unit_covered_when_possible(n_pee
         choices = settle(choices, units=units)
         covered = sum(1 for h in holders_of(choices, units).values() if h)
         assert covered == min(len(choices), n_units)
+
+
+def one_boundary_in_turn(choices: dict[str, set[str]], capacity: int) -> dict[str, set[str]]:
+    """Every peer re-evaluates once, one after another, each seeing the claims made before it."""
+    moved: set[str] = set()
+    for peer in sorted(choices):
+        new = choose_units(
+            me=peer,
+            held=choices[peer],
+            units=UNITS,
+            holders=holders_of(choices),
+            capacity=capacity,
+            target=2,
+            settled=moved,
+        )
+        if new != choices[peer]:
+            moved.add(peer)
+        choices = {**choices, peer: new}
+    return choices
+
+
+@settings(max_examples=40, deadline=None)
+@given(names=st.lists(st.text("abcdefgh", min_size=1, max_size=4), min_size=2, max_size=2, unique=True))
+def test_peers_that_evaluate_in_turn_still_cover_everything(names):
+    """Two peers holding the same two units, two units uncovered: one boundary later, all are covered, also
+    when each peer sees the other's new claims (a peer that moved is not planned to move again)."""
+    choices = {p: {"experts/0", "experts/1"} for p in names}
+    assert all(holders_of(one_boundary_in_turn(choices, 2)).values())

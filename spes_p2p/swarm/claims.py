@@ -8,7 +8,9 @@ Rules, in order:
    while some unit is uncovered and another has two or more holders, or the least-covered unit is below the
    target replication and the most-covered one has ``2 + hysteresis`` more holders, one holder of the
    most-covered unit (the one with the lowest hash for the destination) moves to the least-covered one.
-   Each peer moves at most once per evaluation, and a move never uncovers a unit.
+   Each peer moves at most once per evaluation, and a move never uncovers a unit. Peers that already moved
+   at this boundary (seen in the view) are not moved again: peers that evaluate one after another, each
+   reading the others' new claims, still complete the plan.
 3. A peer above its capacity drops its most-covered units.
 
 Evaluated at sync boundaries; hysteresis keeps peers from flapping on small differences.
@@ -34,8 +36,10 @@ def choose_units(
     capacity: int,
     target: int,
     hysteresis: int = 1,
+    settled: Iterable[str] = (),
 ) -> set[str]:
-    """The units ``me`` should hold next, given who holds what (``holders`` may or may not include me)."""
+    """The units ``me`` should hold next, given who holds what (``holders`` may or may not include me) and
+    which other peers already moved at this boundary (``settled``)."""
     mine = {u for u in held if u in units}
     view = {u: set(holders.get(u, ())) - {me} for u in units}
     for u in mine:
@@ -51,19 +55,20 @@ def choose_units(
     if len(mine) < capacity:
         free = sorted((u for u in units if u not in mine), key=lambda u: (others(u), tiebreak(me, u)))
         return mine | set(free[: capacity - len(mine)])
-    for peer, src, dst in plan_moves(view, target=target, hysteresis=hysteresis):
+    for peer, src, dst in plan_moves(view, target=target, hysteresis=hysteresis, settled=set(settled) - {me}):
         if peer == me:
             return (mine - {src}) | {dst}
     return mine
 
 
 def plan_moves(
-    holders: Mapping[str, Iterable[str]], *, target: int, hysteresis: int
+    holders: Mapping[str, Iterable[str]], *, target: int, hysteresis: int, settled: Iterable[str] = ()
 ) -> list[tuple[str, str, str]]:
-    """Moves (peer, from, to) that rebalance coverage; every peer with the same view computes the same."""
+    """Moves (peer, from, to) that rebalance coverage; every peer with the same view computes the same. Peers
+    in ``settled`` are not moved."""
     view = {u: set(h) for u, h in holders.items()}
     order = {u: i for i, u in enumerate(sorted(view))}
-    moved: set[str] = set()
+    moved: set[str] = set(settled)
     moves = []
     while True:
         dst = min(view, key=lambda u: (len(view[u]), order[u]))

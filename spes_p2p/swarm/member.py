@@ -213,6 +213,7 @@ class SwarmMember:
     def _choose(self, view: SwarmView, first_round: int) -> set[str]:
         if self.cfg.client_mode:
             return set()  # nobody can fetch a client's updates, so it holds nothing on its own
+        settled = {p for since in view.since.values() for p, s in since.items() if s >= first_round}
         experts = choose_units(
             me=self.transport.peer_id,
             held=self.held,
@@ -221,12 +222,13 @@ class SwarmMember:
             capacity=self.cfg.capacity,
             target=self.cfg.target_replication,
             hysteresis=self.cfg.hysteresis,
+            settled=settled,
         )
         if not self.cfg.dense_claimable:
             return experts
-        return experts | self._choose_blocks(view, self.epoch_of(first_round))
+        return experts | self._choose_blocks(view, self.epoch_of(first_round), settled)
 
-    def _choose_blocks(self, view: SwarmView, epoch: int) -> set[str]:
+    def _choose_blocks(self, view: SwarmView, epoch: int, settled: set[str]) -> set[str]:
         """The dense blocks to train from ``epoch`` on: this peer's carried through the rotations since its
         last claim, then the claim policy over everyone's claims carried to the same epoch."""
         blocks, order, seed = self.cfg.dense_claimable, self.cfg.block_order, self.cfg.run_id
@@ -247,6 +249,7 @@ class SwarmMember:
             capacity=self.cfg.dense_capacity,
             target=len(view.peers) + 1,  # dense blocks: as evenly covered as the peers allow
             hysteresis=self.cfg.hysteresis,
+            settled=settled,
         )
 
     def heartbeat(self) -> None:
