@@ -16,6 +16,7 @@ RUN_SETTINGS = (
     "join_round",
     "wait_seconds",
     "addr_file",
+    "invite",
     "log_level",
 )
 

@@ -114,22 +114,50 @@ def memory(settings, as_json) -> None:
 @spes.command()
 @settings_options("swarm.run_id", "swarm.initial_peers", "run.log_level", default_file=True)
 @JSON
-def status(settings, as_json) -> None:
+@click.option("--watch", is_flag=True, help="Keep the table on screen, refreshed every --every seconds.")
+@click.option("--every", type=click.FloatRange(min=0.5), default=5.0, show_default=True)
+def status(settings, as_json, watch, every) -> None:
     """Show a swarm: its peers, and the holders of every unit (joins the DHT as a client)."""
-    from spes_cli.render import status_tables
+    from spes_cli.render import StatusLive, status_tables
 
-    from spes_p2p.peer import read_swarm
+    from spes_p2p.peer import SwarmReader
+    from spes_p2p.peer.life import stop_on_signals
 
     setup_logging(settings.run.log_level)
     with console.status("Reading the swarm..."):
-        summary = read_swarm(settings)
+        reader = SwarmReader(settings)
+    with reader:
+        if watch:
+            with StatusLive(console) as live:
+                reader.watch(every, live.update, stop_on_signals())
+            return
+        summary = reader.read()
     if as_json:
         click.echo(json.dumps(summary))
         return
-    if not summary["config_hashes"]:
-        console.print(f"[yellow]no peer of swarm {settings.swarm.run_id!r} found[/] (check --run-id)")
     for table in status_tables(summary):
         console.print(table)
+
+
+@spes.command()
+@settings_options("swarm.run_id", "swarm.initial_peers", "run.log_level", default_file=True)
+@click.option(
+    "--out", required=True, type=click.Path(dir_okay=False, path_type=Path), help="The invite file."
+)
+def invite(settings, out) -> None:
+    """Write an invite to a running swarm: a peers.toml that joins it (spes-join --config FILE)."""
+    from spes_p2p.peer import SwarmReader, write_invite
+    from spes_p2p.peer.summary import live_addresses
+
+    setup_logging(settings.run.log_level)
+    with console.status("Reading the swarm..."), SwarmReader(settings) as reader:
+        summary = reader.read()
+        write_invite(out, settings, reader.manifest, live_addresses(reader.transport, settings.swarm.run_id))
+    console.print(
+        f"invite to swarm [bold]{summary['run_id']}[/] ({len(summary['peers'])} live peers, round "
+        f"{summary['round']}) written to {out}; join with: spes-join --config {out}",
+        highlight=False,
+    )
 
 
 @spes.command()

@@ -5,7 +5,7 @@ from __future__ import annotations
 import functools
 from pathlib import Path
 
-from rich.console import Console
+from rich.console import Console, Group
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 from rich.table import Table
 
@@ -101,8 +101,6 @@ class JoinView(Frontend):
         return self.console.status(text)
 
     def joined(self, status, reachability, resumed) -> None:
-        from spes_p2p.peer import share_snippet
-
         say = functools.partial(
             self.console.print, soft_wrap=True, highlight=False
         )  # addresses stay copyable
@@ -116,12 +114,10 @@ class JoinView(Frontend):
             say(f"  dial me at {addr}")
         color = "green" if reachability.reachable else "yellow"
         say(f"[{color}]{reachability.message}[/]")
+        invite = self.settings.run.invite
         if self.settings.run.new_swarm:
-            say(
-                "New swarm started. Others join with `spes-join --peers ADDR`, or with this as their "
-                "peers.toml:"
-            )
-            say(share_snippet(self.settings, status.addresses), markup=False)
+            where = f"with the invite in {invite} (spes-join --config {invite}), or " if invite else ""
+            say(f"New swarm started. Others join {where}with spes-join --peers ADDR (an address above).")
 
     def update(self, status) -> None:
         if self.live is None:
@@ -219,12 +215,16 @@ def swarm_table(run_id: str, status) -> Table:
 
 
 def status_tables(summary: dict) -> list[Table]:
-    peers = Table(title=f"swarm {summary['run_id']}: {len(summary['peers'])} peers")
+    peers = Table(
+        title=f"swarm {summary['run_id']}: {len(summary['peers'])} peers, round {summary['round']}",
+        caption=f"manifest {summary['manifest'][:16]}, protocol {summary['protocol']}",
+    )
     peers.add_column("peer", overflow="fold")
-    for col in ("units", "round", "tokens/s", "loss", "version"):
+    for col in ("units", "round", "tokens/s", "loss", "version", "seen"):
         peers.add_column(col)
     for p in summary["peers"]:
         loss = "-" if p["loss"] is None else f"{p['loss']:.3f}"
+        seen = f"{p['seen_seconds_ago']:.0f}s ago"
         peers.add_row(
             p["peer_id"],
             ", ".join(p["units"]),
@@ -232,13 +232,28 @@ def status_tables(summary: dict) -> list[Table]:
             f"{p['tokens_per_s']:,.0f}",
             loss,
             p["version"],
+            seen,
         )
-    units = Table(title="units")
+    units = Table(title=f"units (target: {summary['target_replication']} holders per expert shard)")
     units.add_column("unit")
     units.add_column("holders")
+    units.add_column("")
     for unit, holders in summary["units"].items():
-        units.add_row(unit, ", ".join(holders) or "UNCOVERED", style="bold red" if not holders else None)
+        flag = "UNCOVERED" if not holders else "below target" if unit in summary["under_replicated"] else ""
+        style = "bold red" if not holders else "yellow" if flag else None
+        units.add_row(unit, ", ".join(h[-12:] for h in holders), flag, style=style)
     return [peers, units]
+
+
+class StatusLive(LiveView):
+    """spes status --watch: the status tables, refreshed."""
+
+    def table(self, summary: dict):
+        return Group(*status_tables(summary))
+
+    def line(self, summary: dict) -> str:
+        cover = " ".join(f"{u}={len(h)}" for u, h in summary["units"].items())
+        return f"round {summary['round']}: {len(summary['peers'])} peers; coverage {cover}"
 
 
 # -------------------------------------------------------------------------------------------- simulation

@@ -54,6 +54,9 @@ class RunConfig(Section):
     )
     wait_seconds: float = setting(300.0, "Bound on waiting for --min-peers or --join-round.")
     addr_file: str = setting("", "Write this peer's dialable multiaddrs here, one per line, once it is up.")
+    invite: str = setting(
+        "", "Once joined, write an invite to the swarm here: a peers.toml others join with."
+    )
     log_level: str = setting("warning", "Log level.", choices=LOG_LEVELS)
     owned_shards: str = setting(
         "", "spes train: train only these expert shards and the dense part ('1', '0,2', '0-3'); empty: all."
@@ -112,6 +115,7 @@ class Settings:
     peer: PeerConfig = field(default_factory=PeerConfig)
     run: RunConfig = field(default_factory=RunConfig)
     sim: SimConfig = field(default_factory=SimConfig)
+    given: frozenset[Key] = field(default=frozenset(), compare=False, repr=False)  # set by a file or flag
 
     def __post_init__(self) -> None:
         """Checks that span sections; each names the field to change."""
@@ -139,10 +143,30 @@ class Settings:
         """These settings with ``section__field=value`` changes (None: keep). Choosing another method brings
         its defaults for the fields not also given."""
         values = {key_of(name): value for name, value in changes.items() if value is not None}
+        given = self.given | set(values)
         mode = values.get(("method", "mode"), self.method.mode)
         if mode != self.method.mode:
             values = {**METHOD_DEFAULTS.get(mode, {}), **values}
-        return _build(_values_of(self) | values, origins={})
+        return _build(_values_of(self) | values, origins={}, given=given)
+
+    def adopt(self, swarm_wide: dict[str, Any]) -> Settings:
+        """These settings with a swarm's ``swarm_wide`` values ('section.field' -> value) in place of their
+        own; a value this peer was given (by file or flag) that differs is a ConfigError naming each one."""
+        theirs = {tuple(name.split(".", 1)): value for name, value in swarm_wide.items()}
+        ours = self.swarm_wide()
+        differ = [
+            f"{s}.{f}: {ours.get(f'{s}.{f}')!r} here vs {v!r} in the swarm"
+            for (s, f), v in sorted(theirs.items())
+            if (s, f) in self.given and _normal(ours.get(f"{s}.{f}")) != _normal(v)
+        ]
+        if differ:
+            raise ConfigError(f"settings that must match the swarm's differ: {'; '.join(differ)}")
+        unknown = sorted(f"{s}.{f}" for s, f in theirs if s not in SECTIONS or f not in _field_names(s))
+        if unknown:
+            raise ConfigError(
+                f"the swarm's manifest has settings this version does not know: {', '.join(unknown)}"
+            )
+        return _build(_values_of(self) | theirs, origins={}, given=self.given)
 
     def swarm_wide(self) -> dict[str, Any]:
         """'section.field' -> value of every setting that must match across a swarm."""
@@ -185,7 +209,8 @@ def load_settings(
     values = {**(defaults or {}), **METHOD_DEFAULTS.get(mode, {})}
     for layer in explicit:
         values.update(layer.values)
-    return _build(values, {k: o for layer in explicit for k, o in layer.origins.items()})
+    origins = {k: o for layer in explicit for k, o in layer.origins.items()}
+    return _build(values, origins, given=frozenset(origins))
 
 
 def read_toml(path: Path) -> Layer:
@@ -216,7 +241,7 @@ def read_toml(path: Path) -> Layer:
     return layer
 
 
-def _build(values: dict[Key, Any], origins: dict[Key, str]) -> Settings:
+def _build(values: dict[Key, Any], origins: dict[Key, str], given: frozenset[Key] = frozenset()) -> Settings:
     by_section: dict[str, dict[str, Any]] = {}
     for (section, name), value in values.items():
         if section not in SECTIONS or name not in _field_names(section):
@@ -229,7 +254,7 @@ def _build(values: dict[Key, Any], origins: dict[Key, str]) -> Settings:
         except FieldError as exc:
             raise _located(exc, section, origins) from None
     try:
-        return Settings(**built)
+        return Settings(**built, given=frozenset(given))
     except FieldError as exc:
         raise _located(exc, exc.section, origins) from None
 
@@ -237,6 +262,11 @@ def _build(values: dict[Key, Any], origins: dict[Key, str]) -> Settings:
 def _located(exc: FieldError, section: str, origins: dict[Key, str]) -> ConfigError:
     origin = origins.get((section, exc.field))
     return ConfigError(f"{origin + ': ' if origin else ''}[{section}] {exc.field} {exc.problem}")
+
+
+def _normal(value: Any) -> Any:
+    """Values as they travel (tuples as lists), for comparing."""
+    return list(value) if isinstance(value, tuple) else value
 
 
 def _values_of(settings: Settings) -> dict[Key, Any]:

@@ -1,3 +1,4 @@
+import hashlib
 import os
 
 import pytest
@@ -6,6 +7,7 @@ from spes_p2p.train.config import DataConfig
 
 # A slice of the embedded default corpus: big enough to learn from, small enough to tokenize in seconds.
 STDLIB_TEST_MB = 2.0
+TOKENIZER = b'{"a tokenizer": true}'  # what manifest_of's peers serve as their tokenizer
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -20,3 +22,25 @@ def cache_dir(tmp_path_factory) -> str:
 @pytest.fixture(scope="session")
 def stdlib_data(cache_dir) -> DataConfig:
     return DataConfig(corpus="stdlib", max_corpus_mb=STDLIB_TEST_MB, cache_dir=cache_dir)
+
+
+@pytest.fixture(scope="session")
+def manifest_of():
+    """A manifest for settings alone, for membership tests that build no model (its hashes are placeholders,
+    the same for every peer of the same settings)."""
+    from spes_p2p.swarm.manifest import PROTOCOL, Manifest
+
+    def build(settings) -> Manifest:
+        return Manifest(
+            protocol=PROTOCOL,
+            run_id=settings.swarm.run_id,
+            settings=settings.swarm_wide(),
+            model=settings.model.architecture().to_dict(),
+            units=settings.model.layout().units,
+            tokenizer_sha256=hashlib.sha256(TOKENIZER).hexdigest(),
+            tokenizer_bytes=len(TOKENIZER),
+            data={},
+            initial_model_sha256="0" * 64,
+        )
+
+    return build

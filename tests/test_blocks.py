@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 from spes_p2p.errors import ConfigError
 from spes_p2p.model import MoETransformer, UnitLayout, get_preset
 from spes_p2p.model.units import balanced_starts, dense_partition, read_unit
-from spes_p2p.peer.setup import member_config, swarm_identity
+from spes_p2p.peer.setup import member_config
 from spes_p2p.settings import Settings
 from spes_p2p.sim import run, simulation
 from spes_p2p.sim.summary import read_rows
@@ -32,7 +32,7 @@ def test_one_block_is_the_whole_dense_part_as_before():
     assert layout.units == ["dense/0", "experts/0", "experts/1"]
     assert layout.unit_of("lm_head.weight") == layout.unit_of("embed.weight") == "dense/0"
     settings = Settings().override(model__shards=2)  # B = 1: every peer holds dense/0, nothing rotates
-    cfg = member_config(settings, swarm_identity(settings))
+    cfg = member_config(settings)
     assert cfg.always_held == ["dense/0"] and cfg.dense_claimable == []
     assert cfg.claimable == ["experts/0", "experts/1"]
 
@@ -108,12 +108,12 @@ def dense_coverage(members: list[SwarmMember], blocks: list[str]) -> dict[str, i
 )
 # peers that rebalance one after another, each seeing the claims the others just made (found by hypothesis)
 @example(schedule=[(2, 1, False), (1, 2, False), (0, 2, False)], blocks=4, active=2, order="cyclic")
-def test_coverage_holds_under_rotation_and_churn(schedule, blocks, active, order):
+def test_coverage_holds_under_rotation_and_churn(manifest_of, schedule, blocks, active, order):
     """Boundaries where peers join, leave or crash while the blocks rotate every 2 rounds: whenever the live
     peers have room for every block, no block is ever left without a holder."""
     active = min(active, blocks)
     cfg = blocks_settings(blocks, active, rotate=2, order=order)
-    identity = swarm_identity(cfg)
+    manifest = manifest_of(cfg)
     clock = FakeClock()
     net = MemoryNetwork(seed=0, clock=clock)
     live: list[SwarmMember] = []
@@ -121,7 +121,7 @@ def test_coverage_holds_under_rotation_and_churn(schedule, blocks, active, order
     units = [f"dense/{b}" for b in range(blocks)]
 
     def join(round_):
-        m = SwarmMember(net.join(next(names)), identity, member_config(cfg, identity))
+        m = SwarmMember(net.join(next(names)), manifest, member_config(cfg))
         m.round = round_
         m.join(first_round=round_)
         live.append(m)

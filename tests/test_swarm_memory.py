@@ -4,12 +4,14 @@ import logging
 
 import msgspec
 import pytest
+from conftest import TOKENIZER
 
-from spes_p2p.peer.setup import member_config, swarm_identity
+from spes_p2p.peer.setup import member_config
 from spes_p2p.settings import Settings
+from spes_p2p.swarm.manifest import ManifestServer, manifest_key
 from spes_p2p.swarm.member import SwarmMember, SwarmMismatch, read_view
 from spes_p2p.swarm.memory import FakeClock, MemoryNetwork
-from spes_p2p.swarm.records import config_key, peers_key
+from spes_p2p.swarm.records import peers_key
 from spes_p2p.swarm.transport import MessageTooLarge, PeerUnreachable, RemoteError, RequestTimeout
 
 TTL = 20.0
@@ -29,10 +31,17 @@ def make_settings(shards=2, **swarm) -> Settings:
     return Settings().override(model__shards=shards, swarm__record_ttl_seconds=TTL, **swarm)
 
 
-def member(net, name, settings=None) -> SwarmMember:
-    settings = settings or make_settings()
-    identity = swarm_identity(settings)
-    return SwarmMember(net.join(name), identity, member_config(settings, identity))
+@pytest.fixture
+def member(manifest_of):
+    """member(net, name, settings=None): a SwarmMember that serves its manifest, as a peer does."""
+
+    def make(net, name, settings=None) -> SwarmMember:
+        settings = settings or make_settings()
+        manifest, transport = manifest_of(settings), net.join(name)
+        ManifestServer(transport, manifest, TOKENIZER)
+        return SwarmMember(transport, manifest, member_config(settings))
+
+    return make
 
 
 def coverage(m: SwarmMember) -> dict[str, int]:
@@ -94,7 +103,7 @@ def test_fault_hooks(net):
 # ------------------------------------------------------------------------------------------ membership
 
 
-def test_join_and_claim_cover_every_shard(net):
+def test_join_and_claim_cover_every_shard(member, net):
     members = [member(net, f"p{i}") for i in range(4)]
     for m in members:
         m.join()
@@ -105,7 +114,7 @@ def test_join_and_claim_cover_every_shard(net):
     assert record.units == members[2].units_held and record.addresses == ["/memory/p2p/p2"]
 
 
-def test_silent_peer_expires_and_its_sole_unit_is_taken_over(net, clock):
+def test_silent_peer_expires_and_its_sole_unit_is_taken_over(member, net, clock):
     members = [member(net, f"p{i}") for i in range(3)]
     for m in members:
         m.join()
@@ -123,7 +132,7 @@ def test_silent_peer_expires_and_its_sole_unit_is_taken_over(net, clock):
     assert all(n >= 1 for n in coverage(survivors[0]).values())
 
 
-def test_leaving_releases_claims_at_once(net):
+def test_leaving_releases_claims_at_once(member, net):
     a, b = member(net, "a"), member(net, "b")
     a.join()
     b.join()
@@ -133,32 +142,32 @@ def test_leaving_releases_claims_at_once(net):
     assert all("a" not in h for h in view.holders.values())
 
 
-def test_mismatched_settings_are_refused_naming_the_fields_and_write_nothing(net):
+def test_mismatched_settings_are_refused_naming_the_fields_and_write_nothing(member, net):
     member(net, "a").join()
     stranger = member(net, "b", make_settings(shards=4))
     with pytest.raises(SwarmMismatch, match=r"model\.shards: 4 here vs 2 in the swarm"):
         stranger.join()
     assert set(stranger.transport.read(peers_key("spes-demo"))) == {"a"}
-    assert set(stranger.transport.read(config_key("spes-demo"))) == {"a"}
+    assert set(stranger.transport.read(manifest_key("spes-demo"))) == {"a"}
 
 
-def test_records_of_the_wrong_schema_are_ignored_and_logged(net, caplog):
+def test_records_of_the_wrong_schema_are_ignored_and_logged(member, net, caplog):
     good = member(net, "good")
     good.join()
     evil = net.join("evil")
     wrong_schema = msgspec.msgpack.encode({"peer_id": "evil", "units": "experts/0"})
     evil.publish(peers_key("spes-demo"), wrong_schema, net.clock() + TTL)
-    wrong_hash = msgspec.msgpack.encode({"hash": "0" * 16, "fields": {"model.shards": 9}})
-    evil.publish(config_key("spes-demo"), wrong_hash, net.clock() + TTL)
+    wrong_manifest = msgspec.msgpack.encode({"hash": "0" * 64, "protocol": "two", "bytes": 10})
+    evil.publish(manifest_key("spes-demo"), wrong_manifest, net.clock() + TTL)
     with caplog.at_level(logging.WARNING):
         view = good.view()
-        good.check_identity()  # the bogus config entry fails its own hash check and is not trusted
+        good.check_manifest()  # the bogus manifest record is not trusted
     assert set(view.peers) == {"good"}
     assert "ignoring the peer record of evil" in caplog.text
-    assert "ignoring the config record of evil" in caplog.text
+    assert "ignoring the manifest record of evil" in caplog.text
 
 
-def test_partition_hides_the_other_side_until_healed(net):
+def test_partition_hides_the_other_side_until_healed(member, net):
     members = [member(net, f"p{i}") for i in range(4)]
     for m in members:
         m.join()
@@ -171,7 +180,7 @@ def test_partition_hides_the_other_side_until_healed(net):
     assert set(members[0].view().peers) == {"p0", "p1", "p2", "p3"}
 
 
-def test_view_reads_only_active_holders(net):
+def test_view_reads_only_active_holders(member, net):
     a = member(net, "a")
     a.join()
     view = read_view(net.join("observer"), "spes-demo", a.units)

@@ -5,19 +5,13 @@ import msgspec
 import pytest
 import torch
 
+from spes_p2p.settings import Settings
 from spes_p2p.swarm.config import SyncConfig
+from spes_p2p.swarm.manifest import Manifest, ManifestError, ManifestRecord
 from spes_p2p.swarm.memory import MemoryNetwork
 from spes_p2p.swarm.messages import MAX_REQUEST_BYTES, RPC_UPDATE, RPC_WEIGHTS, UpdateRequest, WeightsRequest
 from spes_p2p.swarm.payload import decode, specs_of
-from spes_p2p.swarm.records import (
-    Announcement,
-    HolderRecord,
-    IdentityRecord,
-    PeerRecord,
-    RecordError,
-    identity_record,
-    parse_peers,
-)
+from spes_p2p.swarm.records import Announcement, HolderRecord, PeerRecord, RecordError, parse_peers
 from spes_p2p.swarm.sync import SyncEngine
 from spes_p2p.swarm.transport import Entry, RemoteError
 
@@ -45,7 +39,7 @@ def peer(**changes) -> dict:
             {"round": 1, "tokens": -5, "bytes": 9, "codec": "none", "sha256": HEX, "base": HEX},
             ">= 0",
         ),
-        (IdentityRecord, {"hash": HEX, "fields": {"model.shards": 2}}, "hash does not match"),
+        (ManifestRecord, {"hash": HEX, "protocol": 2, "bytes": 10**9}, "<= 262144"),
     ],
 )
 def test_records_of_the_wrong_schema_are_refused(cls, value, problem):
@@ -53,13 +47,15 @@ def test_records_of_the_wrong_schema_are_refused(cls, value, problem):
         cls.decode(msgspec.msgpack.encode(value))
 
 
-def test_records_round_trip_and_oversized_or_foreign_bytes_are_refused():
+def test_records_round_trip_and_oversized_or_foreign_bytes_are_refused(manifest_of):
     record = PeerRecord(
         peer_id="p", addresses=["/ip4/1.2.3.4/tcp/5/p2p/p"], units=["dense/0"], round=3, loss=2.5
     )
     assert PeerRecord.decode(record.encode()) == record
-    identity = identity_record({"model.shards": 2, "units": ["dense/0"]})
-    assert IdentityRecord.decode(identity.encode()) == identity
+    manifest = manifest_of(Settings())
+    assert Manifest.decode(manifest.encode()) == manifest and manifest.record().hash == manifest.hash
+    with pytest.raises(ManifestError, match="unknown field"):
+        Manifest.decode(msgspec.msgpack.encode({**msgspec.to_builtins(manifest), "backdoor": 1}))
     with pytest.raises(RecordError, match="20000-byte PeerRecord, over 16384"):
         PeerRecord.decode(b"\x90" * 20_000)
     with pytest.raises(RecordError):

@@ -9,10 +9,9 @@ _EXPORTS = {
     "Peer": "node",
     "PeerStatus": "node",
     "open_transport": "setup",
-    "swarm_identity": "setup",
-    "read_swarm": "summary",
-    "share_snippet": "summary",
+    "SwarmReader": "summary",
     "swarm_summary": "summary",
+    "write_invite": "summary",
 }
 __all__ = sorted(_EXPORTS)
 __getattr__ = lazy_exports(__name__, _EXPORTS)

@@ -16,8 +16,10 @@ from contextlib import AbstractContextManager
 from pathlib import Path
 
 from spes_p2p.peer import joining
+from spes_p2p.peer.admission import admit
 from spes_p2p.peer.node import Peer, PeerStatus
 from spes_p2p.peer.setup import open_transport, reachability
+from spes_p2p.peer.summary import live_addresses, write_invite
 from spes_p2p.settings import Settings
 from spes_p2p.swarm.reachability import Reachability
 from spes_p2p.swarm.transport import Transport
@@ -61,8 +63,13 @@ def live(
             transport = open_transport(settings, new_swarm=run.new_swarm)
     peer = None
     try:
+        admission = None
+        if not run.new_swarm:
+            with ui.phase("Reading the swarm's manifest..."):
+                admission = admit(settings, transport, stop)
+            settings = admission.settings
         with ui.phase("Preparing the model and the data..."):
-            peer = Peer(settings, transport, out_dir=Path(run.out) if run.out else None)
+            peer = Peer(settings, transport, out_dir=Path(run.out) if run.out else None, admission=admission)
         ui.started(peer)
         if run.join_round:
             with ui.phase(f"Waiting for the swarm to reach round {run.join_round}..."):
@@ -70,6 +77,9 @@ def live(
         status = peer.join(resume=run.resume)
         if run.addr_file:
             _write_lines(Path(run.addr_file), status.addresses)
+        if run.invite:
+            addresses = status.addresses + live_addresses(transport, settings.swarm.run_id)
+            write_invite(Path(run.invite), settings, peer.manifest, list(dict.fromkeys(addresses)))
         ui.joined(status, reachability(settings, transport), peer.resumed_from)
         if run.min_peers > 1:
             with ui.phase(f"Waiting for {run.min_peers} peers..."):

@@ -24,17 +24,21 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import torch
+
 from spes_p2p.errors import CheckpointError
 from spes_p2p.peer import joining
+from spes_p2p.peer.admission import Admission, found, weights_fingerprint
 from spes_p2p.peer.heartbeat import Heartbeat
 from spes_p2p.peer.landing import Landing
 from spes_p2p.peer.local import LocalTraining
 from spes_p2p.peer.metrics import RoundMetrics, crossed
 from spes_p2p.peer.outputs import RunOutputs
 from spes_p2p.peer.rounds import Pipeline, RoundJob, RoundSync
-from spes_p2p.peer.setup import member_config, swarm_identity
+from spes_p2p.peer.setup import initial_seed, member_config
 from spes_p2p.settings import Settings
-from spes_p2p.swarm.member import SwarmMember, SwarmView
+from spes_p2p.swarm.manifest import ManifestServer
+from spes_p2p.swarm.member import SwarmMember, SwarmMismatch, SwarmView
 from spes_p2p.swarm.payload import specs_of
 from spes_p2p.swarm.sync import SyncEngine
 from spes_p2p.swarm.transport import Transport
@@ -64,12 +68,27 @@ class Peer:
     """One volunteer's peer in a swarm, over a transport; ``out_dir`` keeps its metrics, checkpoints and
     final model. Call ``join``, then ``run``, then ``close`` (``spes_p2p.peer.life.live`` does)."""
 
-    def __init__(self, settings: Settings, transport: Transport, out_dir: Path | None = None) -> None:
+    def __init__(
+        self,
+        settings: Settings,
+        transport: Transport,
+        out_dir: Path | None = None,
+        admission: Admission | None = None,
+    ) -> None:
+        """``admission``: the swarm's manifest, taken from its peers; without one, this peer founds the swarm
+        (or, in tests, computes the manifest every peer of its settings computes alike)."""
         self.settings, self.transport, self.me = settings, transport, transport.peer_id
-        self.identity = swarm_identity(settings)
-        self.member = SwarmMember(transport, self.identity, member_config(settings, self.identity))
         self.layout = settings.model.layout()
-        self.local = LocalTraining(settings, self.layout, int(self.identity.hash, 16) % 2**31, self.me)
+        self.local = LocalTraining(settings, self.layout, initial_seed(settings), self.me)
+        self.admission = admission
+        if admission is None:
+            tokenizer = self.local.data.tokenizer.to_str().encode()
+            self.manifest = found(settings, tokenizer, self.local.data.corpus_hash, self.local.model)
+        else:
+            self.manifest, tokenizer = admission.manifest, admission.tokenizer
+        self.initial_fingerprint = weights_fingerprint(self.local.model)
+        ManifestServer(transport, self.manifest, tokenizer)
+        self.member = SwarmMember(transport, self.manifest, member_config(settings))
         specs = {u: specs_of(self.local.read(u)) for u in self.layout.units}
         self.sync = SyncEngine(
             transport, settings.swarm.run_id, settings.sync, specs, self.local.read, self.member.live_peers
@@ -90,12 +109,17 @@ class Peer:
     def join(self, resume: bool = False) -> PeerStatus:
         """Checks the swarm identity, downloads the swarm's current model (a newcomer), then claims units
         and starts heartbeats. With ``resume``, first restores the newest checkpoint of its run folder."""
-        self.member.check_identity()
+        self.member.check_manifest()
         checkpoint = self._restore() if resume else None
         view = joining.at_round_boundary(self.member, self.settings.sync.deadline_max)
         training = joining.is_training(view, self.me)
         if training:
             self._catch_up(view)
+        elif not checkpoint and self.initial_fingerprint != self.manifest.initial_model_sha256:
+            raise SwarmMismatch(
+                "this machine builds another initial model than the swarm's founder did from the same seed: "
+                f"install the founder's torch version (this one is {torch.__version__})"
+            )
         self.member.report(self.round, None, 0.0)
         # in a swarm that is training, the others read their participants before we can claim: our first
         # round is not counted, we adopt its result
@@ -113,7 +137,7 @@ class Peer:
         if self.outputs is None:
             raise CheckpointError("--resume needs --out: the run folder that holds the checkpoints")
         checkpoint = load_checkpoint(self.outputs.dir)
-        if checkpoint.meta.get("swarm_hash") != self.identity.hash:
+        if checkpoint.meta.get("swarm_hash") != self.manifest.hash:
             raise CheckpointError(
                 f"{checkpoint.path} was written in a swarm with other settings; resume with "
                 "the settings it was trained with, or start without --resume"
@@ -250,7 +274,7 @@ class Peer:
             return
         self.outputs.append(row)
         if crossed(self.round, self.settings.method.steps_per_round, self.settings.train.checkpoint_every):
-            meta = {"peer_id": self.me, "round": self.round, "swarm_hash": self.identity.hash}
+            meta = {"peer_id": self.me, "round": self.round, "swarm_hash": self.manifest.hash}
             self.outputs.checkpoint(self.local.model, self.local.trainer, {**meta, **self.local.position()})
 
     # -------------------------------------------------------------------------------------- leaving

@@ -1,8 +1,10 @@
-"""Wiring: from a peer's settings to what the layers below need (the swarm identity, the membership
-config) and to its transport."""
+"""Wiring: from a peer's settings to what the layers below need (the membership config, the seed of the
+initial model, reachability) and to its transport."""
 
 from __future__ import annotations
 
+import hashlib
+import json
 from pathlib import Path
 
 from spes_p2p import __version__
@@ -10,26 +12,17 @@ from spes_p2p.errors import ConfigError
 from spes_p2p.settings import Settings
 from spes_p2p.swarm.member import MemberConfig
 from spes_p2p.swarm.reachability import Reachability, assess
-from spes_p2p.swarm.records import IdentityRecord, identity_record
 from spes_p2p.swarm.transport import Transport
 
-PROTOCOL = 2  # bumped when peers of different versions can no longer work together
+
+def initial_seed(settings: Settings) -> int:
+    """The seed of a swarm's initial model: every peer that starts with the swarm computes the same."""
+    swarm = {"run_id": settings.swarm.run_id, **settings.swarm_wide()}
+    return int(hashlib.sha256(json.dumps(swarm, sort_keys=True).encode()).hexdigest()[:8], 16)
 
 
-def swarm_identity(settings: Settings) -> IdentityRecord:
-    """The settings that must match across the swarm (every swarm-scoped setting, the model's architecture,
-    the units and the protocol version)."""
-    fields = {
-        **settings.swarm_wide(),
-        **{f"model.{k}": v for k, v in settings.model.architecture().to_dict().items()},
-        "protocol": PROTOCOL,
-        "units": settings.model.layout().units,
-    }
-    return identity_record(fields)
-
-
-def member_config(settings: Settings, identity: IdentityRecord) -> MemberConfig:
-    units = identity.fields["units"]
+def member_config(settings: Settings) -> MemberConfig:
+    units = settings.model.layout().units
     dense = [u for u in units if u.startswith("dense/")]
     blocks = len(dense) > 1  # block coordinate descent over the dense part; B = 1 is SPES as published
     diloco = settings.method.mode == "diloco"  # the baseline: every peer trains every unit

@@ -1,32 +1,76 @@
-"""What `spes status` and `spes-join --new-swarm` print about a swarm."""
+"""What `spes status` shows of a swarm, and the invites that let a volunteer join it with one file."""
 
 from __future__ import annotations
 
+import threading
+from collections.abc import Callable
+from pathlib import Path
+
+from spes_p2p.peer.admission import SwarmUnavailable, nobody_alive
 from spes_p2p.settings import Settings
-from spes_p2p.swarm.member import read_identities, read_view
+from spes_p2p.swarm import manifest as manifests
+from spes_p2p.swarm.manifest import Manifest, ManifestError
+from spes_p2p.swarm.member import read_view
+from spes_p2p.swarm.records import parse_peers, peers_key
 from spes_p2p.swarm.transport import Transport
+from spes_p2p.train.tokenizer import atomic_write_bytes
+
+INVITE_SECTIONS = ("swarm", "model", "method", "sync", "merge")
 
 
-def read_swarm(settings: Settings) -> dict:
-    """Joins the swarm as a client just long enough to read it: `spes status`."""
-    from spes_p2p.peer.setup import open_transport
+class SwarmReader:
+    """A client's view of a swarm: it joins the DHT as a client (claims nothing, serves nothing), reads the
+    swarm's manifest once and its records whenever asked."""
 
-    transport = open_transport(settings, new_swarm=False, client=True)
-    try:
-        return swarm_summary(transport, settings.swarm.run_id)
-    finally:
-        transport.shutdown()
+    def __init__(self, settings: Settings, transport: Transport | None = None) -> None:
+        from spes_p2p.peer.setup import open_transport
+
+        self.run_id = settings.swarm.run_id
+        self.transport = transport or open_transport(settings, new_swarm=False, client=True)
+        self.manifest: Manifest | None = None
+
+    def __enter__(self) -> SwarmReader:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.transport.shutdown()
+
+    def read(self) -> dict:
+        """The swarm as `spes status --json` prints it; SwarmUnavailable when no peer of it is alive."""
+        live = parse_peers(self.transport.read(peers_key(self.run_id)))
+        if not live:
+            raise SwarmUnavailable(nobody_alive(self.transport, self.run_id, 0))
+        if self.manifest is None:
+            self.manifest = self._fetch_manifest(set(live))
+        return swarm_summary(self.transport, self.run_id, self.manifest)
+
+    def watch(self, seconds: float, show: Callable[[dict], None], stop: threading.Event) -> None:
+        """``show`` the swarm every ``seconds`` until ``stop`` is set."""
+        while not stop.is_set():
+            show(self.read())
+            stop.wait(seconds)
+
+    def _fetch_manifest(self, live: set[str]) -> Manifest:
+        records = {p: r for p, r in manifests.read_records(self.transport, self.run_id).items() if p in live}
+        for wanted in {r.hash for r in records.values()}:
+            peers = sorted(p for p, r in records.items() if r.hash == wanted)
+            try:
+                return manifests.fetch(self.transport, peers, wanted, timeout=30.0)[0]
+            except ManifestError:
+                continue
+        raise SwarmUnavailable(f"no live peer of swarm {self.run_id!r} served its manifest")
 
 
-def swarm_summary(transport: Transport, run_id: str) -> dict:
-    """The swarm as `spes status --json` prints it."""
-    identities = read_identities(transport, run_id)
-    hashes = sorted({i.hash for i in identities.values()})
-    units = next(iter(identities.values())).fields.get("units", []) if identities else []
-    view = read_view(transport, run_id, units)
+def swarm_summary(transport: Transport, run_id: str, manifest: Manifest) -> dict:
+    """Peers (with how long ago each wrote its record), units and their holders against the target."""
+    view = read_view(transport, run_id, manifest.units)
+    now, target = transport.now(), manifest.settings.get("swarm.target_replication", 1)
+    experts = [u for u in manifest.units if u.startswith("experts/")]
     return {
         "run_id": run_id,
-        "config_hashes": hashes,
+        "manifest": manifest.hash,
+        "protocol": manifest.protocol,
+        "round": max((p.round for p in view.peers.values()), default=0),
         "peers": [
             {
                 "peer_id": p.peer_id,
@@ -37,16 +81,34 @@ def swarm_summary(transport: Transport, run_id: str) -> dict:
                 "version": p.version,
                 "addresses": p.addresses,
                 "client_mode": p.client_mode,
+                "seen_seconds_ago": max(0.0, now - p.seen),
             }
             for p in sorted(view.peers.values(), key=lambda p: p.peer_id)
         ],
         "units": {u: sorted(h) for u, h in view.holders.items()},
+        "target_replication": target,
         "uncovered": view.uncovered(),
+        "under_replicated": [u for u in experts if 0 < len(view.holders.get(u, ())) < target],
     }
 
 
-def share_snippet(settings: Settings, addresses: list[str]) -> str:
-    """A peers.toml that lets others join this swarm: its name, these addresses, and every setting that
-    must match across the swarm."""
-    with_peers = settings.override(swarm__initial_peers=tuple(addresses))
-    return with_peers.to_toml(("swarm", "model", "method", "sync", "merge"))
+def invite(settings: Settings, manifest: Manifest, addresses: list[str]) -> str:
+    """A complete peers.toml that joins this swarm: its name, where to dial it, its manifest's hash, and
+    its swarm-wide settings (for the record: they come from the manifest anyway)."""
+    joined = settings.override(
+        swarm__run_id=manifest.run_id, swarm__initial_peers=tuple(addresses), swarm__manifest=manifest.hash
+    ).adopt(manifest.settings)
+    head = f"# An invite to swarm {manifest.run_id!r}; join it with: spes-join --config THIS_FILE\n"
+    return head + joined.to_toml(INVITE_SECTIONS)
+
+
+def write_invite(path: Path, settings: Settings, manifest: Manifest, addresses: list[str]) -> None:
+    atomic_write_bytes(Path(path), invite(settings, manifest, addresses).encode())
+
+
+def live_addresses(transport: Transport, run_id: str) -> list[str]:
+    """Every dialable address of the swarm's live peers (client-mode peers cannot be dialed)."""
+    peers = parse_peers(transport.read(peers_key(run_id)))
+    return [
+        a for p in sorted(peers.values(), key=lambda p: p.peer_id) if not p.client_mode for a in p.addresses
+    ]

@@ -23,8 +23,15 @@ class SwarmConfig(Section):
         flag="--peers",
         metavar="MULTIADDR",
     )
-    target_replication: int = setting(2, "Holders wanted per expert shard.", flag="--replication")
-    hysteresis: int = setting(1, "Extra holders a unit needs before a peer leaves it for a less-covered one.")
+    manifest: str = setting(
+        "", "The swarm's manifest hash (an invite carries it): join only the swarm whose manifest has it."
+    )
+    target_replication: int = setting(
+        2, "Holders wanted per expert shard.", flag="--replication", scope=SWARM
+    )
+    hysteresis: int = setting(
+        1, "Extra holders a unit needs before a peer leaves it for a less-covered one.", scope=SWARM
+    )
     heartbeat_seconds: float = setting(
         5.0, "Seconds between refreshes of this peer's records.", flag="--heartbeat"
     )
@@ -41,6 +48,11 @@ class SwarmConfig(Section):
         )
         for addr in self.initial_peers:
             check_multiaddr(addr, "initial_peers", need_peer_id=True)
+        check(
+            not self.manifest or bool(re.fullmatch(r"[0-9a-f]{64}", self.manifest)),
+            "manifest",
+            "must be a manifest's SHA-256 (64 hex digits), as an invite writes it",
+        )
         check(self.target_replication >= 1, "target_replication", "must be at least 1")
         check(self.hysteresis >= 0, "hysteresis", "must be at least 0")
         check(self.heartbeat_seconds > 0, "heartbeat_seconds", "must be positive")

@@ -1,4 +1,4 @@
-"""A peer's membership in a swarm: the swarm-identity check, its records, its claims, and leaving.
+"""A peer's membership in a swarm: the manifest check, its records, its claims, and leaving.
 
 ``SwarmMember`` keeps this peer's records alive (``heartbeat``), re-evaluates its claims (``rebalance``, at
 sync boundaries) and reads the swarm (``view``). It never blocks for longer than the transport's timeouts.
@@ -18,16 +18,15 @@ import threading
 from dataclasses import dataclass, field
 
 from spes_p2p.errors import ConfigError
+from spes_p2p.swarm import manifest as manifests
 from spes_p2p.swarm.claims import carry_block, choose_units, holders_at_epoch
+from spes_p2p.swarm.manifest import Manifest, ManifestError
 from spes_p2p.swarm.records import (
     MAX_ADDRESSES,
     HolderRecord,
-    IdentityRecord,
     PeerRecord,
     Record,
-    config_key,
     decode_entries,
-    differences,
     holders_key,
     parse_peers,
     peers_key,
@@ -41,7 +40,20 @@ ENDING_ROUNDS = 2  # rounds a former holder still announces a unit it gave up
 
 
 class SwarmMismatch(ConfigError):
-    """This peer's model/shards/method settings differ from the swarm's."""
+    """This peer's manifest (or protocol) differs from the swarm's."""
+
+
+def mismatch(transport: Transport, run_id: str, ours: Manifest, peer: str, theirs: manifests.ManifestRecord):
+    """The error for a peer whose manifest differs from ours: the protocols when they differ, else every
+    differing field (when its manifest can be fetched)."""
+    if theirs.protocol != ours.protocol:
+        return SwarmMismatch(manifests.protocol_mismatch(run_id, theirs.protocol, peer))
+    try:
+        full, _ = manifests.fetch(transport, [peer], theirs.hash, timeout=10.0)
+        detail = "; ".join(manifests.differences(ours, full))
+    except ManifestError as exc:
+        detail = f"manifest {theirs.hash[:16]} vs {ours.hash[:16]} here ({exc})"
+    return SwarmMismatch(f"this peer's settings differ from swarm {run_id!r} (peer {peer}): {detail}")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -96,10 +108,6 @@ def read_view(transport: Transport, run_id: str, units: list[str]) -> SwarmView:
     return view
 
 
-def read_identities(transport: Transport, run_id: str) -> dict[str, IdentityRecord]:
-    return decode_entries(transport.read(config_key(run_id)), IdentityRecord, "config")
-
-
 class SwarmMember:
     """This peer's claims and progress, and its records in the DHT.
 
@@ -109,8 +117,9 @@ class SwarmMember:
     snapshot of the state, then its DHT writes), so an older snapshot never overwrites a newer one.
     """
 
-    def __init__(self, transport: Transport, identity: IdentityRecord, cfg: MemberConfig) -> None:
-        self.transport, self.identity, self.cfg = transport, identity, cfg
+    def __init__(self, transport: Transport, manifest: Manifest, cfg: MemberConfig) -> None:
+        self.transport, self.manifest, self.cfg = transport, manifest, cfg
+        self._manifest_record = manifest.record()
         self._state = threading.RLock()
         self._publishing = threading.Lock()
         self.held: set[str] = set()
@@ -135,26 +144,17 @@ class SwarmMember:
         with self._state:
             return self.since.get(unit, 0)
 
-    def check_identity(self) -> None:
-        """Raises SwarmMismatch naming the fields where this peer differs from the swarm's live peers."""
-        for peer, theirs in read_identities(self.transport, self.cfg.run_id).items():
-            if peer == self.transport.peer_id or theirs.hash == self.identity.hash:
-                continue
-            ours, other = self.identity.fields.get("protocol"), theirs.fields.get("protocol")
-            if ours != other:
-                raise SwarmMismatch(
-                    f"swarm {self.cfg.run_id!r} speaks protocol {other} (peer {peer}) and this peer protocol "
-                    f"{ours}: their spes-p2p versions cannot work together; install the swarm's version"
-                )
-            diffs = "; ".join(differences(self.identity, theirs))
-            raise SwarmMismatch(
-                f"this peer's settings differ from swarm {self.cfg.run_id!r} (peer {peer}): {diffs}"
-            )
+    def check_manifest(self) -> None:
+        """Raises SwarmMismatch when a live peer shares another manifest, naming what differs."""
+        live = self.live_peers()
+        for peer, theirs in manifests.read_records(self.transport, self.cfg.run_id).items():
+            if peer != self.transport.peer_id and peer in live and theirs.hash != self.manifest.hash:
+                raise mismatch(self.transport, self.cfg.run_id, self.manifest, peer, theirs)
 
     def join(self, first_round: int | None = None) -> SwarmView:
-        """Checks the swarm identity, then claims and publishes. Nothing is written if the check fails. The
+        """Checks the manifest, then claims and publishes. Nothing is written if the check fails. The
         units count this peer's updates from ``first_round`` on (default: the current round)."""
-        self.check_identity()
+        self.check_manifest()
         view = self.view()
         with self._state:
             first = self.round if first_round is None else first_round
@@ -260,7 +260,7 @@ class SwarmMember:
             with self._state:
                 released = {u for u, last in self.ending.items() if self.round > last + ENDING_ROUNDS}
                 records = [
-                    (config_key(self.cfg.run_id), self.identity),
+                    (manifests.manifest_key(self.cfg.run_id), self._manifest_record),
                     (peers_key(self.cfg.run_id), self._peer_record("active", addresses)),
                     *self._holder_records(set(self.units_held) | set(self.ending) - released, held=True),
                     *self._holder_records(released, held=False),
@@ -313,7 +313,8 @@ class SwarmMember:
             tokens_per_s=self.tokens_per_s,
             loss=self.loss,
             version=self.cfg.version,
-            config_hash=self.identity.hash,
+            manifest=self.manifest.hash,
             state=state,
             client_mode=self.cfg.client_mode,
+            seen=self.transport.now(),
         )

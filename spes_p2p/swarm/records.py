@@ -2,7 +2,7 @@
 
 Keys, all under the swarm's ``run_id``; every peer writes only its own entry under each key:
 
-    <run_id>/config                 IdentityRecord: the settings that must match, and their hash
+    <run_id>/manifest               ManifestRecord (swarm/manifest.py): the swarm's manifest, by hash
     <run_id>/peers                  PeerRecord: addresses, units held, round, throughput, loss, version
     <run_id>/holders/<unit>         HolderRecord: this peer holds <unit> (since, until, epoch)
     <run_id>/updates/<round>/<unit> Announcement: this peer's update of <unit> for <round> is ready
@@ -15,11 +15,9 @@ leaves overwrites its entries with ``state = "left"`` / ``held = False`` tombsto
 
 from __future__ import annotations
 
-import hashlib
-import json
 import logging
 import math
-from typing import Annotated, Any, ClassVar, Literal, TypeVar
+from typing import Annotated, ClassVar, Literal, TypeVar
 
 import msgspec
 
@@ -71,17 +69,6 @@ class Record(Strict):
     ERROR = RecordError
 
 
-class IdentityRecord(Record):
-    """The settings every peer of a swarm must share (model, shards, method), and their hash."""
-
-    hash: Hex
-    fields: dict[str, Any]
-
-    def __post_init__(self) -> None:
-        if self.hash != fields_hash(self.fields):
-            raise ValueError("config entry's hash does not match its fields")
-
-
 class PeerRecord(Record):
     peer_id: Short
     addresses: Annotated[list[Short], msgspec.Meta(max_length=MAX_ADDRESSES)]
@@ -90,13 +77,14 @@ class PeerRecord(Record):
     tokens_per_s: Annotated[float, msgspec.Meta(ge=0)] = 0.0
     loss: float | None = None
     version: Short = ""
-    config_hash: Short = ""
+    manifest: Short = ""  # the hash of the swarm manifest this peer shares
     state: Literal["active", "left"] = "active"
     client_mode: bool = False
+    seen: float = 0.0  # the writer's DHT time when it wrote this record
 
     def __post_init__(self) -> None:
-        if not math.isfinite(self.tokens_per_s) or (self.loss is not None and not math.isfinite(self.loss)):
-            raise ValueError("tokens_per_s and loss must be finite")
+        if not all(math.isfinite(x) for x in (self.tokens_per_s, self.seen, self.loss or 0.0)):
+            raise ValueError("tokens_per_s, seen and loss must be finite")
 
 
 class HolderRecord(Record):
@@ -119,28 +107,6 @@ class Announcement(Record):
     codec: Short
     sha256: Hex
     base: Hex
-
-
-def identity_record(fields: dict[str, Any]) -> IdentityRecord:
-    return IdentityRecord(fields_hash(fields), fields)
-
-
-def differences(ours: IdentityRecord, theirs: IdentityRecord) -> list[str]:
-    """'field: ours vs theirs' for every field that differs."""
-    names = sorted(set(ours.fields) | set(theirs.fields))
-    return [
-        f"{n}: {ours.fields.get(n)!r} here vs {theirs.fields.get(n)!r} in the swarm"
-        for n in names
-        if ours.fields.get(n) != theirs.fields.get(n)
-    ]
-
-
-def fields_hash(fields: dict[str, Any]) -> str:
-    return hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:16]
-
-
-def config_key(run_id: str) -> str:
-    return f"{run_id}/config"
 
 
 def peers_key(run_id: str) -> str:
