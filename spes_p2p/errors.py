@@ -2,6 +2,7 @@
 
     SpesError                 base: a message meant for the user, one line
      +-- ConfigError          a setting that cannot work (also a ValueError); names the field
+     |    +-- SwarmMismatch   this peer's settings or protocol differ from the swarm's manifest
      +-- DataError            a corpus that is missing, empty or unreadable
      +-- CheckpointError      a checkpoint that is missing, truncated, corrupt or does not fit
 
@@ -15,6 +16,10 @@ class SpesError(Exception):
 
 class ConfigError(SpesError, ValueError):
     """A configuration value that cannot work."""
+
+
+class SwarmMismatch(ConfigError):
+    """This peer's manifest, settings or protocol differ from the swarm's; the message names each one."""
 
 
 class DataError(SpesError):

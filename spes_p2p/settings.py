@@ -24,7 +24,7 @@ from typing import Any
 
 import tomli_w
 
-from spes_p2p.errors import ConfigError
+from spes_p2p.errors import ConfigError, SwarmMismatch
 from spes_p2p.fields import SWARM, FieldError, Section, check, flag_of, setting
 from spes_p2p.model.config import ModelSettings
 from spes_p2p.peer.config import METHOD_DEFAULTS, MethodConfig, PeerConfig
@@ -160,7 +160,7 @@ class Settings:
             if (s, f) in self.given and _normal(ours.get(f"{s}.{f}")) != _normal(v)
         ]
         if differ:
-            raise ConfigError(f"settings that must match the swarm's differ: {'; '.join(differ)}")
+            raise SwarmMismatch(f"settings that must match the swarm's differ: {'; '.join(differ)}")
         unknown = sorted(f"{s}.{f}" for s, f in theirs if s not in SECTIONS or f not in _field_names(s))
         if unknown:
             raise ConfigError(

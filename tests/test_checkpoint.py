@@ -100,6 +100,17 @@ def test_corrupt_checkpoint_is_reported_and_the_previous_kept(tmp_path, stdlib_d
     assert load_checkpoint(list_checkpoints(tmp_path)[0]).meta["step"] == 6
 
 
+def test_when_every_checkpoint_is_damaged_none_is_called_intact(tmp_path, stdlib_data):
+    training(stdlib_data, tmp_path, total_steps=12).run()
+    older, newest = list_checkpoints(tmp_path)
+    for checkpoint in (older, newest):
+        data = (checkpoint / "model.safetensors").read_bytes()
+        (checkpoint / "model.safetensors").write_bytes(data[: len(data) // 2])
+    with pytest.raises(CheckpointError, match="older checkpoints are damaged too") as error:
+        load_checkpoint(tmp_path)
+    assert "intact" not in str(error.value)
+
+
 def spes(*args: str, cwd=None) -> subprocess.CompletedProcess:
     return subprocess.run(
         [sys.executable, "-m", "spes_cli", *args], capture_output=True, text=True, cwd=cwd, timeout=240

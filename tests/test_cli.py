@@ -142,3 +142,45 @@ def test_bad_input_gets_one_clear_line(args, code, message, tmp_path, cache_dir)
     assert isinstance(result.exception, SystemExit)  # not an exception that escaped
     assert message in " ".join(result.stderr.split())
     assert len(result.stderr.strip().splitlines()) <= 4  # (click's usage error adds its usage lines)
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["train", "--out", "{file}"], "is a file, not a folder"),
+        (["train", "--out", "{file}/run"], "cannot write there (Not a directory)"),
+        (["simulate", "--backend", "memory", "--out", "{file}"], "is a file, not a folder"),
+    ],
+)
+def test_an_out_folder_that_cannot_be_written_is_one_clear_line(args, message, tmp_path):
+    file = tmp_path / "a-file"
+    file.write_text("not a folder")
+    result = CliRunner().invoke(spes, [a.replace("{file}", str(file)) for a in args])
+    assert result.exit_code == 1 and isinstance(result.exception, SystemExit), result.output
+    assert message in " ".join(result.stderr.split())
+    assert file.read_text() == "not a folder"  # nothing lost
+
+
+def test_spes_join_checks_its_folders_before_starting(tmp_path):
+    file = tmp_path / "a-file"
+    file.write_text("")
+    for flag, target, message in (
+        ("--out", f"{file}/sub", f"--out {file}/sub: cannot write there"),
+        ("--identity", f"{file}/identity.key", f"the folder of --identity {file} is a file, not a folder"),
+    ):
+        result = CliRunner().invoke(spes_join, ["--new-swarm", flag, target])
+        assert result.exit_code == 1 and isinstance(result.exception, SystemExit), result.output
+        assert message in " ".join(result.stderr.split())
+
+
+def test_a_model_too_big_for_this_machine_is_refused_before_it_is_built(monkeypatch, tmp_path):
+    import psutil
+
+    class Memory:
+        available = 2 * 2**30
+
+    monkeypatch.setattr(psutil, "virtual_memory", lambda: Memory)
+    result = CliRunner().invoke(spes, ["train", "--preset", "1b", "--out", str(tmp_path / "run")])
+    assert result.exit_code == 1, result.output
+    line = " ".join(result.stderr.split())
+    assert "1b needs about" in line and "2.0 GiB free" in line and "Presets that fit: tiny, small" in line

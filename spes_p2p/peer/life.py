@@ -15,6 +15,7 @@ import threading
 from contextlib import AbstractContextManager
 from pathlib import Path
 
+from spes_p2p.files import writable_folder
 from spes_p2p.peer import joining
 from spes_p2p.peer.admission import admit
 from spes_p2p.peer.node import Peer, PeerStatus
@@ -23,6 +24,7 @@ from spes_p2p.peer.summary import live_addresses, write_invite
 from spes_p2p.settings import Settings
 from spes_p2p.swarm.reachability import Reachability
 from spes_p2p.swarm.transport import Transport
+from spes_p2p.train.memory import check_fits
 
 logger = logging.getLogger(__name__)
 
@@ -58,6 +60,7 @@ def live(
     ``transport``, it opens the one the settings name."""
     ui = ui or Frontend()
     run = settings.run
+    preflight(settings, identity=transport is None)
     if transport is None:
         with ui.phase("Starting the peer and joining the swarm..."):
             transport = open_transport(settings, new_swarm=run.new_swarm)
@@ -98,6 +101,21 @@ def live(
                 transport.shutdown()
     ui.left(final)
     return final
+
+
+def preflight(settings: Settings, identity: bool = True) -> None:
+    """What can be checked before anything starts: the run folder and the identity's can be written, and the
+    model fits this machine's memory (with the units this peer may train at most)."""
+    if settings.run.out:
+        writable_folder(Path(settings.run.out), "--out")
+    key = Path(settings.network.identity).expanduser()
+    if identity and not key.exists():
+        writable_folder(key.parent, "the folder of --identity")
+    layout, peer = settings.model.layout(), settings.peer
+    units = [*layout.dense_units[: peer.active_blocks], *layout.expert_units[: peer.capacity]]
+    if settings.method.mode == "diloco":
+        units = layout.units
+    check_fits(settings.model.architecture(), layout, units, settings.train.optimizer, settings.model.preset)
 
 
 def stop_on_signals() -> threading.Event:

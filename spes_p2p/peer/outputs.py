@@ -15,14 +15,14 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
+from spes_p2p.files import writable_folder
 from spes_p2p.train.checkpoint import save_checkpoint
 from spes_p2p.train.trainer import Trainer
 
 
 class RunOutputs:
     def __init__(self, out_dir: Path) -> None:
-        self.dir = Path(out_dir)
-        self.dir.mkdir(parents=True, exist_ok=True)
+        self.dir = writable_folder(Path(out_dir), "--out")
 
     def append(self, row: dict) -> None:
         with open(self.dir / "metrics.jsonl", "a") as f:

@@ -27,6 +27,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from spes_p2p.errors import SpesError
+from spes_p2p.files import writable_folder
 from spes_p2p.settings import Settings, key_of, load_settings
 from spes_p2p.sim.config import LOCAL_SWARM_DEFAULTS, SOLE, Event, Partition
 from spes_p2p.sim.summary import plot_losses, read_rows, summarize
@@ -348,9 +349,8 @@ def simulation(**changes) -> Settings:
 def run(settings: Settings, on_tick: Callable[[dict], None] | None = None) -> dict:
     """Runs the simulation to its last round (``[run] rounds``); returns the summary (also written to
     OUT/summary.json)."""
-    out = Path(settings.run.out)
+    out = writable_folder(Path(settings.run.out), "--out")
     shutil.rmtree(out / "peers", ignore_errors=True)  # a fresh simulation: no rows of an earlier one
-    out.mkdir(parents=True, exist_ok=True)
     fleet: Fleet = MemoryFleet(settings) if settings.sim.backend == "memory" else ProcessFleet(settings)
     director = Director(settings, fleet)
     started = time.monotonic()

@@ -22,6 +22,7 @@ import ctypes
 import logging
 import os
 import signal
+import socket
 import threading
 import time
 from collections.abc import Sequence
@@ -98,6 +99,7 @@ class HivemindTransport(Transport):
         startup_timeout: float = STARTUP_TIMEOUT,
     ) -> None:
         self.stats = TransportStats()
+        check_ports_free(listen)
         identity_path = ensure_identity(identity_path) if identity_path else None
         key = _signing_key(identity_path) if identity_path else None
         self._validator = RSASignatureValidator(key)
@@ -303,6 +305,24 @@ def _as_bytes(value) -> bytes | None:
         return msgspec.msgpack.encode(value)
     except (TypeError, ValueError, OverflowError):
         return None
+
+
+def check_ports_free(listen: Sequence[str]) -> None:
+    """A fixed TCP port another program (or peer) already listens on is a ListenError. p2pd binds with
+    SO_REUSEPORT, so a second peer on the first one's port would otherwise start and share its connections."""
+    for addr in listen:
+        parts = addr.split("/")
+        if len(parts) < 5 or parts[1] not in ("ip4", "ip6") or parts[3] != "tcp" or parts[4] in ("", "0"):
+            continue
+        family = socket.AF_INET if parts[1] == "ip4" else socket.AF_INET6
+        with socket.socket(family, socket.SOCK_STREAM) as probe:
+            try:
+                probe.bind((parts[2], int(parts[4])))
+            except OSError as exc:
+                raise ListenError(
+                    f"cannot listen on {addr}: {exc.strerror.lower()} (another peer or program holds port "
+                    f"{parts[4]}); pick another --listen port, or tcp/0 for any free one"
+                ) from None
 
 
 def _owner_peer_id(subkey) -> str | None:

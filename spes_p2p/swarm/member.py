@@ -17,7 +17,7 @@ import logging
 import threading
 from dataclasses import dataclass, field
 
-from spes_p2p.errors import ConfigError
+from spes_p2p.errors import SwarmMismatch
 from spes_p2p.swarm import manifest as manifests
 from spes_p2p.swarm.claims import carry_block, choose_units, holders_at_epoch
 from spes_p2p.swarm.manifest import Manifest, ManifestError
@@ -37,10 +37,6 @@ logger = logging.getLogger(__name__)
 
 
 ENDING_ROUNDS = 2  # rounds a former holder still announces a unit it gave up
-
-
-class SwarmMismatch(ConfigError):
-    """This peer's manifest (or protocol) differs from the swarm's."""
 
 
 def mismatch(transport: Transport, run_id: str, ours: Manifest, peer: str, theirs: manifests.ManifestRecord):

@@ -129,10 +129,25 @@ def read_meta(path: Path) -> dict:
 
 
 def _fallback_hint(path: Path) -> str:
+    """Where to resume from instead: the newest older checkpoint that passes its checks, if any."""
     older = [p for p in list_checkpoints(path.parent.parent) if p.name < path.name]
-    if not older:
-        return ""
-    return f"; the previous checkpoint {older[-1]} is intact: remove {path.name} to resume from it"
+    for candidate in reversed(older):
+        if _intact(candidate):
+            return f"; the previous checkpoint {candidate} is intact: remove {path.name} to resume from it"
+    if older:
+        return "; the older checkpoints are damaged too: start over without --resume, or restore a backup"
+    return ""
+
+
+def _intact(path: Path) -> bool:
+    try:
+        meta = json.loads((path / "meta.json").read_text())
+        return meta.get("format") == FORMAT and all(
+            (path / name).is_file() and _sha256(path / name) == digest
+            for name, digest in meta["files"].items()
+        )
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return False
 
 
 def _sha256(path: Path) -> str:

@@ -14,11 +14,13 @@ from pathlib import Path
 import torch
 
 from spes_p2p.errors import CheckpointError, ConfigError
+from spes_p2p.files import writable_folder
 from spes_p2p.model import ModelConfig, MoETransformer
 from spes_p2p.model.config import ModelSettings
 from spes_p2p.train.checkpoint import list_checkpoints, load_checkpoint, save_checkpoint
 from spes_p2p.train.config import DataConfig, TrainConfig
 from spes_p2p.train.dataset import BatchSampler, DataShard, prepare_data, validation_batches
+from spes_p2p.train.memory import check_fits
 from spes_p2p.train.trainer import StepResult, Trainer, evaluate
 
 
@@ -58,6 +60,8 @@ class TrainingRun:
             if owned_shards is None
             else [*layout.dense_units, *layout.shard_units(list(owned_shards))]
         )
+        check_fits(model_cfg, layout, units, train.optimizer, model.preset)
+        writable_folder(self.out_dir, "--out")
         self.data = prepare_data(data, model_cfg.vocab_size)
         torch.manual_seed(train.seed)
         self.model = MoETransformer(model_cfg)

@@ -1,0 +1,24 @@
+"""Folders the user names (``--out``, the identity's folder), checked before any work is done."""
+
+from __future__ import annotations
+
+import tempfile
+from pathlib import Path
+
+from spes_p2p.errors import ConfigError
+
+
+def writable_folder(path: Path, flag: str) -> Path:
+    """``path`` as a folder this process can write (created if missing); one clear ConfigError otherwise."""
+    path = Path(path).expanduser()
+    if path.exists() and not path.is_dir():
+        raise ConfigError(f"{flag} {path} is a file, not a folder: name a folder (it is created if missing)")
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=path, prefix=".write-test-"):
+            pass
+    except OSError as exc:
+        raise ConfigError(
+            f"{flag} {path}: cannot write there ({exc.strerror}); name a folder you can write"
+        ) from None
+    return path

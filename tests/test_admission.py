@@ -1,0 +1,92 @@
+"""Joining a swarm by its manifest, on the memory backend: what a newcomer adopts, what refuses it, invites,
+and what `spes status` reads."""
+
+import threading
+
+import pytest
+
+from spes_p2p.peer import Peer
+from spes_p2p.peer.admission import SwarmUnavailable, admit
+from spes_p2p.peer.summary import SwarmReader, invite
+from spes_p2p.settings import Settings, load_settings
+from spes_p2p.swarm.member import SwarmMismatch
+from spes_p2p.swarm.memory import MemoryNetwork
+
+pytestmark = pytest.mark.timeout(120)
+ADDRESS = "/ip4/127.0.0.1/tcp/1/p2p/QmTJxrrywQ2EdDBm8kDofL3hoo4x2TB2JY9fh5BJVN1Yon"
+
+
+def founder_settings(**changes) -> Settings:
+    base = {
+        "model__shards": 2,
+        "model__dense_blocks": 2,
+        "method__overlap": False,
+        "data__max_corpus_mb": 1.0,
+    }
+    return Settings().override(**{**base, **changes})
+
+
+@pytest.fixture
+def swarm(tmp_path):
+    """A founded swarm of one peer (joined, not training), on a fresh memory network."""
+    net = MemoryNetwork(seed=0)
+    founder = Peer(founder_settings(), net.join("founder"))
+    founder.join()
+    yield net, founder
+    founder.close()
+
+
+def test_a_newcomer_adopts_the_manifest_and_the_founders_tokenizer(swarm):
+    net, founder = swarm
+    mine = Settings().override(data__max_corpus_mb=1.0, train__lr=3e-3)  # (per peer: stays its own)
+    admission = admit(mine, net.join("newcomer"), threading.Event())
+    adopted = admission.settings
+    assert admission.manifest.hash == founder.manifest.hash
+    assert (adopted.model.shards, adopted.model.dense_blocks, adopted.method.overlap) == (2, 2, False)
+    assert adopted.train.lr == 3e-3
+    assert adopted.swarm_wide() == founder.settings.swarm_wide()
+    with open(adopted.data.tokenizer, "rb") as f:
+        assert f.read() == founder.local.data.tokenizer.to_str().encode()
+
+
+def test_a_setting_given_that_differs_is_refused_by_name(swarm):
+    net, _ = swarm
+    given = load_settings(None, {("model", "shards"): 4, ("sync", "codec"): "fp16", ("train", "lr"): 0.01})
+    with pytest.raises(SwarmMismatch, match=r"model\.shards: 4 here vs 2 in the swarm; sync\.codec: 'fp16'"):
+        admit(given, net.join("stranger"), threading.Event())
+
+
+def test_an_invite_joins_the_swarm_it_names_and_nothing_else(swarm, tmp_path):
+    net, founder = swarm
+    path = tmp_path / "invite.toml"
+    path.write_text(invite(founder.settings, founder.manifest, [ADDRESS]))
+    invited = load_settings(path)
+    assert invited.swarm.manifest == founder.manifest.hash and invited.model.dense_blocks == 2
+    assert admit(invited, net.join("volunteer"), threading.Event()).manifest.hash == founder.manifest.hash
+    stale = invited.override(swarm__manifest="ab" * 32)  # an invite to a swarm founded anew since
+    with pytest.raises(SwarmMismatch, match="the invite names manifest abababababababab"):
+        admit(stale, net.join("late"), threading.Event())
+
+
+def test_a_swarm_whose_peers_all_left_is_reported_with_its_last_round(tmp_path):
+    net = MemoryNetwork(seed=0)
+    founder = Peer(founder_settings(), net.join("founder"))
+    founder.join()
+    founder.run(threading.Event(), rounds=1)
+    founder.close()  # leaves: its records become "left" tombstones
+    quick = Settings().override(swarm__join_timeout_seconds=1.0)
+    with pytest.raises(SwarmUnavailable, match="has no live peer: its last peers left after round 1"):
+        admit(quick, net.join("newcomer"), threading.Event())
+
+
+def test_status_reads_peers_units_and_the_replication_target(swarm):
+    net, founder = swarm
+    with SwarmReader(founder.settings, transport=net.join("observer")) as reader:
+        summary = reader.read()
+    assert summary["manifest"] == founder.manifest.hash and summary["target_replication"] == 2
+    assert [p["peer_id"] for p in summary["peers"]] == ["founder"]
+    assert 0 <= summary["peers"][0]["seen_seconds_ago"] < 60
+    held = set(founder.member.units_held)
+    assert {u for u, h in summary["units"].items() if h} == held
+    assert summary["under_replicated"] == [u for u in ("experts/0", "experts/1") if u in held]
+    assert summary["uncovered"] == sorted(set(summary["units"]) - held)
