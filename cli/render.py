@@ -112,7 +112,7 @@ class JoinView(Frontend):
         )
         for addr in status.addresses:
             say(f"  dial me at {addr}")
-        color = "green" if reachability.reachable else "yellow"
+        color = {"yes": "green", "no": "red"}.get(reachability.reachable, "yellow")
         say(f"[{color}]{reachability.message}[/]")
         invite = self.settings.run.invite
         if self.settings.run.new_swarm:
@@ -184,6 +184,7 @@ class SwarmLive(LiveView):
         coverage = " ".join(f"{u}={len(h)}" for u, h in status.view.holders.items())
         held = ", ".join(status.units)
         line = f"round {status.round}: holding {held}; {len(status.view.peers)} peers; coverage {coverage}"
+        line += f"; reachable {status.reachable}"
         if status.loss is not None:
             line += (
                 f"; loss {status.loss:.3f}, {status.tokens_per_s:,.0f} tok/s, "
@@ -207,7 +208,9 @@ def swarm_table(run_id: str, status) -> Table:
             style=style,
         )
     table.add_section()
-    table.add_row("peers seen", str(len(status.view.peers)), "")
+    table.add_row(
+        "peers seen", str(len(status.view.peers)), f"this peer reachable from the swarm: {status.reachable}"
+    )
     loss = "-" if status.loss is None else f"{status.loss:.3f}"
     table.add_row("round", str(status.round), f"loss {loss}, {status.tokens_per_s:,.0f} tok/s")
     table.add_row("traffic", "", f"sent {_mib(status.bytes_sent)}, received {_mib(status.bytes_received)}")
@@ -220,19 +223,15 @@ def status_tables(summary: dict) -> list[Table]:
         caption=f"manifest {summary['manifest'][:16]}, protocol {summary['protocol']}",
     )
     peers.add_column("peer", overflow="fold")
-    for col in ("units", "round", "tokens/s", "loss", "version", "seen"):
+    for col in ("units", "round", "tokens/s", "loss", "reachable", "version", "seen"):
         peers.add_column(col)
     for p in summary["peers"]:
         loss = "-" if p["loss"] is None else f"{p['loss']:.3f}"
         seen = f"{p['seen_seconds_ago']:.0f}s ago"
+        reach = "client" if p["client_mode"] else p["reachable"]
+        tokens = f"{p['tokens_per_s']:,.0f}"
         peers.add_row(
-            p["peer_id"],
-            ", ".join(p["units"]),
-            str(p["round"]),
-            f"{p['tokens_per_s']:,.0f}",
-            loss,
-            p["version"],
-            seen,
+            p["peer_id"], ", ".join(p["units"]), str(p["round"]), tokens, loss, reach, p["version"], seen
         )
     units = Table(title=f"units (target: {summary['target_replication']} holders per expert shard)")
     units.add_column("unit")

@@ -1,30 +1,64 @@
-from spes_p2p.swarm.reachability import assess
+"""Reachability is tested, not guessed: peers dial each other back, and the verdict names the fix."""
+
+import msgspec
+import pytest
+
+from spes_p2p.swarm.memory import MemoryNetwork
+from spes_p2p.swarm.reachability import (
+    DIALBACKS_PER_MINUTE,
+    RPC_DIALBACK,
+    DialbackRequest,
+    DialbackServer,
+    assess,
+    dial_back,
+)
+from spes_p2p.swarm.transport import RemoteError
 
 PID = "/p2p/QmTJxrrywQ2EdDBm8kDofL3hoo4x2TB2JY9fh5BJVN1Yon"
+PRIVATE = f"/ip4/192.168.1.20/tcp/4001{PID}"
 
 
-def test_public_address_is_reachable():
-    r = assess(
-        [f"/ip4/10.0.0.5/tcp/31337{PID}", f"/ip4/93.184.216.34/tcp/31337{PID}"],
-        client_mode=False,
-        announced=True,
-        relay=False,
-    )
-    assert r.reachable and "93.184.216.34" in r.message
+@pytest.fixture
+def net():
+    net = MemoryNetwork()
+    for name in ("helper", "home", "natted"):
+        DialbackServer(net.join(name))
+    net.unreachable.add("natted")  # nobody can dial it: it only dials out
+    return net
 
 
-def test_private_only_names_the_flags_that_fix_it():
-    r = assess([f"/ip4/192.168.1.20/tcp/4001{PID}"], client_mode=False, announced=False, relay=False)
-    assert not r.reachable
-    assert "--announce" in r.message and "--use-relay" in r.message and "--client-mode" in r.message
+def test_a_peer_is_dialed_back_at_its_addresses(net):
+    home, natted = net.peers["home"], net.peers["natted"]
+    assert dial_back(home, ["helper"], home.addresses()) == {"/memory/p2p/home": True}
+    assert dial_back(natted, ["helper"], natted.addresses()) == {"/memory/p2p/natted": False}
+    assert dial_back(home, [], home.addresses()) == {"/memory/p2p/home": None}  # nobody to ask
 
 
-def test_loopback_client_and_relay():
-    assert (
-        "loopback"
-        in assess([f"/ip4/127.0.0.1/tcp/1{PID}"], client_mode=False, announced=False, relay=False).message
-    )
-    assert not assess([], client_mode=True, announced=False, relay=False).reachable
-    assert assess(
-        [f"/ip4/192.168.1.20/tcp/4001{PID}"], client_mode=False, announced=False, relay=True
-    ).reachable
+def test_a_peer_is_dialed_back_only_at_its_own_addresses_and_only_so_often(net):
+    home = net.peers["home"]
+    other = DialbackRequest(address="/memory/p2p/natted").encode()
+    with pytest.raises(RemoteError, match="only at its own addresses"):
+        home.request("helper", RPC_DIALBACK, other, timeout=1)
+    own = DialbackRequest(address="/memory/p2p/home").encode()
+    for _ in range(DIALBACKS_PER_MINUTE):
+        home.request("helper", RPC_DIALBACK, own, timeout=1)
+    with pytest.raises(RemoteError, match="too many"):
+        home.request("helper", RPC_DIALBACK, own, timeout=1)
+    with pytest.raises(RemoteError, match="malformed"):
+        home.request("helper", RPC_DIALBACK, msgspec.msgpack.encode({"address": 7}), timeout=1)
+
+
+def test_the_verdict_follows_the_dial_backs_and_names_the_fix():
+    yes = assess([PRIVATE], client_mode=False, announced=False, relay=False, dialed={PRIVATE: True})
+    assert yes.reachable == "yes" and PRIVATE in yes.message
+    no = assess([PRIVATE], client_mode=False, announced=False, relay=False, dialed={PRIVATE: False})
+    assert no.reachable == "no" and "--announce" in no.message and "--use-relay" in no.message
+    assert "--client-mode" in no.message
+    announced = assess([PRIVATE], client_mode=False, announced=True, relay=False, dialed={PRIVATE: False})
+    assert "its port is forwarded" in announced.message
+    unknown = assess([PRIVATE], client_mode=False, announced=False, relay=False, dialed={PRIVATE: None})
+    assert unknown.reachable == "unknown" and "not checked yet" in unknown.message
+    loopback = f"/ip4/127.0.0.1/tcp/1{PID}"
+    local = assess([loopback], client_mode=False, announced=False, relay=False, dialed={loopback: False})
+    assert "loopback" in local.message and "--listen /ip4/0.0.0.0/tcp/PORT" in local.message
+    assert assess([], client_mode=True, announced=False, relay=False, dialed={}).reachable == "no"

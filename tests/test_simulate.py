@@ -177,3 +177,22 @@ def test_resume_after_kill_keeps_the_peer_id(tmp_path):
         assert "resumed from" in (tmp_path / "b.log").read_text()
     finally:
         stop_process_groups(procs)
+
+
+@pytest.mark.timeout(900)
+def test_late_joins_reach_the_main_swarm_run_after_run(tmp_path):
+    """Five runs in a row of a scenario that used to lose newcomers (they started a swarm of their own, or
+    arrived after the end): the founder and another peer are killed, two newcomers join at round 4. Every
+    newcomer must count in the main swarm within 2 rounds of its join round, and nothing may split."""
+    args = "simulate --peers 5 --shards 2 --rounds 10 --steps-per-round 10 --batch-size 4 --seq-len 64"
+    args += " --max-corpus-mb 1 --kill 0@2 --kill 3@3 --join 2@4 --out"
+    for run_index in range(5):
+        out = tmp_path / f"run{run_index}"
+        result = CliRunner().invoke(spes, [*args.split(), str(out)])
+        assert result.exit_code == 0, result.output
+        summary = json.loads((out / "summary.json").read_text())
+        assert not summary["failures"] and summary["rounds_completed"] == 10, (run_index, summary["failures"])
+        assert len(summary["newcomers"]) == 2
+        for newcomer in summary["newcomers"]:
+            assert newcomer["join_round"] == 4 and newcomer["first_counted_round"] is not None, newcomer
+            assert newcomer["rounds_late"] <= 2, (run_index, newcomer)

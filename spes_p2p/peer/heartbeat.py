@@ -12,8 +12,10 @@ logger = logging.getLogger(__name__)
 
 
 class Heartbeat:
-    def __init__(self, member: SwarmMember, seconds: float) -> None:
-        self.member, self.seconds = member, seconds
+    """Refreshes the records every ``seconds``, after running ``also`` (a check that may change them)."""
+
+    def __init__(self, member: SwarmMember, seconds: float, also=lambda: None) -> None:
+        self.member, self.seconds, self.also = member, seconds, also
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._beat, name="spes-heartbeat", daemon=True)
 
@@ -26,6 +28,7 @@ class Heartbeat:
     def _beat(self) -> None:
         while not self._stop.wait(self.seconds):
             try:
+                self.also()
                 self.member.heartbeat()
             except Exception:  # a network hiccup must not kill the peer; the next heartbeat retries
                 logger.exception("heartbeat failed")

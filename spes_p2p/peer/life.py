@@ -8,18 +8,22 @@ A front end (the terminal view of ``spes-join``, or plain log lines) follows alo
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import os
 import signal
 import threading
+import time
 from contextlib import AbstractContextManager
 from pathlib import Path
+
+import psutil
 
 from spes_p2p.files import writable_folder
 from spes_p2p.peer import joining
 from spes_p2p.peer.admission import admit
 from spes_p2p.peer.node import Peer, PeerStatus
-from spes_p2p.peer.setup import open_transport, reachability
+from spes_p2p.peer.setup import open_transport
 from spes_p2p.peer.summary import live_addresses, write_invite
 from spes_p2p.settings import Settings
 from spes_p2p.swarm.reachability import Reachability
@@ -57,41 +61,22 @@ def live(
     settings: Settings, stop: threading.Event, ui: Frontend | None = None, transport: Transport | None = None
 ) -> PeerStatus:
     """Runs one peer until ``stop`` is set or ``[run] rounds`` are done; returns its final status. Without a
-    ``transport``, it opens the one the settings name."""
+    ``transport``, it opens the one the settings name (and counts its start-up from the process's start)."""
     ui = ui or Frontend()
-    run = settings.run
     preflight(settings, identity=transport is None)
+    startup = Startup(since_process_start=transport is None)
     if transport is None:
         with ui.phase("Starting the peer and joining the swarm..."):
-            transport = open_transport(settings, new_swarm=run.new_swarm)
+            transport = open_transport(settings, new_swarm=settings.run.new_swarm)
+    startup.mark("transport")
     peer = None
     try:
-        admission = None
-        if not run.new_swarm:
-            with ui.phase("Reading the swarm's manifest..."):
-                admission = admit(settings, transport, stop)
-            settings = admission.settings
-        with ui.phase("Preparing the model and the data..."):
-            peer = Peer(settings, transport, out_dir=Path(run.out) if run.out else None, admission=admission)
-        ui.started(peer)
-        if run.join_round:
-            with ui.phase(f"Waiting for the swarm to reach round {run.join_round}..."):
-                joining.wait_for_round(peer.member, run.join_round, run.wait_seconds, stop)
-        status = peer.join(resume=run.resume)
-        if run.addr_file:
-            _write_lines(Path(run.addr_file), status.addresses)
-        if run.invite:
-            addresses = status.addresses + live_addresses(transport, settings.swarm.run_id)
-            write_invite(Path(run.invite), settings, peer.manifest, list(dict.fromkeys(addresses)))
-        ui.joined(status, reachability(settings, transport), peer.resumed_from)
-        if run.min_peers > 1:
-            with ui.phase(f"Waiting for {run.min_peers} peers..."):
-                joining.wait_for_peers(peer.member, run.min_peers, run.wait_seconds, stop)
-        ui.update(peer.status())
-        peer.run(stop, on_update=ui.update, rounds=run.rounds)
+        peer = _prepare(settings, transport, stop, ui, startup)
+        _join(peer, stop, ui, startup)
+        peer.run(stop, on_update=ui.update, rounds=peer.settings.run.rounds)
         if not stop.is_set():
             with ui.phase("Serving the last round until the others have it..."):
-                peer.drain(settings.sync.deadline_max)
+                peer.drain(peer.settings.sync.deadline_max)
         final = peer.status()
     finally:
         with ui.phase("Releasing claims and leaving..."):
@@ -101,6 +86,58 @@ def live(
                 transport.shutdown()
     ui.left(final)
     return final
+
+
+class Startup:
+    """Seconds from the start (of the process, or of ``live``) to each milestone of a peer's start-up."""
+
+    def __init__(self, since_process_start: bool) -> None:
+        self.t0 = psutil.Process().create_time() if since_process_start else time.time()
+        self.marks: dict[str, float] = {}
+
+    def mark(self, milestone: str) -> None:
+        self.marks[milestone] = round(time.time() - self.t0, 2)
+
+
+def _prepare(
+    settings: Settings, transport: Transport, stop: threading.Event, ui: Frontend, startup: Startup
+) -> Peer:
+    """Admission (a newcomer adopts the swarm's manifest), then the model, the data and the peer."""
+    admission = None
+    if not settings.run.new_swarm:
+        with ui.phase("Reading the swarm's manifest..."):
+            admission = admit(settings, transport, stop)
+        settings = admission.settings
+    startup.mark("manifest")
+    with ui.phase("Preparing the model and the data..."):
+        peer = Peer(settings, transport, Path(settings.run.out) if settings.run.out else None, admission)
+    startup.mark("model_and_data")
+    ui.started(peer)
+    return peer
+
+
+def _join(peer: Peer, stop: threading.Event, ui: Frontend, startup: Startup) -> None:
+    """Joins at the round asked for, writes what others need (addresses, an invite), and waits for the first
+    peers; the start-up's milestones go to OUT/startup.json."""
+    run = peer.settings.run
+    if run.join_round:
+        with ui.phase(f"Waiting for the swarm to reach round {run.join_round}..."):
+            joining.wait_for_round(peer.member, run.join_round, run.wait_seconds, stop)
+    status = peer.join(resume=run.resume)
+    startup.mark("joined")
+    logger.info("start-up, seconds since launch: %s", startup.marks)
+    if run.out:
+        (Path(run.out) / "startup.json").write_text(json.dumps(startup.marks))
+    if run.addr_file:
+        _write_lines(Path(run.addr_file), status.addresses)
+    if run.invite:
+        addresses = status.addresses + live_addresses(peer.transport, peer.settings.swarm.run_id)
+        write_invite(Path(run.invite), peer.settings, peer.manifest, list(dict.fromkeys(addresses)))
+    ui.joined(status, peer.check_reachability(), peer.resumed_from)
+    if run.min_peers > 1:
+        with ui.phase(f"Waiting for {run.min_peers} peers..."):
+            joining.wait_for_peers(peer.member, run.min_peers, run.wait_seconds, stop)
+    ui.update(peer.status())
 
 
 def preflight(settings: Settings, identity: bool = True) -> None:

@@ -17,8 +17,8 @@ class RoundMetrics:
     """Turns a landed job into its row; traffic is counted from one landing to the next (this round's
     exchange, plus what others fetched from this peer meanwhile). Training thread only."""
 
-    def __init__(self, stats: TransportStats) -> None:
-        self.stats = stats
+    def __init__(self, peer_id: str, stats: TransportStats) -> None:
+        self.peer_id, self.stats = peer_id, stats
         self._last = self._now()
 
     def _now(self) -> tuple[int, int, int, float]:
@@ -31,6 +31,7 @@ class RoundMetrics:
         self._last = now
         sent, received, ops, dht = now
         return {
+            "peer": self.peer_id,
             "round": job.round,
             "step": step,
             "tokens": tokens,

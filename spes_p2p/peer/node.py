@@ -40,6 +40,7 @@ from spes_p2p.settings import Settings
 from spes_p2p.swarm.manifest import ManifestServer
 from spes_p2p.swarm.member import SwarmMember, SwarmMismatch, SwarmView
 from spes_p2p.swarm.payload import specs_of
+from spes_p2p.swarm.reachability import UNKNOWN, DialbackServer, Reachability, assess, dial_back
 from spes_p2p.swarm.sync import SyncEngine
 from spes_p2p.swarm.transport import Transport
 from spes_p2p.swarm.waiting import Deadline, poll
@@ -62,6 +63,7 @@ class PeerStatus:
     bytes_sent: int = 0
     bytes_received: int = 0
     last: dict = field(default_factory=dict)  # the latest round's metrics row
+    reachable: str = "unknown"  # whether peers could dial this one back
 
 
 class Peer:
@@ -96,8 +98,12 @@ class Peer:
         overlap = settings.method.overlap
         self.pipeline = Pipeline(RoundSync(settings, self.member, self.sync, self.layout), overlap)
         self.landing = Landing(self.local.read, self.local.write, overlap)
-        self.metrics = RoundMetrics(transport.stats)
-        self.heartbeat = Heartbeat(self.member, settings.swarm.heartbeat_seconds)
+        self.metrics = RoundMetrics(self.me, transport.stats)
+        DialbackServer(transport)
+        self.reach: Reachability | None = None
+        self.heartbeat = Heartbeat(
+            self.member, settings.swarm.heartbeat_seconds, also=self._recheck_reachability
+        )
         self.outputs = RunOutputs(Path(out_dir)) if out_dir else None
         self.round = 0
         self.joined = self.crashed = False
@@ -129,8 +135,32 @@ class Peer:
         self.local.start(self.member.units_held, self.round, checkpoint)
         for unit in self.member.units_held:
             self.sync.serve_weights(self.round - 1, unit, self.local.read(unit))
-        self.metrics = RoundMetrics(self.transport.stats)  # traffic counts from here
+        self.metrics = RoundMetrics(self.me, self.transport.stats)  # traffic counts from here
         return self.status()
+
+    def check_reachability(self) -> Reachability:
+        """Asks live peers to dial this one back at each address it announces (a few seconds at most)."""
+        net, addresses = self.settings.network, self.transport.addresses()
+        helpers = sorted(p for p in self.member.live_peers() if p != self.me)
+        dialed = {} if net.client_mode else dial_back(self.transport, helpers, addresses)
+        self.reach = assess(
+            addresses,
+            client_mode=net.client_mode,
+            announced=bool(net.announce),
+            relay=net.use_relay,
+            dialed=dialed,
+        )
+        self.member.reachable = self.reach.reachable
+        return self.reach
+
+    def _recheck_reachability(self) -> None:
+        """Heartbeat thread: while nobody could be asked yet, ask again."""
+        if (
+            self.reach is not None
+            and self.reach.reachable == UNKNOWN
+            and not self.settings.network.client_mode
+        ):
+            self.check_reachability()
 
     def _restore(self) -> Checkpoint:
         """Loads the newest checkpoint of this peer's run folder (model, data position, round)."""
@@ -292,6 +322,7 @@ class Peer:
             stats.bytes_sent,
             stats.bytes_received,
             self._last_row,
+            member.reachable,
         )
 
     def crash(self) -> None:

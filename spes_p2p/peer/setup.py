@@ -1,5 +1,5 @@
 """Wiring: from a peer's settings to what the layers below need (the membership config, the seed of the
-initial model, reachability) and to its transport."""
+initial model) and to its transport."""
 
 from __future__ import annotations
 
@@ -11,7 +11,6 @@ from spes_p2p import __version__
 from spes_p2p.errors import ConfigError
 from spes_p2p.settings import Settings
 from spes_p2p.swarm.member import MemberConfig
-from spes_p2p.swarm.reachability import Reachability, assess
 from spes_p2p.swarm.transport import Transport
 
 
@@ -40,14 +39,6 @@ def member_config(settings: Settings) -> MemberConfig:
         record_ttl=settings.swarm.record_ttl_seconds,
         version=__version__,
         client_mode=settings.network.client_mode,
-    )
-
-
-def reachability(settings: Settings, transport: Transport) -> Reachability:
-    """Whether other peers can dial this one, judged from what it announces."""
-    net = settings.network
-    return assess(
-        transport.addresses(), client_mode=net.client_mode, announced=bool(net.announce), relay=net.use_relay
     )
 
 

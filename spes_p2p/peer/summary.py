@@ -81,6 +81,7 @@ def swarm_summary(transport: Transport, run_id: str, manifest: Manifest) -> dict
                 "version": p.version,
                 "addresses": p.addresses,
                 "client_mode": p.client_mode,
+                "reachable": p.reachable,
                 "seen_seconds_ago": max(0.0, now - p.seen),
             }
             for p in sorted(view.peers.values(), key=lambda p: p.peer_id)

@@ -51,6 +51,7 @@ def summarize(
         "rounds_completed": completed,
         **_losses(rows, completed),
         **_coverage(settings, rows, completed, peers_dir, killed),
+        "newcomers": newcomers(rows, events, {n: _startup(peers_dir / n) for n in names}),
         "bytes": {
             n: {"sent": sum(r["bytes_sent"] for r in rs), "received": sum(r["bytes_received"] for r in rs)}
             for n, rs in rows.items()
@@ -71,8 +72,62 @@ def summarize(
             "codec": settings.sync.codec,
         },
     }
+    summary["failures"] = failures + splits(rows)
     (Path(settings.run.out) / "summary.json").write_text(json.dumps(summary, indent=1))
     return summary
+
+
+def _counted_rounds(rows: list[dict]) -> list[int]:
+    """The rounds in which this peer's own update counted (it is among its units' participants)."""
+    return [r["round"] for r in rows if any(r.get("peer") in p for p in r["participants"].values())]
+
+
+def newcomers(
+    rows: dict[str, list[dict]], events: list[dict], startup: dict[str, dict] | None = None
+) -> list[dict]:
+    """Per newcomer: the round it was asked to join at, the first round its update counted in, and the
+    seconds from its launch to each start-up milestone (``startup.json``)."""
+    out = []
+    for event in events:
+        if event["type"] == "join":
+            counted = _counted_rounds(rows.get(event["peer"], []))
+            first = counted[0] if counted else None
+            out.append(
+                {
+                    "name": event["peer"],
+                    "join_round": event["round"],
+                    "first_counted_round": first,
+                    "rounds_late": None if first is None else first - event["round"],
+                    "startup_seconds": (startup or {}).get(event["peer"], {}),
+                }
+            )
+    return out
+
+
+def _startup(folder: Path) -> dict:
+    path = folder / "startup.json"
+    try:
+        return json.loads(path.read_text()) if path.exists() else {}
+    except ValueError:
+        return {}
+
+
+def splits(rows: dict[str, list[dict]]) -> list[str]:
+    """Peers that trained but never took part in the same exchange as the others: a swarm split in two."""
+    ids = {name: rs[0]["peer"] for name, rs in rows.items() if rs and "peer" in rs[0]}
+    names = {peer_id: name for name, peer_id in ids.items()}
+    group = {peer_id: {peer_id} for peer_id in names}
+    for rs in rows.values():
+        for row in rs:
+            for participants in row["participants"].values():
+                met = set().union(*(group.get(p, {p}) for p in participants)) & set(names)
+                for p in met:
+                    group[p] = met
+    components = {frozenset(g) for g in group.values()}
+    if len(components) < 2:
+        return []
+    described = sorted(", ".join(sorted(names[p] for p in c)) for c in components)
+    return [f"split: these groups of peers never met in an exchange: {' | '.join(described)}"]
 
 
 def _losses(rows: dict[str, list[dict]], completed: int) -> dict:

@@ -247,6 +247,17 @@ class HivemindTransport(Transport):
         self.stats.requests_sent += 1
         return answer[1:]
 
+    def probe(self, address: str, timeout: float) -> bool:
+        """A TCP connection to the address's host and port (nothing is sent): what a peer's dial needs."""
+        parts = address.split("/")
+        if len(parts) < 5 or parts[1] not in ("ip4", "ip6", "dns", "dns4", "dns6") or parts[3] != "tcp":
+            return False
+        try:
+            with socket.create_connection((parts[2], int(parts[4])), timeout=timeout):
+                return True
+        except (OSError, ValueError):
+            return False
+
     # ------------------------------------------------------------------------------------- lifecycle
 
     def _run(self, coro, timeout: float):

@@ -125,6 +125,7 @@ class SwarmMember:
         self.round = 0
         self.tokens_per_s = 0.0
         self.loss: float | None = None
+        self.reachable = "unknown"
         self.last_view = SwarmView({}, {u: set() for u in self.units})
 
     @property
@@ -313,4 +314,5 @@ class SwarmMember:
             state=state,
             client_mode=self.cfg.client_mode,
             seen=self.transport.now(),
+            reachable=self.reachable,
         )

@@ -54,6 +54,7 @@ class MemoryNetwork:
         self.delay = 0.0  # seconds added to every request
         self.corrupt = 0.0  # probability that a response has one byte flipped
         self.groups: dict[str, int] = {}  # peer id -> partition group; empty: fully connected
+        self.unreachable: set[str] = set()  # peers nobody can dial (they dial out), as behind NAT
         self.faults = {"dropped": 0, "corrupted": 0, "partitioned": 0}
         self.log: list[
             tuple[str, str, str, bytes, int]
@@ -175,6 +176,18 @@ class MemoryTransport(Transport):
         target.stats.bytes_sent += len(response)
         target.stats.requests_served += 1
         return response
+
+    def probe(self, address: str, timeout: float) -> bool:
+        """A memory address names a peer: it opens when that peer is on the network and this side of any
+        partition (``unreachable`` lists peers that nobody can dial, as if behind NAT)."""
+        peer = address.rsplit("/p2p/", 1)[-1]
+        target = self.network.peers.get(peer)
+        return (
+            target is not None
+            and target.alive
+            and peer not in self.network.unreachable
+            and self.network.connected(self.peer_id, peer)
+        )
 
     def shutdown(self, timeout: float = 5.0) -> None:
         """Stops answering; records stay until they expire, as in a real DHT."""

@@ -1,48 +1,131 @@
-"""Whether other peers can dial this one, judged from the addresses it announces, and what fixes it."""
+"""Whether other peers can dial this one: tested by asking them to dial it back, and what fixes it.
+
+At start (and while the answer is unknown) a peer asks up to ``HELPERS`` live peers to open a connection to
+each address it announces (``spes/dialback``). A peer dials back only addresses of the peer that asks (the
+``/p2p/`` part must be the caller's id), at most ``DIALBACKS_PER_MINUTE`` times a minute per caller, with a
+short timeout, and sends nothing over the connection. ``assess`` turns the answers, and what the addresses
+look like, into one line with the flag that fixes it.
+"""
 
 from __future__ import annotations
 
 import ipaddress
+import logging
 import re
+import threading
+import time
 from dataclasses import dataclass
+
+import msgspec
+
+from spes_p2p.swarm.records import Short, Strict
+from spes_p2p.swarm.transport import RemoteError, Transport, TransportError
+
+logger = logging.getLogger(__name__)
+
+RPC_DIALBACK = "spes/dialback"
+HELPERS = 2  # peers asked to dial back each address
+DIAL_SECONDS = 3.0
+DIALBACKS_PER_MINUTE = 8
+
+YES, NO, UNKNOWN = "yes", "no", "unknown"
+
+
+class DialbackRequest(Strict):
+    MAX_BYTES = 1024
+    ERROR = RemoteError
+
+    address: Short
+
+
+class DialbackAnswer(Strict):
+    MAX_BYTES = 64
+    ERROR = RemoteError
+
+    reachable: bool
 
 
 @dataclass(frozen=True)
 class Reachability:
-    reachable: bool
+    reachable: str  # yes, no or unknown
     message: str
+    addresses: dict[str, bool | None]  # address -> dialed back (None: nobody asked)
 
 
-def assess(addresses: list[str], *, client_mode: bool, announced: bool, relay: bool) -> Reachability:
+class DialbackServer:
+    """Dials back the peers that ask (transport handler threads); bounded per caller."""
+
+    def __init__(self, transport: Transport) -> None:
+        self.transport = transport
+        self._lock = threading.Lock()
+        self._recent: dict[str, list[float]] = {}
+        transport.serve(RPC_DIALBACK, self.rpc_dialback, max_request_bytes=DialbackRequest.MAX_BYTES)
+
+    def rpc_dialback(self, caller: str, request: bytes) -> bytes:
+        address = DialbackRequest.decode(request).address
+        if address.rsplit("/p2p/", 1)[-1] != caller:
+            raise RemoteError("a peer is dialed back only at its own addresses")
+        now = time.monotonic()
+        with self._lock:
+            recent = [t for t in self._recent.get(caller, []) if now - t < 60]
+            if len(recent) >= DIALBACKS_PER_MINUTE:
+                raise RemoteError("too many dial-back requests; ask again in a minute")
+            self._recent[caller] = [*recent, now]
+        return DialbackAnswer(reachable=self.transport.probe(address, DIAL_SECONDS)).encode()
+
+
+def dial_back(transport: Transport, helpers: list[str], addresses: list[str]) -> dict[str, bool | None]:
+    """For each address: whether one of ``helpers`` could open a connection to it (None: none answered)."""
+    results: dict[str, bool | None] = {}
+    for address in addresses:
+        results[address] = None
+        for helper in helpers[:HELPERS]:
+            request = DialbackRequest(address=address).encode()
+            try:
+                raw = transport.request(
+                    helper, RPC_DIALBACK, request, timeout=2 * DIAL_SECONDS, max_response_bytes=64
+                )
+                results[address] = DialbackAnswer.decode(raw).reachable or bool(results[address])
+            except (TransportError, msgspec.MsgspecError) as exc:
+                logger.info("dial-back of %s by %s: %s", address, helper, exc)
+            if results[address]:
+                break
+    return results
+
+
+def assess(
+    addresses: list[str], *, client_mode: bool, announced: bool, relay: bool, dialed: dict[str, bool | None]
+) -> Reachability:
+    """The verdict, from what the dial-backs found (``dialed``) and what the addresses look like."""
     if client_mode:
+        message = "client mode: this peer dials out only; nobody can dial it, so it holds no shard of its own"
+        return Reachability(NO, message, dialed)
+    yes = [a for a, ok in dialed.items() if ok]
+    if yes:
+        return Reachability(YES, f"reachable from the swarm: a peer dialed this one back at {yes[0]}", dialed)
+    fix = _fix(addresses, announced=announced, relay=relay)
+    if any(ok is False for ok in dialed.values()):
+        tried = ", ".join(a for a, ok in dialed.items() if ok is False)
         return Reachability(
-            False,
-            "client mode: this peer dials out only; nobody can dial it, so it holds no shard of its own",
+            NO, f"not reachable from the swarm: no peer could dial this one at {tried}. {fix}", dialed
         )
-    ips = [_ip(a) for a in addresses]
-    public = [a for a, ip in zip(addresses, ips, strict=True) if ip is not None and ip.is_global]
-    if public:
-        return Reachability(True, f"reachable at {public[0]} if your firewall lets TCP in on that port")
     if relay:
-        return Reachability(
-            True, "no public address, but relays are on: peers reach this one through a relay"
-        )
-    if ips and all(ip is not None and ip.is_loopback for ip in ips):
-        return Reachability(
-            False,
-            "listening on loopback only: peers on other machines cannot dial this one "
-            "(fine for a local simulation); use --listen /ip4/0.0.0.0/tcp/PORT to open it",
-        )
-    fix = (
-        "forward a TCP port on your router and pass --listen /ip4/0.0.0.0/tcp/PORT --announce "
-        "/ip4/<your public IP>/tcp/PORT, or pass --use-relay, or join with --client-mode"
-    )
+        return Reachability(UNKNOWN, "relays are on: peers reach this one through a relay", dialed)
+    return Reachability(UNKNOWN, f"not checked yet (no other peer to dial this one back). {fix}", dialed)
+
+
+def _fix(addresses: list[str], *, announced: bool, relay: bool) -> str:
+    ips = [ip for ip in (_ip(a) for a in addresses) if ip is not None]
     if announced:
-        fix = "check that the --announce address is your public IP and that its port is forwarded"
-    return Reachability(
-        False,
-        f"this peer announces only private addresses; peers outside your network "
-        f"cannot dial it. To fix: {fix}",
+        return "To fix: check that the --announce address is your public IP and that its port is forwarded"
+    if ips and all(ip.is_loopback for ip in ips):
+        return "To fix: it listens on loopback only (fine on one machine); use --listen /ip4/0.0.0.0/tcp/PORT"
+    if any(ip.is_global for ip in ips):
+        return "To fix: let TCP in on that port in your firewall"
+    via = "" if relay else ", or pass --use-relay"
+    return (
+        "To fix: forward a TCP port on your router and pass --listen /ip4/0.0.0.0/tcp/PORT --announce "
+        f"/ip4/<your public IP>/tcp/PORT{via}, or join with --client-mode"
     )
 
 

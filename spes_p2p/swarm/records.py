@@ -81,6 +81,7 @@ class PeerRecord(Record):
     state: Literal["active", "left"] = "active"
     client_mode: bool = False
     seen: float = 0.0  # the writer's DHT time when it wrote this record
+    reachable: Literal["yes", "no", "unknown"] = "unknown"  # whether peers could dial it back
 
     def __post_init__(self) -> None:
         if not all(math.isfinite(x) for x in (self.tokens_per_s, self.seen, self.loss or 0.0)):

@@ -141,5 +141,9 @@ class Transport(ABC):
         """Sends ``payload`` to ``peer_id``'s handler ``name`` and returns its answer."""
 
     @abstractmethod
+    def probe(self, address: str, timeout: float) -> bool:
+        """Whether a connection to ``address`` (another peer's announced multiaddr) opens from here."""
+
+    @abstractmethod
     def shutdown(self, timeout: float = 5.0) -> None:
         """Stops serving and leaves the network within ``timeout`` seconds."""

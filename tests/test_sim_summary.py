@@ -1,0 +1,40 @@
+"""What a simulation's summary says of newcomers and of a swarm that split, from the peers' rows alone."""
+
+from spes_p2p.sim.summary import newcomers, splits
+
+
+def row(peer, round_, **participants):
+    return {"peer": peer, "round": round_, "participants": participants}
+
+
+def test_a_newcomer_counts_from_the_first_round_its_update_is_in():
+    rows = {
+        "peer0": [row("A", r, **{"dense/0": ["A", "B"]}) for r in range(6)],
+        "peer1": [
+            row("B", 3, **{"dense/0": ["A"]}),
+            row("B", 4, **{"dense/0": ["A", "B"]}),
+        ],  # adopts round 3
+    }
+    events = [{"type": "join", "peer": "peer1", "round": 3}, {"type": "kill", "peer": "peer0", "round": 5}]
+    (entry,) = newcomers(rows, events, {"peer1": {"joined": 9.5}})
+    assert entry == {
+        "name": "peer1",
+        "join_round": 3,
+        "first_counted_round": 4,
+        "rounds_late": 1,
+        "startup_seconds": {"joined": 9.5},
+    }
+    never = {"peer0": rows["peer0"], "peer1": []}
+    assert newcomers(never, events)[0]["first_counted_round"] is None
+
+
+def test_peers_that_never_met_are_a_split():
+    together = {
+        "peer0": [row("A", 0, **{"dense/0": ["A", "B"]})],
+        "peer1": [row("B", 0, **{"dense/0": ["A", "B"], "experts/0": ["B", "C"]})],
+        "peer2": [row("C", 0, **{"experts/0": ["B", "C"]})],
+    }
+    assert splits(together) == []
+    apart = {**together, "peer3": [row("D", r, **{"dense/0": ["D"]}) for r in range(3)]}  # trained alone
+    (split,) = splits(apart)
+    assert "peer0, peer1, peer2 | peer3" in split
