@@ -108,7 +108,13 @@ def test_three_peers_cover_the_shards_survive_a_kill_and_leave_cleanly(swarm):
     swarm.start("c", "--peers", first)
     ids = {n: swarm.peer_id(n) for n in "abc"}
 
-    summary = swarm.wait_for("a", lambda s: len(s["peers"]) == 3 and not s["uncovered"])
+    # every peer was dialed back at its address (the first, alone at start, once the others came)
+    summary = swarm.wait_for(
+        "a",
+        lambda s: (
+            len(s["peers"]) == 3 and not s["uncovered"] and all(p["reachable"] == "yes" for p in s["peers"])
+        ),
+    )
     assert summary["run_id"] == "test-swarm"
     assert {p["peer_id"] for p in summary["peers"]} == set(ids.values())
     assert set(summary["units"]) == {"dense/0", "experts/0", "experts/1"}
@@ -275,3 +281,65 @@ def test_spes_join_trains_and_holders_agree(swarm):
         assert [r["round"] for r in rows] == [0, 1, 2]
         assert rows[-1]["loss"] < rows[0]["loss"]
         assert rows[-1]["bytes_sent"] > 0 and rows[-1]["bytes_received"] > 0
+
+
+def test_a_volunteer_joins_with_nothing_but_the_invite(swarm, tmp_path):
+    """The founder changes swarm-wide settings (two dense blocks, no overlap); the volunteer brings only the
+    invite (and its own per-peer choices), adopts the swarm's manifest and trains in it."""
+    (swarm.root / "peers.toml").write_text(QUICK_ROUNDS)
+    invite = swarm.root / "invite.toml"
+    rounds = ["--rounds", "3", "--min-peers", "2"]
+    swarm.start("a", "--new-swarm", "--dense-blocks", "2", "--no-overlap", "--invite", str(invite), *rounds)
+    first = swarm.address("a")
+    deadline = time.monotonic() + 60
+    while not invite.exists():
+        assert time.monotonic() < deadline
+        time.sleep(0.2)
+    text = invite.read_text()
+    assert (
+        "dense_blocks = 2" in text and "overlap = false" in text and 'manifest = "' in text and first in text
+    )
+
+    elsewhere = tmp_path / "volunteer"  # no peers.toml here: the invite is all it has of the swarm
+    elsewhere.mkdir()
+    mine = "--listen /ip4/127.0.0.1/tcp/0 --max-corpus-mb 1 --batch-size 4 --seq-len 64 --rounds 3".split()
+    volunteer = subprocess.run(
+        [str(BIN / "spes-join"), "--config", str(invite), *mine, "--identity", "v.key", "--out", "out"],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        cwd=elsewhere,
+        env=swarm.env,
+    )
+    assert volunteer.returncode == 0, volunteer.stdout[-3000:] + volunteer.stderr[-3000:]
+    rows = [json.loads(x) for x in (elsewhere / "out" / "metrics.jsonl").read_text().splitlines()]
+    assert rows and all(any(u.startswith("dense/") for u in r["units"]) for r in rows)
+    assert {u for r in rows for u in r["units"] if u.startswith("dense/")} <= {"dense/0", "dense/1"}
+    assert swarm.procs["a"].wait(timeout=120) == 0
+
+
+def test_invite_and_status_of_a_running_swarm(swarm):
+    (swarm.root / "peers.toml").write_text(QUICK_ROUNDS)
+    swarm.start("a", "--new-swarm")
+    first = swarm.address("a")
+    summary = swarm.wait_for("a", lambda s: len(s["peers"]) == 1)
+    assert summary["peers"][0]["reachable"] in ("unknown", "yes")  # (alone: nobody to dial it back)
+    out = subprocess.run(
+        [str(BIN / "spes"), "invite", "--peers", first, "--run-id", "test-swarm", "--out", "inv.toml"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=swarm.root,
+        env=swarm.env,
+    )
+    assert out.returncode == 0, out.stderr
+    assert f'manifest = "{summary["manifest"]}"' in (swarm.root / "inv.toml").read_text()
+    missing = subprocess.run(
+        [str(BIN / "spes"), "status", "--peers", first, "--run-id", "no-such-swarm"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=swarm.root,
+        env=swarm.env,
+    )
+    assert missing.returncode == 1 and "no peer of swarm 'no-such-swarm'" in " ".join(missing.stderr.split())
