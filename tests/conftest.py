@@ -1,4 +1,3 @@
-import hashlib
 import os
 
 import pytest
@@ -28,19 +27,9 @@ def stdlib_data(cache_dir) -> DataConfig:
 def manifest_of():
     """A manifest for settings alone, for membership tests that build no model (its hashes are placeholders,
     the same for every peer of the same settings)."""
-    from spes_p2p.swarm.manifest import PROTOCOL, Manifest
+    from spes_p2p.peer.admission import manifest_for
 
-    def build(settings) -> Manifest:
-        return Manifest(
-            protocol=PROTOCOL,
-            run_id=settings.swarm.run_id,
-            settings=settings.swarm_wide(),
-            model=settings.model.architecture().to_dict(),
-            units=settings.model.layout().units,
-            tokenizer_sha256=hashlib.sha256(TOKENIZER).hexdigest(),
-            tokenizer_bytes=len(TOKENIZER),
-            data={},
-            initial_model_sha256="0" * 64,
-        )
+    def build(settings):
+        return manifest_for(settings, TOKENIZER, {}, "0" * 64)
 
     return build

@@ -49,6 +49,15 @@ class Admission:
 
 def found(settings: Settings, tokenizer: bytes, corpus_sha256: str, model: torch.nn.Module) -> Manifest:
     """The manifest of a swarm this peer founds."""
+    data = {
+        "corpus": settings.data.corpus,
+        "max_corpus_mb": settings.data.max_corpus_mb,
+        "sha256": corpus_sha256,
+    }
+    return manifest_for(settings, tokenizer, data, weights_fingerprint(model))
+
+
+def manifest_for(settings: Settings, tokenizer: bytes, data: dict, initial_model_sha256: str) -> Manifest:
     return Manifest(
         protocol=PROTOCOL,
         run_id=settings.swarm.run_id,
@@ -57,12 +66,8 @@ def found(settings: Settings, tokenizer: bytes, corpus_sha256: str, model: torch
         units=settings.model.layout().units,
         tokenizer_sha256=hashlib.sha256(tokenizer).hexdigest(),
         tokenizer_bytes=len(tokenizer),
-        data={
-            "corpus": settings.data.corpus,
-            "max_corpus_mb": settings.data.max_corpus_mb,
-            "sha256": corpus_sha256,
-        },
-        initial_model_sha256=weights_fingerprint(model),
+        data=data,
+        initial_model_sha256=initial_model_sha256,
     )
 
 
