@@ -133,7 +133,7 @@ def _join(peer: Peer, stop: threading.Event, ui: Frontend, startup: Startup) -> 
     if run.invite:
         addresses = status.addresses + live_addresses(peer.transport, peer.settings.swarm.run_id)
         write_invite(Path(run.invite), peer.settings, peer.manifest, list(dict.fromkeys(addresses)))
-    ui.joined(status, peer.check_reachability(), peer.resumed_from)
+    ui.joined(status, peer.reachability.check(), peer.resumed_from)
     if run.min_peers > 1:
         with ui.phase(f"Waiting for {run.min_peers} peers..."):
             joining.wait_for_peers(peer.member, run.min_peers, run.wait_seconds, stop)

@@ -40,7 +40,7 @@ from spes_p2p.settings import Settings
 from spes_p2p.swarm.manifest import ManifestServer
 from spes_p2p.swarm.member import SwarmMember, SwarmMismatch, SwarmView
 from spes_p2p.swarm.payload import specs_of
-from spes_p2p.swarm.reachability import UNKNOWN, DialbackServer, Reachability, assess, dial_back
+from spes_p2p.swarm.reachability import SelfCheck
 from spes_p2p.swarm.sync import SyncEngine
 from spes_p2p.swarm.transport import Transport
 from spes_p2p.swarm.waiting import Deadline, poll
@@ -99,10 +99,9 @@ class Peer:
         self.pipeline = Pipeline(RoundSync(settings, self.member, self.sync, self.layout), overlap)
         self.landing = Landing(self.local.read, self.local.write, overlap)
         self.metrics = RoundMetrics(self.me, transport.stats)
-        DialbackServer(transport)
-        self.reach: Reachability | None = None
+        self.reachability = SelfCheck(transport, self.member, settings.network)
         self.heartbeat = Heartbeat(
-            self.member, settings.swarm.heartbeat_seconds, also=self._recheck_reachability
+            self.member, settings.swarm.heartbeat_seconds, also=self.reachability.recheck
         )
         self.outputs = RunOutputs(Path(out_dir)) if out_dir else None
         self.round = 0
@@ -137,30 +136,6 @@ class Peer:
             self.sync.serve_weights(self.round - 1, unit, self.local.read(unit))
         self.metrics = RoundMetrics(self.me, self.transport.stats)  # traffic counts from here
         return self.status()
-
-    def check_reachability(self) -> Reachability:
-        """Asks live peers to dial this one back at each address it announces (a few seconds at most)."""
-        net, addresses = self.settings.network, self.transport.addresses()
-        helpers = sorted(p for p in self.member.live_peers() if p != self.me)
-        dialed = {} if net.client_mode else dial_back(self.transport, helpers, addresses)
-        self.reach = assess(
-            addresses,
-            client_mode=net.client_mode,
-            announced=bool(net.announce),
-            relay=net.use_relay,
-            dialed=dialed,
-        )
-        self.member.reachable = self.reach.reachable
-        return self.reach
-
-    def _recheck_reachability(self) -> None:
-        """Heartbeat thread: while nobody could be asked yet, ask again."""
-        if (
-            self.reach is not None
-            and self.reach.reachable == UNKNOWN
-            and not self.settings.network.client_mode
-        ):
-            self.check_reachability()
 
     def _restore(self) -> Checkpoint:
         """Loads the newest checkpoint of this peer's run folder (model, data position, round)."""

@@ -18,6 +18,8 @@ from dataclasses import dataclass
 
 import msgspec
 
+from spes_p2p.swarm.config import NetworkConfig
+from spes_p2p.swarm.member import SwarmMember
 from spes_p2p.swarm.records import Short, Strict
 from spes_p2p.swarm.transport import RemoteError, Transport, TransportError
 
@@ -72,6 +74,37 @@ class DialbackServer:
                 raise RemoteError("too many dial-back requests; ask again in a minute")
             self._recent[caller] = [*recent, now]
         return DialbackAnswer(reachable=self.transport.probe(address, DIAL_SECONDS)).encode()
+
+
+class SelfCheck:
+    """This peer's own reachability: serves dial-backs to others, asks live peers to dial it back when it
+    joins (``check``), asks again at heartbeats while the answer is unknown (``recheck``), and publishes
+    the verdict in its peer record."""
+
+    def __init__(self, transport: Transport, member: SwarmMember, network: NetworkConfig) -> None:
+        self.transport, self.member, self.network = transport, member, network
+        self.verdict: Reachability | None = None
+        DialbackServer(transport)
+
+    def check(self) -> Reachability:
+        """Asks live peers to dial this one back at each address it announces (a few seconds at most)."""
+        net, addresses, me = self.network, self.transport.addresses(), self.transport.peer_id
+        helpers = sorted(p for p in self.member.live_peers() if p != me)
+        dialed = {} if net.client_mode else dial_back(self.transport, helpers, addresses)
+        self.verdict = assess(
+            addresses,
+            client_mode=net.client_mode,
+            announced=bool(net.announce),
+            relay=net.use_relay,
+            dialed=dialed,
+        )
+        self.member.reachable = self.verdict.reachable
+        return self.verdict
+
+    def recheck(self) -> None:
+        """Heartbeat thread: while nobody could be asked yet, ask again."""
+        if self.verdict is not None and self.verdict.reachable == UNKNOWN:
+            self.check()
 
 
 def dial_back(transport: Transport, helpers: list[str], addresses: list[str]) -> dict[str, bool | None]:
