@@ -3,14 +3,17 @@ and what `spes status` reads."""
 
 import threading
 
+import msgspec
 import pytest
 
 from spes_p2p.peer import Peer
 from spes_p2p.peer.admission import SwarmUnavailable, admit
 from spes_p2p.peer.summary import SwarmReader, invite
 from spes_p2p.settings import Settings, load_settings
+from spes_p2p.swarm import manifest as manifests
 from spes_p2p.swarm.member import SwarmMismatch
 from spes_p2p.swarm.memory import MemoryNetwork
+from spes_p2p.swarm.waiting import Deadline
 
 pytestmark = pytest.mark.timeout(120)
 ADDRESS = "/ip4/127.0.0.1/tcp/1/p2p/QmTJxrrywQ2EdDBm8kDofL3hoo4x2TB2JY9fh5BJVN1Yon"
@@ -90,3 +93,33 @@ def test_status_reads_peers_units_and_the_replication_target(swarm):
     assert {u for u, h in summary["units"].items() if h} == held
     assert summary["under_replicated"] == [u for u in ("experts/0", "experts/1") if u in held]
     assert summary["uncovered"] == sorted(set(summary["units"]) - held)
+
+
+def test_a_manifest_request_that_breaks_is_asked_again(swarm):
+    """Streams break (the founder closed one in a late-join run): the newcomer asks again and is admitted."""
+    net, founder = swarm
+    calls = []
+
+    def breaks_twice(caller, request):
+        calls.append(caller)
+        if len(calls) <= 2:
+            raise ConnectionResetError("stream reset")
+        return founder.manifest.encode()
+
+    founder.transport.serve(manifests.RPC_MANIFEST, breaks_twice)
+    assert admit(Settings(), net.join("newcomer"), threading.Event()).manifest.hash == founder.manifest.hash
+    assert calls == ["newcomer"] * 3
+
+
+def test_a_peer_that_serves_a_wrong_manifest_is_not_asked_again(swarm):
+    net, founder = swarm
+    liar = net.join("liar")
+    other = msgspec.structs.replace(founder.manifest, run_id="another-swarm")
+    asked = []
+    liar.serve(manifests.RPC_MANIFEST, lambda caller, request: asked.append(caller) or other.encode())
+    newcomer = net.join("newcomer")
+    manifest, _ = manifests.fetch(newcomer, ["liar", "founder"], founder.manifest.hash, Deadline(60))
+    assert manifest == founder.manifest and asked == ["newcomer"]
+    with pytest.raises(manifests.ManifestError, match=r"liar: its manifest hashes to .*, not"):
+        manifests.fetch(newcomer, ["liar"], founder.manifest.hash, Deadline(60))  # at once: nobody else
+    assert asked == ["newcomer"] * 2

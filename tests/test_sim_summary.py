@@ -38,3 +38,19 @@ def test_peers_that_never_met_are_a_split():
     apart = {**together, "peer3": [row("D", r, **{"dense/0": ["D"]}) for r in range(3)]}  # trained alone
     (split,) = splits(apart)
     assert "peer0, peer1, peer2 | peer3" in split
+
+
+def test_peers_that_share_no_unit_or_only_adopted_are_not_a_split():
+    lone_blocks = {  # one holder per dense block; the experts' holders meet only within their shard
+        "peer0": [row("A", 0, **{"dense/0": ["A"], "experts/0": ["A", "B"]})],
+        "peer1": [row("B", 0, **{"dense/1": ["B"], "experts/0": ["A", "B"]})],
+        "peer2": [row("C", 0, **{"dense/2": ["C"], "experts/1": ["C", "D"]})],
+        "peer3": [row("D", 0, **{"dense/3": ["D"], "experts/1": ["C", "D"]})],
+    }
+    assert splits(lone_blocks) == []
+    adopted = {  # a newcomer whose only round adopted the others' result (its own update did not count)
+        "peer0": [row("A", 5, **{"dense/0": ["A", "B"]})],
+        "peer1": [row("B", 5, **{"dense/0": ["A", "B"]})],
+        "peer2": [row("C", 5, **{"dense/0": ["A", "B"]})],
+    }
+    assert splits(adopted) == []

@@ -33,7 +33,7 @@ from spes_p2p.train.tokenizer import atomic_write_bytes
 logger = logging.getLogger(__name__)
 
 POLL_SECONDS = 0.5
-FETCH_TIMEOUT = 30.0
+FETCH_SECONDS = 60.0  # to fetch the manifest and the tokenizer, retrying peers that fail
 
 
 class SwarmUnavailable(SpesError):
@@ -89,7 +89,7 @@ def admit(settings: Settings, transport: Transport, stop: threading.Event) -> Ad
     peers = sorted(p for p, r in records.items() if r.hash == wanted)
     if records[peers[0]].protocol != PROTOCOL:
         raise SwarmMismatch(manifests.protocol_mismatch(run_id, records[peers[0]].protocol, peers[0]))
-    manifest, tokenizer = manifests.fetch(transport, peers, wanted, FETCH_TIMEOUT)
+    manifest, tokenizer = manifests.fetch(transport, peers, wanted, Deadline(FETCH_SECONDS, stop))
     adopted = settings.adopt(manifest.settings)
     mine = settings.data.tokenizer
     if mine and ("data", "tokenizer") in settings.given:

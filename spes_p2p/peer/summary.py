@@ -6,13 +6,14 @@ import threading
 from collections.abc import Callable
 from pathlib import Path
 
-from spes_p2p.peer.admission import SwarmUnavailable, nobody_alive
+from spes_p2p.peer.admission import FETCH_SECONDS, SwarmUnavailable, nobody_alive
 from spes_p2p.settings import Settings
 from spes_p2p.swarm import manifest as manifests
 from spes_p2p.swarm.manifest import Manifest, ManifestError
 from spes_p2p.swarm.member import read_view
 from spes_p2p.swarm.records import parse_peers, peers_key
 from spes_p2p.swarm.transport import Transport
+from spes_p2p.swarm.waiting import Deadline
 from spes_p2p.train.tokenizer import atomic_write_bytes
 
 INVITE_SECTIONS = ("swarm", "model", "method", "sync", "merge")
@@ -55,7 +56,7 @@ class SwarmReader:
         for wanted in {r.hash for r in records.values()}:
             peers = sorted(p for p, r in records.items() if r.hash == wanted)
             try:
-                return manifests.fetch(self.transport, peers, wanted, timeout=30.0)[0]
+                return manifests.fetch(self.transport, peers, wanted, Deadline(FETCH_SECONDS))[0]
             except ManifestError:
                 continue
         raise SwarmUnavailable(f"no live peer of swarm {self.run_id!r} served its manifest")

@@ -113,21 +113,29 @@ def _startup(folder: Path) -> dict:
 
 
 def splits(rows: dict[str, list[dict]]) -> list[str]:
-    """Peers that trained but never took part in the same exchange as the others: a swarm split in two."""
+    """Groups of peers that trained the same unit in the same round but never met in an exchange (one used
+    an update of the other): a swarm split in two. Peers that share no unit, like lone holders of dense
+    blocks, rightly never meet."""
     ids = {name: rs[0]["peer"] for name, rs in rows.items() if rs and "peer" in rs[0]}
     names = {peer_id: name for name, peer_id in ids.items()}
-    group = {peer_id: {peer_id} for peer_id in names}
-    for rs in rows.values():
-        for row in rs:
-            for participants in row["participants"].values():
-                met = set().union(*(group.get(p, {p}) for p in participants)) & set(names)
-                for p in met:
-                    group[p] = met
-    components = {frozenset(g) for g in group.values()}
-    if len(components) < 2:
-        return []
-    described = sorted(", ".join(sorted(names[p] for p in c)) for c in components)
-    return [f"split: these groups of peers never met in an exchange: {' | '.join(described)}"]
+    group = {peer_id: frozenset({peer_id}) for peer_id in names}
+    trainers: dict[tuple[int, str], set[str]] = {}
+    for name, peer_id in ids.items():
+        for row in rows[name]:
+            for unit, participants in row["participants"].items():
+                trainers.setdefault((row["round"], unit), set()).add(peer_id)
+                met = group[peer_id].union(*(group.get(p, {p}) for p in participants)).intersection(names)
+                group.update(dict.fromkeys(met, met))
+    apart = {frozenset(group[p] for p in peers) for peers in trainers.values()}
+    described = sorted(
+        " | ".join(sorted(", ".join(sorted(names[p] for p in c)) for c in components))
+        for components in apart
+        if len(components) > 1
+    )
+    return [
+        f"split: these groups of peers trained the same units but never met in an exchange: {d}"
+        for d in described
+    ]
 
 
 def _losses(rows: dict[str, list[dict]], completed: int) -> dict:

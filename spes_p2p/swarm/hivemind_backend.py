@@ -321,9 +321,11 @@ def _as_bytes(value) -> bytes | None:
 def check_ports_free(listen: Sequence[str]) -> None:
     """A fixed TCP port another program (or peer) already listens on is a ListenError. p2pd binds with
     SO_REUSEPORT, so a second peer on the first one's port would otherwise start and share its connections."""
-    for addr in listen:
+    for addr in listen:  # (a malformed one is the daemon's to report)
         parts = addr.split("/")
-        if len(parts) < 5 or parts[1] not in ("ip4", "ip6") or parts[3] != "tcp" or parts[4] in ("", "0"):
+        if len(parts) < 5 or parts[1] not in ("ip4", "ip6") or parts[3] != "tcp":
+            continue
+        if not parts[4].isdigit() or not 0 < int(parts[4]) < 65536:
             continue
         family = socket.AF_INET if parts[1] == "ip4" else socket.AF_INET6
         with socket.socket(family, socket.SOCK_STREAM) as probe:

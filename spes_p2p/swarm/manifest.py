@@ -18,6 +18,7 @@ import msgspec
 
 from spes_p2p.swarm.records import Hex, Record, RecordError, Short, Strict, Unit, decode_entries
 from spes_p2p.swarm.transport import RemoteError, Transport, TransportError
+from spes_p2p.swarm.waiting import Deadline, poll
 
 logger = logging.getLogger(__name__)
 
@@ -26,6 +27,9 @@ RPC_MANIFEST = "spes/manifest"
 RPC_TOKENIZER = "spes/tokenizer"
 MAX_MANIFEST_BYTES = 256 * 1024
 MAX_TOKENIZER_BYTES = 64 * 1024 * 1024
+REQUEST_SECONDS = 20.0  # one request for the manifest or the tokenizer
+MIN_REQUEST_SECONDS = 0.5
+RETRY_SECONDS = 1.0  # between rounds of asking the peers that failed to answer
 
 
 class ManifestError(RecordError):
@@ -124,24 +128,45 @@ class ManifestServer:
         transport.serve(RPC_TOKENIZER, lambda caller, request: tokenizer, max_request_bytes=64)
 
 
-def fetch(transport: Transport, peers: list[str], wanted: str, timeout: float) -> tuple[Manifest, bytes]:
+def fetch(transport: Transport, peers: list[str], wanted: str, deadline: Deadline) -> tuple[Manifest, bytes]:
     """The manifest with hash ``wanted`` and its tokenizer, from the first of ``peers`` that serves both
-    correctly; raises ManifestError naming what went wrong with each."""
-    problems = []
-    for peer in peers:
-        try:
-            raw = transport.request(
-                peer, RPC_MANIFEST, b"", timeout=timeout, max_response_bytes=MAX_MANIFEST_BYTES
-            )
-            manifest = Manifest.decode(raw)
-            if manifest.hash != wanted:
-                raise ManifestError(f"its manifest hashes to {manifest.hash[:16]}, not {wanted[:16]}")
-            limit = manifest.tokenizer_bytes
-            tokenizer = transport.request(peer, RPC_TOKENIZER, b"", timeout=timeout, max_response_bytes=limit)
-            if hashlib.sha256(tokenizer).hexdigest() != manifest.tokenizer_sha256:
-                raise ManifestError("its tokenizer does not match the manifest's SHA-256")
-            return manifest, tokenizer
-        except (TransportError, RemoteError, ManifestError) as exc:
-            logger.warning("manifest from %s: %s", peer, exc)
-            problems.append(f"{peer[-8:]}: {exc}")
-    raise ManifestError(f"no peer served the swarm's manifest ({'; '.join(problems) or 'nobody to ask'})")
+    correctly. A peer that failed to answer is asked again (streams do break) until the deadline; one that
+    served a wrong manifest or tokenizer is not. Raises ManifestError naming what went wrong with each."""
+    problems: dict[str, str] = {}
+    wrong: set[str] = set()
+
+    def from_any() -> tuple[Manifest, bytes] | None:
+        for peer in (p for p in peers if p not in wrong):
+            try:
+                timeout = max(MIN_REQUEST_SECONDS, min(REQUEST_SECONDS, deadline.remaining()))
+                return _fetch_from(transport, peer, wanted, timeout)
+            except ManifestError as exc:
+                wrong.add(peer)
+                problems[peer] = str(exc)
+            except (TransportError, RemoteError) as exc:
+                problems[peer] = str(exc)
+            logger.warning("manifest from %s: %s", peer, problems[peer])
+        if wrong.issuperset(peers):
+            raise ManifestError(f"no peer served the swarm's manifest ({_listed(problems)})")
+        return None
+
+    fetched = poll(from_any, deadline, RETRY_SECONDS)
+    if fetched is None:
+        raise ManifestError(f"no peer served the swarm's manifest ({_listed(problems)})")
+    return fetched
+
+
+def _listed(problems: dict[str, str]) -> str:
+    return "; ".join(f"{peer[-8:]}: {problem}" for peer, problem in problems.items()) or "nobody to ask"
+
+
+def _fetch_from(transport: Transport, peer: str, wanted: str, timeout: float) -> tuple[Manifest, bytes]:
+    raw = transport.request(peer, RPC_MANIFEST, b"", timeout=timeout, max_response_bytes=MAX_MANIFEST_BYTES)
+    manifest = Manifest.decode(raw)
+    if manifest.hash != wanted:
+        raise ManifestError(f"its manifest hashes to {manifest.hash[:16]}, not {wanted[:16]}")
+    limit = manifest.tokenizer_bytes
+    tokenizer = transport.request(peer, RPC_TOKENIZER, b"", timeout=timeout, max_response_bytes=limit)
+    if hashlib.sha256(tokenizer).hexdigest() != manifest.tokenizer_sha256:
+        raise ManifestError("its tokenizer does not match the manifest's SHA-256")
+    return manifest, tokenizer
