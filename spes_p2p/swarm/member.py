@@ -32,6 +32,7 @@ from spes_p2p.swarm.records import (
     peers_key,
 )
 from spes_p2p.swarm.transport import Transport
+from spes_p2p.swarm.waiting import Deadline
 
 logger = logging.getLogger(__name__)
 
@@ -45,7 +46,7 @@ def mismatch(transport: Transport, run_id: str, ours: Manifest, peer: str, their
     if theirs.protocol != ours.protocol:
         return SwarmMismatch(manifests.protocol_mismatch(run_id, theirs.protocol, peer))
     try:
-        full, _ = manifests.fetch(transport, [peer], theirs.hash, timeout=10.0)
+        full, _ = manifests.fetch(transport, [peer], theirs.hash, Deadline(10.0))
         detail = "; ".join(manifests.differences(ours, full))
     except ManifestError as exc:
         detail = f"manifest {theirs.hash[:16]} vs {ours.hash[:16]} here ({exc})"
