@@ -66,6 +66,23 @@ def test_late_join_and_a_killed_sole_holder_on_the_memory_backend(tmp_path):
     assert json.loads((tmp_path / "summary.json").read_text())["rounds_completed"] == 8
 
 
+def test_a_peer_that_fails_stops_the_simulation_and_is_reported(tmp_path, monkeypatch):
+    """The others would wait for it (min_peers) up to wait_seconds; the run stops at once instead."""
+    from spes_p2p.peer import life
+
+    real_live = life.live
+
+    def live(settings, stop, ui=None, transport=None):
+        if transport.peer_id == "peer1":
+            raise RuntimeError("its disk is full")
+        return real_live(settings, stop, ui, transport)
+
+    monkeypatch.setattr(life, "live", live)
+    summary = run(simulation(sim__peers=3, sim__backend="memory", run__out=str(tmp_path), **SMALL))
+    assert summary["failures"] == ["peer1: its disk is full"]
+    assert summary["rounds_completed"] == 0
+
+
 def test_network_faults_are_survived_and_corrupt_payloads_counted(tmp_path):
     summary = run(
         simulation(
@@ -179,20 +196,19 @@ def test_resume_after_kill_keeps_the_peer_id(tmp_path):
         stop_process_groups(procs)
 
 
-@pytest.mark.timeout(900)
-def test_late_joins_reach_the_main_swarm_run_after_run(tmp_path):
-    """Five runs in a row of a scenario that used to lose newcomers (they started a swarm of their own, or
-    arrived after the end): the founder and another peer are killed, two newcomers join at round 4. Every
-    newcomer must count in the main swarm within 2 rounds of its join round, and nothing may split."""
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("run_index", range(5))
+def test_late_joins_reach_the_main_swarm_run_after_run(tmp_path, run_index):
+    """Five runs of a scenario that used to lose newcomers (they started a swarm of their own, or arrived
+    after the end): the founder and another peer are killed, two newcomers join at round 4. Every newcomer
+    must count in the main swarm within 2 rounds of its join round, and nothing may split."""
     args = "simulate --peers 5 --shards 2 --rounds 10 --steps-per-round 10 --batch-size 4 --seq-len 64"
     args += " --max-corpus-mb 1 --kill 0@2 --kill 3@3 --join 2@4 --out"
-    for run_index in range(5):
-        out = tmp_path / f"run{run_index}"
-        result = CliRunner().invoke(spes, [*args.split(), str(out)])
-        assert result.exit_code == 0, result.output
-        summary = json.loads((out / "summary.json").read_text())
-        assert not summary["failures"] and summary["rounds_completed"] == 10, (run_index, summary["failures"])
-        assert len(summary["newcomers"]) == 2
-        for newcomer in summary["newcomers"]:
-            assert newcomer["join_round"] == 4 and newcomer["first_counted_round"] is not None, newcomer
-            assert newcomer["rounds_late"] <= 2, (run_index, newcomer)
+    result = CliRunner().invoke(spes, [*args.split(), str(tmp_path)])
+    assert result.exit_code == 0, result.output
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert not summary["failures"] and summary["rounds_completed"] == 10, summary["failures"]
+    assert len(summary["newcomers"]) == 2
+    for newcomer in summary["newcomers"]:
+        assert newcomer["join_round"] == 4 and newcomer["first_counted_round"] is not None, newcomer
+        assert newcomer["rounds_late"] <= 2, newcomer

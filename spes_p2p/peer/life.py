@@ -19,6 +19,7 @@ from pathlib import Path
 
 import psutil
 
+from spes_p2p.errors import SpesError
 from spes_p2p.files import writable_folder
 from spes_p2p.peer import joining
 from spes_p2p.peer.admission import admit
@@ -59,9 +60,10 @@ class Frontend:
 
 def live(
     settings: Settings, stop: threading.Event, ui: Frontend | None = None, transport: Transport | None = None
-) -> PeerStatus:
-    """Runs one peer until ``stop`` is set or ``[run] rounds`` are done; returns its final status. Without a
-    ``transport``, it opens the one the settings name (and counts its start-up from the process's start)."""
+) -> PeerStatus | None:
+    """Runs one peer until ``stop`` is set or ``[run] rounds`` are done; returns its final status (None when
+    stopped before it was admitted). Without a ``transport``, it opens the one the settings name (and counts
+    its start-up from the process's start)."""
     ui = ui or Frontend()
     preflight(settings, identity=transport is None)
     startup = Startup(since_process_start=transport is None)
@@ -72,6 +74,8 @@ def live(
     peer = None
     try:
         peer = _prepare(settings, transport, stop, ui, startup)
+        if peer is None:
+            return None
         _join(peer, stop, ui, startup)
         peer.run(stop, on_update=ui.update, rounds=peer.settings.run.rounds)
         if not stop.is_set():
@@ -101,12 +105,19 @@ class Startup:
 
 def _prepare(
     settings: Settings, transport: Transport, stop: threading.Event, ui: Frontend, startup: Startup
-) -> Peer:
-    """Admission (a newcomer adopts the swarm's manifest), then the model, the data and the peer."""
+) -> Peer | None:
+    """Admission (a newcomer adopts the swarm's manifest), then the model, the data and the peer; None when
+    stopped during admission."""
     admission = None
     if not settings.run.new_swarm:
         with ui.phase("Reading the swarm's manifest..."):
-            admission = admit(settings, transport, stop)
+            try:
+                admission = admit(settings, transport, stop)
+            except SpesError:
+                if not stop.is_set():
+                    raise
+                logger.info("stopped before joining the swarm")  # (the waits it was in gave up)
+                return None
         settings = admission.settings
     startup.mark("manifest")
     with ui.phase("Preparing the model and the data..."):

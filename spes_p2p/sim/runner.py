@@ -364,6 +364,8 @@ def run(settings: Settings, on_tick: Callable[[dict], None] | None = None) -> di
                 on_tick(_tick(fleet, rounds, director.events, time.monotonic() - started))
             if time.monotonic() > deadline:
                 raise SpesError(f"the simulation did not finish within {deadline - started:.0f}s; see {out}")
+            if fleet.failures():
+                break  # the run has failed: stop now, rather than let the others wait for the peer gone
             time.sleep(POLL_SECONDS)
     finally:
         fleet.close()
