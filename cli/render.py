@@ -110,8 +110,9 @@ class JoinView(Frontend):
             f"peer [bold]{status.peer_id}[/] in swarm [bold]{self.settings.swarm.run_id}[/], "
             f"holding [bold]{', '.join(status.units) or 'nothing'}[/]"
         )
+        dialed = {True: "[green]dialed back[/]", False: "[red]not dialed back[/]", None: "not checked"}
         for addr in status.addresses:
-            say(f"  dial me at {addr}")
+            say(f"  dial me at {addr}  ({dialed[reachability.addresses.get(addr)]})")
         color = {"yes": "green", "no": "red"}.get(reachability.reachable, "yellow")
         say(f"[{color}]{reachability.message}[/]")
         invite = self.settings.run.invite

@@ -3,6 +3,7 @@ is taken over once its records expire, and SIGTERM releases claims at once."""
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -312,6 +313,7 @@ def test_a_volunteer_joins_with_nothing_but_the_invite(swarm, tmp_path):
         env=swarm.env,
     )
     assert volunteer.returncode == 0, volunteer.stdout[-3000:] + volunteer.stderr[-3000:]
+    assert re.search(r"dial me at /ip4/127\.0\.0\.1/tcp/\d+/p2p/\w+ +\(dialed back\)", volunteer.stdout)
     rows = [json.loads(x) for x in (elsewhere / "out" / "metrics.jsonl").read_text().splitlines()]
     assert rows and all(any(u.startswith("dense/") for u in r["units"]) for r in rows)
     assert {u for r in rows for u in r["units"] if u.startswith("dense/")} <= {"dense/0", "dense/1"}
