@@ -44,7 +44,7 @@ from spes_p2p.swarm.reachability import SelfCheck
 from spes_p2p.swarm.sync import SyncEngine
 from spes_p2p.swarm.transport import Transport
 from spes_p2p.swarm.waiting import Deadline, poll
-from spes_p2p.train.checkpoint import Checkpoint, load_checkpoint
+from spes_p2p.train.checkpoint import Checkpoint
 
 logger = logging.getLogger(__name__)
 
@@ -141,12 +141,7 @@ class Peer:
         """Loads the newest checkpoint of this peer's run folder (model, data position, round)."""
         if self.outputs is None:
             raise CheckpointError("--resume needs --out: the run folder that holds the checkpoints")
-        checkpoint = load_checkpoint(self.outputs.dir)
-        if checkpoint.meta.get("swarm_hash") != self.manifest.hash:
-            raise CheckpointError(
-                f"{checkpoint.path} was written in a swarm with other settings; resume with "
-                "the settings it was trained with, or start without --resume"
-            )
+        checkpoint = self.outputs.resume(self.manifest.hash)
         self.local.restore(checkpoint)
         self.round = checkpoint.meta["round"]
         logger.info("resumed from %s at round %d", checkpoint.path, self.round)
@@ -316,16 +311,6 @@ class Peer:
             state = {"peer_id": self.me, "round": self.round, "step": self.local.trainer.step}
             self.outputs.finish(self.local.model, {**state, **self.local.position()})
         if self.joined:
-            releasing = threading.Thread(target=self._release, name="release-claims", daemon=True)
-            releasing.start()
-            releasing.join(timeout)
-            if releasing.is_alive():
-                logger.warning("releasing claims took over %.0fs; they will expire by themselves", timeout)
+            self.member.leave_within(timeout)
         self.sync.close()
         self.transport.shutdown(timeout)
-
-    def _release(self) -> None:
-        try:
-            self.member.leave()
-        except Exception:  # leaving must not fail: the records expire on their own anyway
-            logger.exception("could not release claims; they expire by themselves")

@@ -15,8 +15,9 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
+from spes_p2p.errors import CheckpointError
 from spes_p2p.files import writable_folder
-from spes_p2p.train.checkpoint import save_checkpoint
+from spes_p2p.train.checkpoint import Checkpoint, load_checkpoint, save_checkpoint
 from spes_p2p.train.trainer import Trainer
 
 
@@ -32,6 +33,17 @@ class RunOutputs:
         return save_checkpoint(
             self.dir, trainer.step, model, trainer.optimizer, meta, keep=trainer.cfg.keep_checkpoints
         )
+
+    def resume(self, swarm_hash: str) -> Checkpoint:
+        """The newest checkpoint of this run folder, which must have been written in the swarm whose manifest
+        hashes to ``swarm_hash``."""
+        checkpoint = load_checkpoint(self.dir)
+        if checkpoint.meta.get("swarm_hash") != swarm_hash:
+            raise CheckpointError(
+                f"{checkpoint.path} was written in a swarm with other settings; resume with "
+                "the settings it was trained with, or start without --resume"
+            )
+        return checkpoint
 
     def finish(self, model: torch.nn.Module, state: dict) -> None:
         tmp = self.dir / ".model.safetensors.tmp"

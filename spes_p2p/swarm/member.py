@@ -282,6 +282,21 @@ class SwarmMember:
                 self.held, self.ending = set(), {}
             self._publish(records, self.cfg.record_ttl + 1.0)
 
+    def leave_within(self, seconds: float) -> None:
+        """``leave`` on a thread given at most ``seconds``; it never fails (records expire by themselves)."""
+
+        def release() -> None:
+            try:
+                self.leave()
+            except Exception:
+                logger.exception("could not release claims; they expire by themselves")
+
+        releasing = threading.Thread(target=release, name="release-claims", daemon=True)
+        releasing.start()
+        releasing.join(seconds)
+        if releasing.is_alive():
+            logger.warning("releasing claims took over %.0fs; they will expire by themselves", seconds)
+
     def _publish(self, records: list[tuple[str, Record]], ttl: float) -> None:
         expires = self.transport.now() + ttl
         for key, record in records:
