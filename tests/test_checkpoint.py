@@ -1,6 +1,9 @@
 import json
+import random
 import subprocess
 import sys
+import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -8,7 +11,13 @@ import torch
 from spes_p2p.errors import CheckpointError
 from spes_p2p.model.config import ModelSettings
 from spes_p2p.train import checkpoint as ckpt_mod
-from spes_p2p.train.checkpoint import flatten_state, list_checkpoints, load_checkpoint, unflatten_state
+from spes_p2p.train.checkpoint import (
+    flatten_state,
+    list_checkpoints,
+    load_checkpoint,
+    recover,
+    unflatten_state,
+)
 from spes_p2p.train.config import TrainConfig
 from spes_p2p.train.run import TrainingRun, evaluate_checkpoint
 
@@ -88,16 +97,15 @@ def test_crash_mid_checkpoint_leaves_the_previous_one(tmp_path, stdlib_data, mon
     assert load_checkpoint(tmp_path).meta["step"] == 6
 
 
-def test_corrupt_checkpoint_is_reported_and_the_previous_kept(tmp_path, stdlib_data):
+def test_a_damaged_newest_checkpoint_is_reported_and_the_previous_one_used(tmp_path, stdlib_data, caplog):
     training(stdlib_data, tmp_path, total_steps=12).run()
     newest = list_checkpoints(tmp_path)[-1]
     data = (newest / "model.safetensors").read_bytes()
     (newest / "model.safetensors").write_bytes(data[: len(data) // 2])  # truncated
-    with pytest.raises(
-        CheckpointError, match=r"step-000012 is corrupt: model\.safetensors fails its checksum"
-    ):
-        load_checkpoint(tmp_path)
-    assert load_checkpoint(list_checkpoints(tmp_path)[0]).meta["step"] == 6
+    assert load_checkpoint(tmp_path).meta["step"] == 6  # the run folder: the newest that passes
+    assert "step-000012 is corrupt: model.safetensors fails its checksum; using the previous" in caplog.text
+    with pytest.raises(CheckpointError, match=r"step-000012 is corrupt: .* the previous checkpoint .*intact"):
+        load_checkpoint(newest)  # that folder itself
 
 
 def test_when_every_checkpoint_is_damaged_none_is_called_intact(tmp_path, stdlib_data):
@@ -155,11 +163,14 @@ def test_cli_train_resume_corrupt_and_eval(tmp_path, cache_dir):
 
     newest = tmp_path / "run" / "checkpoints" / "step-000012"
     (newest / "meta.json").write_text("{ truncated")
-    failed = spes("train", *common, "--resume")
-    assert failed.returncode == 1
-    assert "Traceback" not in failed.stderr
+    failed = spes("eval", "--checkpoint", str(newest))  # that checkpoint itself: an error, with the way out
+    assert failed.returncode == 1 and "Traceback" not in failed.stderr
     assert "step-000012 is corrupt" in failed.stderr and "step-000006 is intact" in failed.stderr
-    assert (tmp_path / "run" / "checkpoints" / "step-000006" / "model.safetensors").exists()
+    resumed = spes("train", *common, "--resume")  # the run folder: resumes from step 6, and says so
+    assert resumed.returncode == 0, resumed.stderr
+    assert "step-000012 is corrupt" in resumed.stderr and "using the previous checkpoint" in resumed.stderr
+    assert load_checkpoint(tmp_path / "run").meta["step"] == 12  # written anew
+    assert sorted(p.name for p in newest.parent.iterdir()) == ["step-000006", "step-000012"]
 
 
 def test_evaluate_checkpoint_matches_the_run(tmp_path, stdlib_data):
@@ -168,3 +179,36 @@ def test_evaluate_checkpoint_matches_the_run(tmp_path, stdlib_data):
     result = evaluate_checkpoint(tmp_path)
     assert result["step"] == 6
     assert result["val_loss"] == pytest.approx(final["val_loss"], rel=1e-6)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_a_writer_killed_at_random_moments_always_leaves_a_checkpoint_to_resume_from(tmp_path):
+    """24 SIGKILLs of a process that writes (and rewrites) checkpoints without pause: after each, the run
+    folder loads, its model is the one written for its step, and no step that was reported written is lost."""
+    rng = random.Random(0)
+    writer = Path(__file__).with_name("checkpoint_writer.py")
+    reported = 0  # the newest step whose write returned
+    for _ in range(24):
+        proc = subprocess.Popen(
+            [sys.executable, str(writer), str(tmp_path)], stdout=subprocess.PIPE, text=True
+        )
+        try:
+            ready = proc.stdout.readline().split()
+            assert ready[:1] == ["ready"] and int(ready[1]) >= reported, ready
+            time.sleep(rng.uniform(0.0, 1.0))  # mid-write, mostly: writes follow each other without pause
+        finally:
+            proc.kill()
+            out, _ = proc.communicate(timeout=30)
+        done = [int(line.split()[1]) for line in out.splitlines() if line.startswith("done")]
+        reported = max([reported, *done])
+        if not list_checkpoints(tmp_path):  # killed before its first write completed
+            assert reported == 0
+            continue
+        checkpoint = load_checkpoint(tmp_path)
+        step = checkpoint.meta["step"]
+        assert step >= reported
+        assert all(torch.equal(t, torch.full_like(t, float(step))) for t in checkpoint.model.values())
+    recover(tmp_path)
+    assert all(p.name.startswith("step-") for p in (tmp_path / "checkpoints").iterdir())
+    assert reported >= 5  # the writer made progress between kills

@@ -17,13 +17,14 @@ from safetensors.torch import save_file
 
 from spes_p2p.errors import CheckpointError
 from spes_p2p.files import writable_folder
-from spes_p2p.train.checkpoint import Checkpoint, load_checkpoint, save_checkpoint
+from spes_p2p.train.checkpoint import Checkpoint, load_checkpoint, recover, save_checkpoint
 from spes_p2p.train.trainer import Trainer
 
 
 class RunOutputs:
     def __init__(self, out_dir: Path) -> None:
         self.dir = writable_folder(Path(out_dir), "--out")
+        recover(self.dir)  # what a peer killed mid-checkpoint left
 
     def append(self, row: dict) -> None:
         with open(self.dir / "metrics.jsonl", "a") as f:

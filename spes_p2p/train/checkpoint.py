@@ -5,15 +5,19 @@ Layout of a run folder::
     RUN/checkpoints/step-000200/   model.safetensors  optimizer.safetensors  meta.json  tokenizer.json
     RUN/checkpoints/step-000100/   (the previous one, kept until a newer one is complete)
 
-A checkpoint is written into a hidden temporary folder and renamed into place only when complete, so a
-crash mid-write never touches the previous checkpoint. ``meta.json`` records a SHA-256 of every other file;
-loading verifies them, so a truncated or damaged file is reported instead of half-loaded.
+A checkpoint is written into a hidden temporary folder, fsynced, and renamed into place only when complete;
+rewriting a step first sets the old folder aside (``.replaced-step-...``) and removes it only once the new
+one is in place, so a process killed at any moment leaves a loadable checkpoint. ``recover`` (run by the
+writer) removes what a killed write left and puts a set-aside checkpoint back. ``meta.json`` records a
+SHA-256 of every other file; loading verifies them, and loading a run folder falls back to the newest
+checkpoint that passes.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import shutil
 import tempfile
@@ -26,8 +30,12 @@ from safetensors.torch import load_file, save_file
 
 from spes_p2p.errors import CheckpointError
 
+logger = logging.getLogger(__name__)
+
 FORMAT = 1
 _PREFIX = "step-"
+_TMP = ".tmp-"  # a write in progress, or a pruned checkpoint being deleted
+_ASIDE = ".replaced-"  # a checkpoint whose step is being rewritten, until the new one is in place
 
 
 @dataclass
@@ -50,8 +58,9 @@ def save_checkpoint(
     """Writes checkpoint ``step`` under ``run_dir/checkpoints`` and prunes all but the newest ``keep``."""
     root = Path(run_dir) / "checkpoints"
     root.mkdir(parents=True, exist_ok=True)
+    recover(run_dir)
     final = root / f"{_PREFIX}{step:06d}"
-    tmp = Path(tempfile.mkdtemp(dir=root, prefix=f".tmp-{final.name}-"))
+    tmp = Path(tempfile.mkdtemp(dir=root, prefix=f"{_TMP}{final.name}-"))
     tmp.chmod(0o755)
     try:
         save_file(
@@ -64,53 +73,98 @@ def save_checkpoint(
         files = {p.name: _sha256(p) for p in sorted(tmp.iterdir())}
         full_meta = {**meta, "format": FORMAT, "step": step, "optimizer_rest": opt_rest, "files": files}
         (tmp / "meta.json").write_text(json.dumps(full_meta, indent=1))
-        _fsync_dir_contents(tmp)
-        if final.exists():  # rewriting the same step (e.g. after resuming at it): replace it
-            shutil.rmtree(final)
-        os.rename(tmp, final)
+        _fsync_folder(tmp)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+    aside = root / f"{_ASIDE}{final.name}"
+    if final.exists():  # rewriting the same step (e.g. after resuming at it): the old one stays until then
+        os.rename(final, aside)
+    os.rename(tmp, final)
+    _fsync_folder(root, files=False)
+    shutil.rmtree(aside, ignore_errors=True)
     for old in list_checkpoints(run_dir)[:-keep]:
-        shutil.rmtree(old, ignore_errors=True)
+        _remove(old)
     return final
 
 
+def recover(run_dir: Path) -> None:
+    """Undoes what a writer killed mid-write left in ``run_dir/checkpoints``: its temporary folders, and a
+    checkpoint set aside for a replacement that never arrived (put back). Only the run's writer calls this."""
+    root = Path(run_dir) / "checkpoints"
+    if not root.is_dir():
+        return
+    for path in sorted(root.iterdir()):
+        if path.name.startswith(_TMP):
+            shutil.rmtree(path, ignore_errors=True)
+        elif path.name.startswith(_ASIDE):
+            final = root / path.name.removeprefix(_ASIDE)
+            if final.exists():  # the replacement is in place: the old one was being deleted
+                shutil.rmtree(path, ignore_errors=True)
+            else:
+                os.rename(path, final)
+    _fsync_folder(root, files=False)
+
+
+def _remove(checkpoint: Path) -> None:
+    """Deletes a checkpoint so that no half-deleted one is ever listed: hidden first, then removed."""
+    hidden = checkpoint.with_name(f"{_TMP}pruned-{checkpoint.name}")
+    os.rename(checkpoint, hidden)
+    shutil.rmtree(hidden, ignore_errors=True)
+
+
 def list_checkpoints(run_dir: Path) -> list[Path]:
-    """Complete checkpoints of a run, oldest first."""
+    """Complete checkpoints of a run, oldest first. A checkpoint set aside for a rewrite that a kill cut short
+    stands for its step until the writer puts it back (``recover``): reading never changes the folder."""
     root = Path(run_dir) / "checkpoints"
     if not root.is_dir():
         return []
-    return sorted(p for p in root.iterdir() if p.is_dir() and p.name.startswith(_PREFIX))
-
-
-def resolve_checkpoint(path: Path) -> Path:
-    """A checkpoint folder itself, or the newest checkpoint of a run folder."""
-    path = Path(path)
-    if (path / "meta.json").exists() or path.name.startswith(_PREFIX):
-        return path
-    found = list_checkpoints(path)
-    if not found:
-        raise CheckpointError(f"no checkpoint found in {path}")
-    return found[-1]
+    found = {p.name: p for p in root.iterdir() if p.is_dir() and p.name.startswith(_PREFIX)}
+    for path in root.iterdir():
+        name = path.name.removeprefix(_ASIDE)
+        if path.is_dir() and path.name.startswith(_ASIDE) and name not in found:
+            found[name] = path
+    return [found[name] for name in sorted(found)]
 
 
 def load_checkpoint(path: Path) -> Checkpoint:
-    """Loads and verifies a checkpoint; raises CheckpointError naming what is wrong."""
-    path = resolve_checkpoint(path)
+    """Loads and verifies a checkpoint folder, or the newest checkpoint of a run folder that passes its
+    checks (a damaged newer one is skipped with a warning); raises CheckpointError naming what is wrong."""
+    path = Path(path)
+    if (path / "meta.json").exists() or path.name.startswith(_PREFIX):
+        try:
+            return _load(path)
+        except CheckpointError as exc:
+            raise CheckpointError(f"{exc}{_fallback_hint(path)}") from None
+    found = list_checkpoints(path)
+    if not found:
+        raise CheckpointError(f"no checkpoint found in {path}")
+    problems = []
+    for candidate in reversed(found):
+        try:
+            checkpoint = _load(candidate)
+        except CheckpointError as exc:
+            problems.append(str(exc))
+            continue
+        for problem in problems:
+            logger.warning("%s; using the previous checkpoint %s", problem, candidate)
+        return checkpoint
+    more = "; the older checkpoints are damaged too" if len(found) > 1 else ""
+    raise CheckpointError(f"{problems[0]}{more}: start over without --resume, or restore a backup")
+
+
+def _load(path: Path) -> Checkpoint:
     meta = read_meta(path)
     for name, digest in meta["files"].items():
         if not (path / name).is_file():
-            raise CheckpointError(f"checkpoint {path} is incomplete: {name} is missing{_fallback_hint(path)}")
+            raise CheckpointError(f"checkpoint {path} is incomplete: {name} is missing")
         if _sha256(path / name) != digest:
-            raise CheckpointError(
-                f"checkpoint {path} is corrupt: {name} fails its checksum{_fallback_hint(path)}"
-            )
+            raise CheckpointError(f"checkpoint {path} is corrupt: {name} fails its checksum")
     try:
         model = load_file(path / "model.safetensors")
         opt_tensors = load_file(path / "optimizer.safetensors")
     except (SafetensorError, OSError) as exc:
-        raise CheckpointError(f"checkpoint {path} cannot be read: {exc}{_fallback_hint(path)}") from None
+        raise CheckpointError(f"checkpoint {path} cannot be read: {exc}") from None
     return Checkpoint(path, meta, model, unflatten_state(opt_tensors, meta["optimizer_rest"]))
 
 
@@ -120,20 +174,19 @@ def read_meta(path: Path) -> dict:
     except FileNotFoundError:
         raise CheckpointError(f"{path} is not a checkpoint: meta.json is missing") from None
     except (json.JSONDecodeError, UnicodeDecodeError):
-        raise CheckpointError(
-            f"checkpoint {path} is corrupt: meta.json is not valid JSON{_fallback_hint(path)}"
-        ) from None
+        raise CheckpointError(f"checkpoint {path} is corrupt: meta.json is not valid JSON") from None
     if not isinstance(meta, dict) or meta.get("format") != FORMAT or not isinstance(meta.get("files"), dict):
         raise CheckpointError(f"checkpoint {path} has an unknown format (expected format {FORMAT})")
     return meta
 
 
 def _fallback_hint(path: Path) -> str:
-    """Where to resume from instead: the newest older checkpoint that passes its checks, if any."""
-    older = [p for p in list_checkpoints(path.parent.parent) if p.name < path.name]
+    """For a damaged checkpoint named by its folder: the newest older one that passes its checks, if any."""
+    found = list_checkpoints(path.parent.parent)
+    older = found[: found.index(path)] if path in found else []
     for candidate in reversed(older):
         if _intact(candidate):
-            return f"; the previous checkpoint {candidate} is intact: remove {path.name} to resume from it"
+            return f"; the previous checkpoint {candidate} is intact (resuming from the run folder uses it)"
     if older:
         return "; the older checkpoints are damaged too: start over without --resume, or restore a backup"
     return ""
@@ -158,10 +211,16 @@ def _sha256(path: Path) -> str:
     return h.hexdigest()
 
 
-def _fsync_dir_contents(folder: Path) -> None:
-    for p in folder.iterdir():
+def _fsync_folder(folder: Path, files: bool = True) -> None:
+    """Flushes a folder's entries (and, with ``files``, every file in it) to disk."""
+    for p in folder.iterdir() if files else []:
         with open(p, "rb") as f:
             os.fsync(f.fileno())
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 # ------------------------------------------------------------------ optimizer state <-> safetensors + JSON

@@ -17,7 +17,7 @@ from spes_p2p.errors import CheckpointError, ConfigError
 from spes_p2p.files import writable_folder
 from spes_p2p.model import ModelConfig, MoETransformer
 from spes_p2p.model.config import ModelSettings
-from spes_p2p.train.checkpoint import list_checkpoints, load_checkpoint, save_checkpoint
+from spes_p2p.train.checkpoint import list_checkpoints, load_checkpoint, recover, save_checkpoint
 from spes_p2p.train.config import DataConfig, TrainConfig
 from spes_p2p.train.dataset import BatchSampler, DataShard, prepare_data, validation_batches
 from spes_p2p.train.memory import check_fits
@@ -41,6 +41,7 @@ class TrainingRun:
     ) -> None:
         self.model_settings, self.train_cfg, self.data_cfg = model, train, data
         self.out_dir = Path(out_dir)
+        recover(self.out_dir)  # what a run killed mid-checkpoint left
         has_checkpoints = bool(list_checkpoints(self.out_dir))
         if resume and not has_checkpoints:
             raise CheckpointError(f"nothing to resume: {self.out_dir} holds no checkpoint")
