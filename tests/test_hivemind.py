@@ -31,13 +31,17 @@ def pair(tmp_path_factory):
         t.shutdown(timeout=3)
 
 
-def test_signed_entries_by_peer_id_and_unsigned_ones_ignored(pair):
+def test_entries_count_only_under_the_id_their_signing_key_derives(pair):
     a, b, _ = pair
     assert a.publish("test/records", b"a", a.now() + 30)
     assert b.publish("test/records", b"b", b.now() + 30)
     b.dht.store("test/records", b"forged", b.now() + 30, subkey=a.peer_id)  # no owner signature
-    entries = a.read("test/records")
-    assert {p: e.value for p, e in entries.items()} == {a.peer_id: b"a", b.peer_id: b"b"}
+    # signed, by b's key, under a's id (a "left" tombstone with a far expiry, say): not a's entry
+    forged = a.peer_id.encode() + b._validator.local_public_key
+    assert b.dht.store("test/records", b"forged", b.now() + 3600, subkey=forged)
+    for reader in (a, b):
+        entries = reader.read("test/records")
+        assert {p: e.value for p, e in entries.items()} == {a.peer_id: b"a", b.peer_id: b"b"}
 
 
 def test_streams_move_large_payloads_and_count_bytes(pair):

@@ -6,7 +6,9 @@ on an asyncio loop in a background thread. Handlers therefore run here, next to 
 
 Records are signed: every entry is stored under the subkey ``<peer id>[owner:<RSA public key>]`` and
 hivemind's ``RSASignatureValidator`` on every DHT node rejects writes to it that the owner did not sign. The
-RSA key is the peer's libp2p identity key, so a restarted peer keeps both its peer id and its records.
+RSA key is the peer's libp2p identity key (a throwaway one when none is given), so a restarted peer keeps
+both its peer id and its records, and a reader accepts an entry only under the peer id that its key
+derives: nobody writes under another peer's id.
 
 Stream framing (both directions) is hivemind's own (``P2P.send_raw_data``): an 8-byte big-endian length, then
 the payload; we read it back with our size limit, checked before the payload is read. An answer starts with
@@ -19,10 +21,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import ctypes
+import functools
+import hashlib
 import logging
 import os
 import signal
 import socket
+import tempfile
 import threading
 import time
 from collections.abc import Sequence
@@ -30,6 +35,9 @@ from pathlib import Path
 
 import hivemind
 import msgspec
+import multihash
+from cryptography.exceptions import UnsupportedAlgorithm
+from cryptography.hazmat.primitives import serialization
 from hivemind.dht.crypto import RSASignatureValidator
 from hivemind.p2p import P2P, PeerID
 from hivemind.p2p.p2p_daemon_bindings.utils import P2PDaemonError
@@ -100,23 +108,30 @@ class HivemindTransport(Transport):
     ) -> None:
         self.stats = TransportStats()
         check_ports_free(listen)
-        identity_path = ensure_identity(identity_path) if identity_path else None
-        key = _signing_key(identity_path) if identity_path else None
-        self._validator = RSASignatureValidator(key)
+        ephemeral = None
+        if identity_path is None:  # a throwaway identity: its key still signs this peer's records
+            ephemeral = tempfile.TemporaryDirectory(prefix="spes-identity-")
+            identity_path = Path(ephemeral.name) / "identity.key"
+        identity_path = ensure_identity(identity_path)
+        self._validator = RSASignatureValidator(_signing_key(identity_path))
         dht_kwargs = dict(
             initial_peers=list(initial_peers),
             start=True,
             client_mode=client_mode,
             host_maddrs=list(listen),
             announce_maddrs=list(announce) or None,
-            identity_path=str(identity_path) if identity_path else None,
+            identity_path=str(identity_path),
             use_auto_relay=use_relay,
             use_relay=True,
             startup_timeout=startup_timeout,
             record_validators=[self._validator],
             await_ready=False,
         )
-        self.dht = self._start_dht(dht_kwargs, initial_peers, startup_timeout)
+        try:
+            self.dht = self._start_dht(dht_kwargs, initial_peers, startup_timeout)
+        finally:
+            if ephemeral is not None:
+                ephemeral.cleanup()  # p2pd has read it
         self.peer_id = str(self.dht.peer_id)
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="spes-p2p", daemon=True)
@@ -339,10 +354,27 @@ def check_ports_free(listen: Sequence[str]) -> None:
 
 
 def _owner_peer_id(subkey) -> str | None:
-    """The peer id in a signed subkey ``<peer id>[owner:...]``; None for unsigned subkeys."""
+    """The peer id of a signed subkey ``<peer id>[owner:<RSA public key>]``, when it is the id that key
+    derives (the DHT checked the signature against that key); None for unsigned or forged subkeys."""
     raw = subkey if isinstance(subkey, bytes) else str(subkey).encode()
-    peer, marker, _ = raw.partition(b"[owner:")
-    return peer.decode(errors="replace") if marker and peer else None
+    peer, marker, rest = raw.partition(b"[owner:")
+    if not (marker and peer and rest.endswith(b"]")):
+        return None
+    claimed = peer.decode(errors="replace")
+    return claimed if claimed == _peer_id_of_key(rest[:-1]) else None
+
+
+@functools.lru_cache(maxsize=4096)
+def _peer_id_of_key(ssh_public_key: bytes) -> str | None:
+    """The libp2p peer id of an RSA public key (a multihash of its protobuf-wrapped DER form)."""
+    try:
+        key = serialization.load_ssh_public_key(ssh_public_key)
+    except (ValueError, UnsupportedAlgorithm):
+        return None
+    der = key.public_bytes(serialization.Encoding.DER, serialization.PublicFormat.SubjectPublicKeyInfo)
+    wrapped = crypto_pb2.PublicKey(key_type=crypto_pb2.RSA, data=der).SerializeToString()
+    digest = multihash.encode(hashlib.sha256(wrapped).digest(), multihash.coerce_code("sha2-256"))
+    return PeerID(digest).to_base58()
 
 
 def _daemon_error(exc: Exception, initial_peers: Sequence[str]) -> TransportError:
