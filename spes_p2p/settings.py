@@ -132,6 +132,14 @@ class Settings:
             raise FieldError(
                 "seq_len", f"({self.train.seq_len}) exceeds the model's max_seq_len ({max_len})", "train"
             )
+        round_tokens = self.method.steps_per_round * self.train.batch_size * self.train.seq_len
+        if round_tokens > self.sync.max_round_tokens:
+            raise FieldError(
+                "batch_size",
+                f"x seq_len x steps_per_round ({round_tokens}) is over [sync] max_round_tokens "
+                f"({self.sync.max_round_tokens}): train on smaller batches",
+                "train",
+            )
         shards = self.run.shard_list() or ()
         bad = [s for s in shards if not 0 <= s < self.model.shards]
         if bad:

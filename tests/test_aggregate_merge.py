@@ -6,10 +6,12 @@ from spes_p2p.swarm.aggregate import (
     Fetched,
     OuterStep,
     averaged,
+    combine,
     decide,
     resynchronized,
     weighted_mean,
 )
+from spes_p2p.swarm.config import AGGREGATES
 from spes_p2p.train.config import MergeConfig
 from spes_p2p.train.merge import merge_layer
 
@@ -85,8 +87,8 @@ def test_a_round_averages_updates_on_one_base_and_counts_late_ones():
     assert not decision.resync
     assert [c.peer_id for c in decision.contributions] == ["a", "b", "c"]
     start, end = {"w": torch.zeros(3)}, {"w": torch.full((3,), 9.0)}
-    new = averaged(start, end, decision.contributions, OuterStep())
-    assert torch.equal(new["w"], torch.full((3,), (100 * 1 + 300 * 3 - 100 * 2) / 500))
+    new, rejected = averaged(start, end, decision.contributions, OuterStep())
+    assert torch.equal(new["w"], torch.full((3,), (100 * 1 + 300 * 3 - 100 * 2) / 500)) and rejected == []
 
 
 def test_a_newcomer_adopts_the_others_result_and_alone_a_peer_keeps_its_own():
@@ -94,19 +96,95 @@ def test_a_newcomer_adopts_the_others_result_and_alone_a_peer_keeps_its_own():
     decision = decide("s0", None, fetched, [])
     assert [c.peer_id for c in decision.contributions] == ["b"]
     start, end = {"w": torch.zeros(3)}, {"w": torch.full((3,), 9.0)}
-    assert torch.equal(averaged(start, end, decision.contributions, OuterStep())["w"], torch.full((3,), 3.0))
+    assert torch.equal(
+        averaged(start, end, decision.contributions, OuterStep())[0]["w"], torch.full((3,), 3.0)
+    )
     nobody = decide("s0", None, [], [])
-    assert torch.equal(averaged(start, end, nobody.contributions, OuterStep())["w"], end["w"])
+    assert torch.equal(averaged(start, end, nobody.contributions, OuterStep())[0]["w"], end["w"])
 
 
-def test_another_base_means_resynchronizing_from_end_weights():
+def test_the_base_most_participants_share_wins_and_others_are_left_out():
     own = contribution("a", 100, 1.0)
     fetched = [
         Fetched(contribution("b", 300, 3.0), base="s0"),
         Fetched(contribution("c", 100, 5.0), base="s9"),
     ]
-    decision = decide("s0", own, fetched, [contribution("d", 50, 7.0)])
-    assert decision.resync and decision.contributions == []
-    assert [c.peer_id for c in decision.resync_from] == ["b", "c"]  # late updates do not mix in
-    ends = [contribution("a", 100, 10.0), contribution("b", 300, 30.0)]
-    assert torch.equal(resynchronized({"w": torch.zeros(3)}, ends)["w"], torch.full((3,), 25.0))
+    outnumbered = decide("s0", own, fetched, [contribution("d", 50, 7.0)])
+    assert not outnumbered.resync and outnumbered.differ == ["c"]
+    assert [c.peer_id for c in outnumbered.contributions] == ["a", "b", "d"]
+    # on the other side, c re-synchronizes toward the two on s0, without its own end weights
+    other = decide(
+        "s9", contribution("c", 100, 5.0), [Fetched(own, "s0"), Fetched(fetched[0].contribution, "s0")], []
+    )
+    assert other.resync and not other.ours_leads and [c.peer_id for c in other.resync_from] == ["a", "b"]
+    # a tie: everyone's end weights, ours included (honest holders that missed a round meet halfway)
+    tie = decide("s0", own, [fetched[1]], [contribution("d", 50, 7.0)])
+    assert tie.resync and tie.ours_leads and [c.peer_id for c in tie.resync_from] == ["c"]
+    ends = [contribution("a", 100, 10.0), contribution("c", 300, 30.0)]
+    new, far = resynchronized({"w": torch.zeros(3)}, ends)
+    assert torch.equal(new["w"], torch.full((3,), 25.0)) and far == []
+
+
+def test_resynchronizing_ignores_end_weights_beyond_reach():
+    end = {"w": torch.full((3,), 10.0)}
+    ends = [contribution("a", 100, 10.0), contribution("b", 100, 12.0), contribution("x", 100, 1e6)]
+    new, far = resynchronized(end, ends, reach=5.0)
+    assert far == ["x"] and torch.equal(new["w"], torch.full((3,), 11.0))
+    alone, far = resynchronized(end, ends[2:], reach=5.0)
+    assert far == ["x"] and torch.equal(alone["w"], end["w"])
+
+
+# ------------------------------------------------------------------------------ robust aggregation
+
+
+def update(peer, values, tokens=100):
+    return Contribution(peer, tokens, {"w": torch.tensor(values, dtype=torch.float32)})
+
+
+HONEST = [update("a", [1.0, 2.0, 0.0]), update("b", [1.2, 1.8, 0.2]), update("c", [0.8, 2.2, -0.2])]
+
+
+@pytest.mark.parametrize("method", AGGREGATES)
+def test_an_update_scaled_a_thousandfold_is_rejected_under_every_rule(method):
+    attacker = update("x", [1000.0, 2000.0, 0.0])
+    combined = combine([*HONEST, attacker], method, own="a")
+    assert combined.rejected == ["x"] and [c.peer_id for c in combined.used] == ["a", "b", "c"]
+    torch.testing.assert_close(combined.update["w"], torch.tensor([1.0, 2.0, 0.0]))
+    # two holders: the receiver measures against its own update
+    pair = combine([HONEST[0], attacker], method, own="a")
+    assert pair.rejected == ["x"] and torch.equal(pair.update["w"], HONEST[0].tensors["w"])
+
+
+def test_each_rule_on_values():
+    ups = [update("a", [1.0, 0.0]), update("b", [2.0, 0.0]), update("c", [3.0, 0.0]), update("d", [5.9, 0.0])]
+    torch.testing.assert_close(combine(ups, "mean").update["w"], torch.tensor([11.9 / 4, 0.0]))
+    torch.testing.assert_close(combine(ups, "median").update["w"], torch.tensor([2.5, 0.0]))
+    torch.testing.assert_close(combine(ups, "trimmed_mean").update["w"], torch.tensor([2.5, 0.0]))
+    # reference = median norm 2.5: d is clipped to norm 5 (2 x 2.5)
+    torch.testing.assert_close(combine(ups, "clipped_mean").update["w"], torch.tensor([11.0 / 4, 0.0]))
+    five = [*ups, update("e", [4.0, 0.0])]
+    torch.testing.assert_close(combine(five, "trimmed_mean").update["w"], torch.tensor([3.0, 0.0]))
+
+
+@pytest.mark.parametrize("method", ["median", "trimmed_mean"])
+def test_a_sign_flip_barely_moves_the_coordinatewise_rules(method):
+    flipped = update("x", [-1.0, -2.0, 0.0])
+    result = combine([*HONEST, flipped], method).update["w"]
+    assert (result - torch.tensor([1.0, 2.0, 0.0])).abs().max() <= 0.25
+
+
+@pytest.mark.parametrize("method", AGGREGATES)
+def test_robust_rules_give_bit_identical_results_in_any_order(method):
+    ups = [
+        update(p, torch.randn(50, generator=torch.Generator().manual_seed(i)).tolist())
+        for i, p in enumerate("abcde")
+    ]
+    first = combine(ups, method).update["w"]
+    assert torch.equal(first, combine(list(reversed(ups)), method).update["w"])
+
+
+@pytest.mark.parametrize("method", AGGREGATES)
+def test_a_non_finite_or_overflowing_update_is_rejected_never_combined(method):
+    for bad in (float("inf"), float("nan"), 3e38):  # 3e38 is finite, but its squared norm is not
+        combined = combine([update("a", [1.0]), update("b", [bad]), update("c", [3.0])], method)
+        assert combined.rejected == ["b"] and torch.isfinite(combined.update["w"]).all()

@@ -7,6 +7,7 @@ import torch
 
 from spes_p2p.swarm.codecs import TensorSpec, max_payload_bytes
 from spes_p2p.swarm.config import SyncConfig
+from spes_p2p.swarm.exchange import RESYNC_LIMIT
 from spes_p2p.swarm.memory import MemoryNetwork
 from spes_p2p.swarm.messages import RPC_UPDATE, UpdateRequest
 from spes_p2p.swarm.sync import SyncEngine, dense_group
@@ -52,10 +53,30 @@ def run_round(engines, start, ends, peers=None, holders=HOLDERS):
     return results
 
 
-def make_swarm(codec="int8", deadline=10.0, peers=("p0", "p1", "p2", "p3")):
+def make_swarm(codec="int8", deadline=10.0, peers=("p0", "p1", "p2", "p3"), aggregate="mean", **sync):
     net = MemoryNetwork(seed=0)
-    cfg = SyncConfig(codec=codec, deadline_min=0.2, deadline_max=deadline)
-    return net, {p: SyncEngine(net.join(p), "t", cfg, SPECS) for p in peers}
+    cfg = SyncConfig(codec=codec, deadline_min=0.2, deadline_max=deadline, **sync)
+    return net, {p: SyncEngine(net.join(p), "t", cfg, SPECS, aggregate=aggregate) for p in peers}
+
+
+def exchange_concurrently(engines, round_, unit, starts, ends, holders, tokens=TOKENS):
+    """Peers in ``starts`` exchange ``unit`` of ``round_`` at once, each from its own start and end."""
+    out, errors = {}, []
+
+    def one(p):
+        try:
+            out[p] = engines[p].exchange(round_, unit, starts[p], ends[p], tokens.get(p, 100), holders)
+        except Exception as exc:  # surfaced below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=one, args=(p,)) for p in starts]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=30)
+    assert not errors, errors
+    assert set(out) == set(starts)
+    return out
 
 
 @pytest.mark.parametrize("codec", ["none", "fp16", "int8"])
@@ -167,28 +188,13 @@ def test_a_late_update_counts_in_the_next_round():
     unit, holders = "experts/0", ["p0", "p1", "p2"]
     start = tensors(0)[unit]
     end = {p: tensors(i + 40)[unit] for i, p in enumerate(holders)}
-
-    def exchange_all(round_, peers, starts, ends):
-        out = {}
-        threads = [
-            threading.Thread(
-                target=lambda p=p: out.__setitem__(
-                    p, engines[p].exchange(round_, unit, starts[p], ends[p], TOKENS[p], holders)
-                )
-            )
-            for p in peers
-        ]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(timeout=30)
-        return out
-
-    first = exchange_all(0, ["p0", "p1"], {p: start for p in holders}, end)  # p2 is late for round 0
-    assert first["p0"].missing == ["p2"]
+    same = {p: start for p in holders}
+    first = exchange_concurrently(engines, 0, unit, {p: start for p in ("p0", "p1")}, end, holders)
+    assert first["p0"].missing == ["p2"]  # p2 is late for round 0...
     engines["p2"].exchange(0, unit, start, end["p2"], TOKENS["p2"], holders)  # ...and announces afterwards
     base = first["p0"].new_weights
-    second = exchange_all(1, ["p0", "p1"], {p: base for p in holders}, {p: base for p in holders})
+    two = {p: base for p in ("p0", "p1")}
+    second = exchange_concurrently(engines, 1, unit, two, two, holders)
     for p in ("p0", "p1"):
         assert second[p].participants == ["p0", "p1", "p2"]  # p2 counts, with its late update
     late_delta = end["p2"]["w1"] - start["w1"]
@@ -196,6 +202,123 @@ def test_a_late_update_counts_in_the_next_round():
     share = TOKENS["p2"] / (TOKENS["p0"] + TOKENS["p1"] + TOKENS["p2"])
     torch.testing.assert_close(second["p0"].new_weights["w1"], base["w1"] + share * late_delta)
     assert torch.equal(second["p0"].new_weights["w1"], second["p1"].new_weights["w1"])
+    assert same  # (every holder started round 0 from the same weights)
+
+
+def test_a_non_participant_cannot_slip_in_a_late_update():
+    _, engines = make_swarm("none", deadline=0.5, peers=("p0", "p1", "intruder"))
+    unit, holders = "experts/0", ["p0", "p1"]
+    start = tensors(0)[unit]
+    end = {p: tensors(i + 40)[unit] for i, p in enumerate(engines)}
+    first = exchange_concurrently(engines, 0, unit, {p: start for p in holders}, end, holders)
+    # the intruder announces a round-0 update on the holders' public base hash, after the round
+    engines["intruder"].exchange(
+        0,
+        unit,
+        start,
+        end["intruder"],
+        10**6,
+        ["intruder"],
+    )
+    base = first["p0"].new_weights
+    two = {p: base for p in holders}
+    second = exchange_concurrently(engines, 1, unit, two, two, holders, tokens={**TOKENS, "intruder": 1})
+    for p in holders:
+        assert second[p].participants == ["p0", "p1"]
+        assert torch.equal(second[p].new_weights["w1"], base["w1"])  # nothing moved: no update counted
+
+
+def poisoned_round(attack, aggregate="clipped_mean"):
+    """p0 and p1 train honestly; p2, a holder too, sends ``attack(start, honest end)``."""
+    _, engines = make_swarm(
+        "int8",
+        deadline=1.0,
+        peers=("p0", "p1", "p2"),
+        aggregate=aggregate,
+    )
+    unit, holders = "experts/0", ["p0", "p1", "p2"]
+    start = tensors(0)[unit]
+    ends = {p: {"w1": start["w1"] + tensors(i + 1, scale=0.01)[unit]["w1"]} for i, p in enumerate(holders)}
+    ends["p2"] = attack(start, ends["p2"])
+    return (
+        exchange_concurrently(engines, 0, unit, {p: start for p in holders}, ends, holders),
+        engines,
+        start,
+        ends,
+    )
+
+
+def test_an_update_scaled_a_thousandfold_is_rejected_and_the_honest_holders_agree():
+    results, engines, _, ends = poisoned_round(lambda s, e: {"w1": s["w1"] + 1000 * (e["w1"] - s["w1"])})
+    for p in ("p0", "p1"):
+        assert results[p].rejected == ["p2"] and results[p].participants == ["p0", "p1"]
+        assert engines[p].rejected_payloads == 1
+    assert torch.equal(results["p0"].new_weights["w1"], results["p1"].new_weights["w1"])
+    honest = (100 * ends["p0"]["w1"] + 200 * ends["p1"]["w1"]) / 300
+    assert (results["p0"].new_weights["w1"] - honest).abs().max() < 1e-3
+
+
+def test_token_counts_are_clamped_to_what_a_round_can_hold():
+    tokens = {"p0": 100, "p1": 100, "p2": 10**15}
+    _, engines = make_swarm(
+        "none", deadline=1.0, peers=("p0", "p1", "p2"), aggregate="mean", max_round_tokens=100
+    )
+    unit, holders = "experts/0", ["p0", "p1", "p2"]
+    start = tensors(0)[unit]
+    ends = {p: {"w1": start["w1"] + tensors(i + 1, scale=0.01)[unit]["w1"]} for i, p in enumerate(holders)}
+    results = exchange_concurrently(engines, 0, unit, {p: start for p in holders}, ends, holders, tokens)
+    expected = sum(ends[p]["w1"] for p in holders) / 3  # every update weighs the same: 100 tokens
+    torch.testing.assert_close(results["p0"].new_weights["w1"], expected)
+
+
+def test_a_diverged_peer_sends_nothing_and_takes_the_others_result():
+    results, engines, _, _ = poisoned_round(lambda s, e: {"w1": e["w1"] * float("nan")})
+    assert results["p2"].diverged and not results["p0"].diverged
+    assert results["p0"].missing == ["p2"] and results["p0"].participants == ["p0", "p1"]
+    for p in ("p0", "p2"):
+        assert torch.equal(results[p].new_weights["w1"], results["p1"].new_weights["w1"])
+    assert engines["p0"].rejected_payloads == 0  # nothing bad was sent
+
+
+def test_the_majority_base_wins_and_far_end_weights_are_not_averaged_in():
+    _, engines = make_swarm("none", deadline=1.0, peers=("p0", "p1", "p2"))
+    unit, holders = "experts/0", ["p0", "p1", "p2"]
+    start = tensors(0)[unit]
+    ends = {p: {"w1": start["w1"] + tensors(i + 1, scale=0.01)[unit]["w1"]} for i, p in enumerate(holders)}
+    starts = {"p0": start, "p1": start, "p2": tensors(9)[unit]}  # p2 started elsewhere
+    results = exchange_concurrently(engines, 0, unit, starts, ends, holders)
+    for p in ("p0", "p1"):  # the two on one base average their updates, without p2's
+        assert not results[p].resynced and results[p].participants == ["p0", "p1"]
+    assert results["p2"].resynced  # p2 moves to the majority's end weights
+    expected = (100 * ends["p0"]["w1"] + 200 * ends["p1"]["w1"]) / 300
+    torch.testing.assert_close(results["p2"].new_weights["w1"], expected)
+    torch.testing.assert_close(results["p0"].new_weights["w1"], expected)
+
+
+def test_far_end_weights_drag_nobody():
+    _, engines = make_swarm("none", deadline=1.0, peers=("p0", "x"))
+    unit, holders = "experts/0", ["p0", "x"]
+    start = tensors(0)[unit]
+    starts = {"p0": start, "x": {"w1": start["w1"] + 1}}  # a tie of bases, one of them far off
+    ends = {"p0": {"w1": start["w1"] + 0.01}, "x": {"w1": starts["x"]["w1"] + 1e4}}
+    results = exchange_concurrently(engines, 0, unit, starts, ends, holders)
+    assert results["p0"].resynced and results["p0"].rejected == ["x"]
+    assert torch.equal(results["p0"].new_weights["w1"], ends["p0"]["w1"])  # p0 did not move
+
+
+def test_a_peer_outnumbered_and_out_of_reach_downloads_the_unit():
+    _, engines = make_swarm("none", deadline=1.0, peers=("p0", "p1", "x"))
+    unit, holders = "experts/0", ["p0", "p1", "x"]
+    start = tensors(0)[unit]
+    for round_ in range(RESYNC_LIMIT):
+        starts = {"p0": start, "p1": start, "x": {"w1": start["w1"] + 1 + round_}}  # x: elsewhere, far
+        ends = {p: {"w1": s["w1"] + 1e-4} for p, s in starts.items()}
+        results = exchange_concurrently(engines, round_, unit, starts, ends, holders)
+        assert not results["p0"].resynced and results["p0"].participants == ["p0", "p1"]
+        assert results["x"].resynced and results["x"].rejected == ["p0", "p1"]
+        assert torch.equal(results["x"].new_weights["w1"], ends["x"]["w1"])  # out of reach: it stays...
+        assert results["x"].download == (round_ == RESYNC_LIMIT - 1)  # ...and then downloads the unit
+        start = results["p0"].new_weights
 
 
 def test_the_deadline_adapts_within_its_bounds():

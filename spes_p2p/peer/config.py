@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 from spes_p2p.fields import SWARM, Section, check, setting
 from spes_p2p.swarm.claims import BLOCK_ORDERS
+from spes_p2p.swarm.config import AGGREGATES
 
 MODES = ("spes", "diloco")
 
@@ -28,6 +29,11 @@ class MethodConfig(Section):
         "spes, or diloco: every peer trains and averages the full model (Nesterov outer step, no merging).",
         choices=MODES,
         flag="--method",
+    )
+    aggregate: str = setting(
+        "clipped_mean",
+        "How a round combines updates; under every rule, outliers by norm are rejected (docs/security.md).",
+        choices=AGGREGATES,
     )
     steps_per_round: int = setting(100, "H: local optimizer steps between synchronizations.")
     overlap: bool = setting(True, "Exchange round k in the background while round k+1 trains.")

@@ -25,9 +25,13 @@ class Landing:
     """Where each unit's next update is measured from. Training thread only."""
 
     def __init__(
-        self, read: Callable[[str], Tensors], write: Callable[[str, Tensors], None], overlap: bool
+        self,
+        read: Callable[[str], Tensors],
+        write: Callable[[str, Tensors], None],
+        overlap: bool,
+        reset_state: Callable[[str], None] = lambda unit: None,
     ) -> None:
-        self.read, self.write, self.overlap = read, write, overlap
+        self.read, self.write, self.overlap, self.reset_state = read, write, overlap, reset_state
         self.round_start: dict[str, Tensors] = {}  # the units training now, as their round began
         self.synced_start: dict[str, Tensors] = {}  # overlap: synced weights the next update starts from
 
@@ -40,7 +44,13 @@ class Landing:
 
     def land(self, job: RoundJob) -> None:
         for unit, result in job.results.items():  # units trained in the job's round
-            self._write(unit, result.new_weights, since=job.end[unit])
+            if result.diverged:  # its progress is as broken as its update: restart from the result
+                self.reset_state(unit)
+                self.write(unit, result.new_weights)
+                if self.overlap:
+                    self.synced_start[unit] = result.new_weights
+            else:
+                self._write(unit, result.new_weights, since=job.end[unit])
         for unit, weights in job.refreshed.items():  # frozen in that round; maybe trained now
             self._write(unit, weights, since=self.round_start.get(unit))
 

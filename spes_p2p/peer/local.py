@@ -78,6 +78,10 @@ class LocalTraining:
         with self._lock:
             self.trainer.retarget(units)
 
+    def reset_state(self, unit: str) -> None:
+        with self._lock:
+            self.trainer.reset_state(unit)
+
     def at_round(self, round_: int) -> None:
         self.trainer.step = round_ * self.settings.method.steps_per_round
 

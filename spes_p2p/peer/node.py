@@ -35,13 +35,12 @@ from spes_p2p.peer.local import LocalTraining
 from spes_p2p.peer.metrics import RoundMetrics, crossed
 from spes_p2p.peer.outputs import RunOutputs
 from spes_p2p.peer.rounds import Pipeline, RoundJob, RoundSync
-from spes_p2p.peer.setup import initial_seed, member_config
+from spes_p2p.peer.setup import initial_seed, member_config, sync_engine
 from spes_p2p.settings import Settings
 from spes_p2p.swarm.manifest import ManifestServer
 from spes_p2p.swarm.member import SwarmMember, SwarmMismatch, SwarmView
 from spes_p2p.swarm.payload import specs_of
 from spes_p2p.swarm.reachability import SelfCheck
-from spes_p2p.swarm.sync import SyncEngine
 from spes_p2p.swarm.transport import Transport
 from spes_p2p.swarm.waiting import Deadline, poll
 from spes_p2p.train.checkpoint import Checkpoint
@@ -92,12 +91,10 @@ class Peer:
         ManifestServer(transport, self.manifest, tokenizer)
         self.member = SwarmMember(transport, self.manifest, member_config(settings))
         specs = {u: specs_of(self.local.read(u)) for u in self.layout.units}
-        self.sync = SyncEngine(
-            transport, settings.swarm.run_id, settings.sync, specs, self.local.read, self.member.live_peers
-        )
+        self.sync = sync_engine(settings, transport, specs, self.local.read, self.member.live_peers)
         overlap = settings.method.overlap
         self.pipeline = Pipeline(RoundSync(settings, self.member, self.sync, self.layout), overlap)
-        self.landing = Landing(self.local.read, self.local.write, overlap)
+        self.landing = Landing(self.local.read, self.local.write, overlap, self.local.reset_state)
         self.metrics = RoundMetrics(self.me, transport.stats)
         self.reachability = SelfCheck(transport, self.member, settings.network)
         self.heartbeat = Heartbeat(

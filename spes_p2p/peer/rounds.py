@@ -69,9 +69,18 @@ class RoundSync:
             size = self.settings.sync.dense_group_size
             participants = dense_group(participants, self.me, job.round, self.settings.swarm.run_id, size)
         counted = self.member.since_of(unit) <= job.round
-        return self.sync.exchange(
+        result = self.sync.exchange(
             job.round, unit, job.start[unit], job.end[unit], job.tokens, participants, counted
         )
+        if result.download:  # kept off the swarm's weights: take a participant's result of this round
+            self.sync.refresh(
+                job.round,
+                {unit: [p for p in participants if p != self.me]},
+                self.sync.deadline.seconds(),
+                codec="none",
+                on_unit=lambda _, __, weights: result.new_weights.update(weights),
+            )
+        return result
 
     def _merge(self, job: RoundJob) -> None:
         """The expert-merging warm-up on the round's new weights, before they are served. Neighbours in other

@@ -1,5 +1,5 @@
 """Wiring: from a peer's settings to what the layers below need (the membership config, the seed of the
-initial model) and to its transport."""
+initial model, the sync engine) and to its transport."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ from spes_p2p import __version__
 from spes_p2p.errors import ConfigError
 from spes_p2p.settings import Settings
 from spes_p2p.swarm.member import MemberConfig
+from spes_p2p.swarm.sync import SyncEngine
 from spes_p2p.swarm.transport import Transport
 
 
@@ -39,6 +40,18 @@ def member_config(settings: Settings) -> MemberConfig:
         record_ttl=settings.swarm.record_ttl_seconds,
         version=__version__,
         client_mode=settings.network.client_mode,
+    )
+
+
+def sync_engine(settings: Settings, transport: Transport, specs: dict, local_copy, live_peers) -> SyncEngine:
+    return SyncEngine(
+        transport,
+        settings.swarm.run_id,
+        settings.sync,
+        specs,
+        local_copy,
+        live_peers,
+        settings.method.aggregate,
     )
 
 

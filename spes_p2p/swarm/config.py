@@ -10,6 +10,7 @@ from spes_p2p.fields import PEER, SWARM, FieldError, Section, check, setting
 from spes_p2p.swarm.codecs import CODECS, TOPK_FRACTION
 
 OUTER_RULES = ("fedavg", "nesterov")
+AGGREGATES = ("mean", "clipped_mean", "trimmed_mean", "median")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -78,6 +79,9 @@ class SyncConfig(Section):
     outer_momentum: float = setting(0.9, "Outer momentum (nesterov only).")
     dense_group_size: int = setting(16, "G: the dense part is averaged in random groups of at most G peers.")
     staleness: int = setting(1, "Rounds a late update still counts.")
+    max_round_tokens: int = setting(
+        1 << 24, "The most tokens one update may count for; a larger count is clamped to this."
+    )
     deadline_min: float = setting(
         2.0,
         "A round waits for late participants at least this long...",
@@ -95,6 +99,7 @@ class SyncConfig(Section):
         check(0 <= self.outer_momentum < 1, "outer_momentum", "must be in [0, 1)")
         check(self.dense_group_size >= 2, "dense_group_size", "must be at least 2")
         check(self.staleness >= 0, "staleness", "must be at least 0")
+        check(self.max_round_tokens >= 1, "max_round_tokens", "must be at least 1")
         check(
             0 < self.deadline_min <= self.deadline_max,
             "deadline_min",

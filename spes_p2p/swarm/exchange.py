@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import math
 import random
 import threading
 import time
@@ -22,7 +23,16 @@ from dataclasses import dataclass, field
 
 import torch
 
-from spes_p2p.swarm.aggregate import Contribution, Fetched, OuterStep, averaged, decide, resynchronized
+from spes_p2p.swarm.aggregate import (
+    RESYNC_FACTOR,
+    Contribution,
+    Fetched,
+    OuterStep,
+    averaged,
+    decide,
+    norm_of,
+    resynchronized,
+)
 from spes_p2p.swarm.codecs import TensorSpec, max_payload_bytes
 from spes_p2p.swarm.config import SyncConfig
 from spes_p2p.swarm.messages import RPC_UPDATE, UpdateRequest
@@ -38,6 +48,7 @@ POLL_SECONDS = 0.1  # between reads of a round's announcements
 LIVENESS_CHECK_SECONDS = 1.0  # between checks that the participants we wait for are still in the swarm
 ANNOUNCE_TTL = 120.0  # seconds an announcement lives in the DHT
 MIN_REQUEST_SECONDS = 0.5  # a fetch started just before the deadline still gets this long
+RESYNC_LIMIT = 3  # rounds in a row a unit may stay off the swarm's base before it is downloaded
 
 Tensors = dict[str, torch.Tensor]
 
@@ -72,8 +83,10 @@ class UnitRound:
     unit: str
     participants: list[str]  # peers whose updates were aggregated (this one included)
     missing: list[str]  # expected participants that did not answer in time
-    rejected: list[str]  # peers whose payloads failed validation
+    rejected: list[str]  # peers whose payloads failed validation, or whose updates were outliers
     resynced: bool = False  # start weights differed, so end weights were averaged instead
+    diverged: bool = False  # our update was not finite: not sent; we took the others' result
+    download: bool = False  # we kept off the swarm's base for RESYNC_LIMIT rounds: download the unit
     new_weights: Tensors = field(default_factory=dict)
 
 
@@ -107,13 +120,17 @@ class Exchange:
         pool: ThreadPoolExecutor,
         abort: threading.Event,
         live_peers=None,
+        aggregate: str = "mean",
     ) -> None:
         self.transport, self.run_id, self.cfg, self.specs = transport, run_id, cfg, specs
+        self.aggregate = aggregate
         self.outbox, self.pool, self.abort = outbox, pool, abort
         self.live_peers = live_peers  # who is still in the swarm: no round waits for peers that left
         self.deadline = AdaptiveDeadline(cfg.deadline_min, cfg.deadline_max)
         self.base_hashes: dict[tuple[int, str], str] = {}  # (round, unit) -> our start-weights hash
         self.applied: set[tuple[str, int, str]] = set()  # (peer, round, unit) already aggregated
+        self.participants: dict[tuple[int, str], set[str]] = {}  # (round, unit) -> who took part
+        self.off_base: dict[str, int] = {}  # unit -> rounds in a row we were outnumbered on our base
         self.feedback: dict[str, TopKFeedback] = {}
         self.outer: dict[str, OuterStep] = {}
         self.rejected = 0
@@ -133,46 +150,79 @@ class Exchange:
         the others do not wait for) our update is neither announced nor aggregated."""
         me = self.transport.peer_id
         base = tensors_hash(start)
+        update = {n: end[n] - start[n] for n in start}
+        diverged = not all(torch.isfinite(t).all() for t in update.values())
+        if diverged:
+            logger.warning("round %d %s: our update is not finite; taking the others' result", round_, unit)
         own = None
-        if counted:
-            own = Contribution(me, tokens, self._announce(round_, unit, start, end, tokens, base), round_)
+        if counted and not diverged:
+            tokens = self.clamped(tokens)
+            own = Contribution(me, tokens, self._announce(round_, unit, update, end, tokens, base), round_)
+        self.participants[(round_, unit)] = set(participants)
         others = sorted(set(participants) - {me})
         deadline = Deadline(self.deadline.seconds(), self.abort)
         fetched, missing, rejected = self._gather(round_, unit, others, deadline)
         late = self._late_updates(round_, unit, deadline)
         decision = decide(base, own, fetched, late)
-        result = UnitRound(unit, [me], missing, rejected, resynced=decision.resync)
-        if decision.resync:  # someone started elsewhere: average end weights, putting everyone on one base
-            ends = [Contribution(me, tokens, end, round_)] if counted else []
-            ends += [
-                e for e in (self._fetch_end(round_, unit, c, deadline) for c in decision.resync_from) if e
-            ]
-            result.new_weights = resynchronized(end, ends)
-            self.outer.pop(unit, None)
-            counting = ends
+        result = UnitRound(unit, [me], missing, rejected, decision.resync, diverged)
+        if decision.differ:
+            logger.info("round %d %s: %s started from other weights", round_, unit, decision.differ)
+        if decision.resync:
+            counting = self._resync(round_, unit, end, own, decision, deadline, result)
         else:
             outer = self.outer.setdefault(
                 unit, OuterStep(self.cfg.outer, self.cfg.outer_lr, self.cfg.outer_momentum)
             )
-            result.new_weights = averaged(start, end, decision.contributions, outer)
-            counting = decision.contributions
-        result.participants = sorted({c.peer_id for c in counting})
+            fallback = start if diverged else end
+            result.new_weights, outliers = averaged(
+                start, fallback, decision.contributions, outer, self.aggregate, me if own else None
+            )
+            self._count_outliers(result, outliers)
+            counting = [c for c in decision.contributions if c.peer_id not in outliers]
+            self.off_base[unit] = 0
+        result.participants = sorted({c.peer_id for c in counting} | ({me} if own else set()))
         self.applied |= {(c.peer_id, c.round, unit) for c in counting}
         return result
+
+    def clamped(self, tokens: int) -> int:
+        """A round's token count, at most what a round can hold (so no peer outweighs the others at will)."""
+        return min(tokens, self.cfg.max_round_tokens)
+
+    def _resync(self, round_, unit, end, own, decision, deadline, result: UnitRound) -> list[Contribution]:
+        """Our new weights from the leading participants' end weights, each within reach of ours: a peer that
+        sends far-off weights is not averaged in, and one that stays outnumbered downloads the unit."""
+        me = self.transport.peer_id
+        ends = [Contribution(me, own.tokens, end, round_)] if own and decision.ours_leads else []
+        ends += [e for e in (self._fetch_end(round_, unit, c, deadline) for c in decision.resync_from) if e]
+        reach = math.inf if own is None else RESYNC_FACTOR * norm_of(own.tensors)
+        result.new_weights, far = resynchronized(end, ends, reach)
+        self._count_outliers(result, far)
+        self.outer.pop(unit, None)
+        kept_off = not decision.ours_leads and len(far) == len(ends)  # outnumbered, and nobody in reach
+        self.off_base[unit] = self.off_base.get(unit, 0) + 1 if kept_off else 0
+        if self.off_base[unit] >= RESYNC_LIMIT:
+            logger.warning("%s: off the swarm's weights for %d rounds; downloading it", unit, RESYNC_LIMIT)
+            result.download, self.off_base[unit] = True, 0
+        return [e for e in ends if e.peer_id not in far]
+
+    def _count_outliers(self, result: UnitRound, peers: list[str]) -> None:
+        for peer in peers:
+            self._refuse(peer, result.unit, "its update lies far beyond the round's others")
+        result.rejected = sorted(set(result.rejected) | set(peers))
 
     def forget_before(self, round_: int, keep: int) -> None:
         horizon = round_ - keep - self.cfg.staleness
         self.base_hashes = {k: v for k, v in self.base_hashes.items() if k[0] > horizon}
         self.applied = {k for k in self.applied if k[1] > horizon}
+        self.participants = {k: v for k, v in self.participants.items() if k[0] > horizon}
 
     # ----------------------------------------------------------------------------------- our update
 
     def _announce(
-        self, round_: int, unit: str, start: Tensors, end: Tensors, tokens: int, base: str
+        self, round_: int, unit: str, update: Tensors, end: Tensors, tokens: int, base: str
     ) -> Tensors:
         """Codes, posts and announces our update; returns its decoded form, which is what we aggregate."""
         meta = payload_meta(unit, round_, "delta")
-        update = {n: end[n] - start[n] for n in start}
         if self.cfg.codec == "topk":
             payload = self.feedback.setdefault(unit, TopKFeedback(self.cfg.topk_fraction)).encode(
                 update, meta
@@ -260,7 +310,8 @@ class Exchange:
             )
         except PayloadError as exc:
             return self._refuse(peer, unit, str(exc))
-        return Got(Fetched(Contribution(peer, announced.tokens, tensors, round_), announced.base))
+        contribution = Contribution(peer, self.clamped(announced.tokens), tensors, round_)
+        return Got(Fetched(contribution, announced.base))
 
     def _request(self, peer: str, request: bytes, limit: int, deadline: Deadline) -> bytes:
         timeout = min(self.cfg.request_timeout, max(deadline.remaining(), MIN_REQUEST_SECONDS))
@@ -284,12 +335,14 @@ class Exchange:
         return Contribution(c.peer_id, c.tokens, tensors, round_)
 
     def _late_updates(self, round_: int, unit: str, deadline: Deadline) -> list[Contribution]:
-        """Updates of the last ``staleness`` rounds that came after those rounds closed, on our old base."""
+        """Updates of the last ``staleness`` rounds that came after those rounds closed, on our old base,
+        from peers that took part in those rounds (nobody else may slip an update in)."""
         todo = []
         for past in range(max(0, round_ - self.cfg.staleness), round_):
             our_base = self.base_hashes.get((past, unit))
+            took_part = self.participants.get((past, unit), set()) - {self.transport.peer_id}
             for peer, announced in sorted(self._announcements(past, unit).items()):
-                fresh = peer != self.transport.peer_id and (peer, past, unit) not in self.applied
+                fresh = peer in took_part and (peer, past, unit) not in self.applied
                 if fresh and our_base is not None and announced.base == our_base:
                     todo.append((past, peer, announced))
         outcomes = self.pool.map(lambda item: self._fetch(item[0], unit, *item[1:], deadline), todo)

@@ -36,13 +36,23 @@ class SyncEngine:
         specs: dict[str, dict[str, TensorSpec]],
         local_copy: Callable[[str], Tensors] | None = None,
         live_peers: Callable[[], set[str]] | None = None,
+        aggregate: str = "mean",
     ) -> None:
+        """``aggregate`` is the rule that combines a round's updates (``aggregate.combine``)."""
         self.transport = transport
         self.abort = threading.Event()  # set when the peer stops: waits end at once, with what has arrived
         self._pool = ThreadPoolExecutor(PARALLEL_FETCHES, thread_name_prefix="spes-fetch")
         self.outbox = Outbox(transport, specs, cfg.topk_fraction, local_copy)
         self._exchange = Exchange(
-            transport, run_id, cfg, specs, self.outbox, self._pool, self.abort, live_peers
+            transport,
+            run_id,
+            cfg,
+            specs,
+            self.outbox,
+            self._pool,
+            self.abort,
+            live_peers,
+            aggregate,
         )
         self._refresh = Refresh(transport, cfg, specs, self._pool, self.abort, live_peers)
 

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from spes_p2p.model import MoETransformer, UnitLayout, set_trainable
-from spes_p2p.model.units import hold_frozen_experts
+from spes_p2p.model.units import hold_frozen_experts, unit_parameters
 from spes_p2p.train.config import TrainConfig
 from spes_p2p.train.optim import build_optimizer, lr_at, tensor_bytes
 
@@ -65,6 +65,11 @@ class Trainer:
             for p, state in kept.items():
                 if p not in self._names:
                     self.parked[old_names[p]] = _moved(state, torch.device("cpu"))
+
+    def reset_state(self, unit: str) -> None:
+        """Frees a unit's optimizer state (its update diverged: it restarts from the swarm's weights)."""
+        for p in unit_parameters(self.model, self.layout, unit).values():
+            self.optimizer.state.pop(p, None)
 
     def parked_bytes(self) -> int:
         return tensor_bytes(list(self.parked.values()))
