@@ -1,4 +1,5 @@
 import itertools
+import threading
 
 import pytest
 import torch
@@ -6,7 +7,7 @@ import torch
 from spes_p2p.model import MoETransformer, UnitLayout, get_preset, unit_parameters
 from spes_p2p.model.config import ModelSettings
 from spes_p2p.train.config import TrainConfig
-from spes_p2p.train.optim import lr_at
+from spes_p2p.train.optim import build_optimizer, lr_at, optimizer_step
 from spes_p2p.train.run import TrainingRun
 from spes_p2p.train.trainer import Trainer
 
@@ -104,3 +105,27 @@ def test_loss_falls_on_the_stdlib_corpus(tmp_path, stdlib_data):
     assert records[0]["loss"] > records[-1]["loss"] + 1.0, [r["loss"] for r in records]
     assert records[-1]["val_loss"] < initial_val - 1.0
     assert records[-1]["tokens"] == 80 * 8 * 64
+
+
+def test_8bit_steps_of_peers_sharing_a_process_do_not_corrupt_each_other():
+    """bitsandbytes' CPU 8-bit step is not thread-safe; simulated peers step at once on threads."""
+    start = torch.randn(2048, 64, generator=torch.Generator().manual_seed(0)) * 0.02
+    grads = [torch.randn(2048, 64, generator=torch.Generator().manual_seed(i)) for i in range(1, 16)]
+
+    def train(out: list) -> None:
+        w = torch.nn.Parameter(start.clone())
+        opt = build_optimizer([("w", w)], kind="adamw8bit", lr=3e-3, betas=(0.9, 0.95), weight_decay=0.0)
+        for g in grads:
+            w.grad = g.clone()
+            optimizer_step(opt)
+        out.append(w.detach().clone())
+
+    alone: list = []
+    train(alone)
+    together: list = []
+    threads = [threading.Thread(target=train, args=(together,)) for _ in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    assert len(together) == 6 and all(torch.equal(w, alone[0]) for w in together)

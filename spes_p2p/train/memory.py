@@ -16,7 +16,7 @@ from spes_p2p.model import ModelConfig, MoETransformer, UnitLayout
 from spes_p2p.model.config import PRESETS, ModelSettings
 from spes_p2p.model.moe import SwiGLUExpert
 from spes_p2p.train.config import TrainConfig
-from spes_p2p.train.optim import tensor_bytes
+from spes_p2p.train.optim import optimizer_step, tensor_bytes
 from spes_p2p.train.trainer import Trainer
 
 KEYS = ("total_params", "trainable_params", "weights_bytes", "grads_bytes", "optimizer_bytes", "total_bytes")
@@ -39,7 +39,7 @@ def measure(
     out = model(tokens[:, :-1], tokens[:, 1:])
     out.loss.backward()
     grads = sum(tensor_bytes(p.grad) for p in model.parameters() if p.grad is not None)
-    trainer.optimizer.step()  # creates the optimizer state
+    optimizer_step(trainer.optimizer)  # creates the optimizer state
     report = {
         "total_params": model.num_params(),
         "trainable_params": sum(p.numel() for p in trainer.trainable),

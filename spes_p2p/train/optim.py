@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import threading
 
 import torch
 from torch import nn
@@ -45,6 +46,19 @@ def build_optimizer(
     if kind == "adamw":
         return torch.optim.AdamW(groups, lr=lr, betas=betas, eps=eps)
     return bitsandbytes().optim.AdamW8bit(groups, lr=lr, betas=betas, eps=eps)
+
+
+_8BIT_STEPS = threading.Lock()
+
+
+def optimizer_step(optimizer: torch.optim.Optimizer) -> None:
+    """One optimizer step. bitsandbytes' 8-bit step on CPU is not thread-safe (peers stepping at once in one
+    process, as in a simulation, corrupt each other's updates), so those steps take turns."""
+    if type(optimizer).__module__.startswith("bitsandbytes"):
+        with _8BIT_STEPS:
+            optimizer.step()
+    else:
+        optimizer.step()
 
 
 def tensor_bytes(obj) -> int:

@@ -17,7 +17,7 @@ import torch
 from spes_p2p.model import MoETransformer, UnitLayout, set_trainable
 from spes_p2p.model.units import hold_frozen_experts, unit_parameters
 from spes_p2p.train.config import TrainConfig
-from spes_p2p.train.optim import build_optimizer, lr_at, tensor_bytes
+from spes_p2p.train.optim import build_optimizer, lr_at, optimizer_step, tensor_bytes
 
 
 @dataclass
@@ -93,7 +93,7 @@ class Trainer:
         out = self.model(inputs_BS, targets_BS)
         out.loss.backward()
         grad_norm = torch.nn.utils.clip_grad_norm_(self.trainable, self.cfg.grad_clip)
-        self.optimizer.step()
+        optimizer_step(self.optimizer)
         self.optimizer.zero_grad(set_to_none=True)
         self.step += 1
         self.tokens += inputs_BS.numel()
