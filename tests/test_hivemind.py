@@ -5,8 +5,10 @@ import socket
 import time
 
 import pytest
+from hivemind.p2p import PeerID
 
 from spes_p2p.errors import ConfigError
+from spes_p2p.swarm import hivemind_backend
 from spes_p2p.swarm.hivemind_backend import HivemindTransport
 from spes_p2p.swarm.transport import (
     BootstrapError,
@@ -74,6 +76,21 @@ def test_request_failures_are_named(pair):
         b.request(a.peer_id, "not-served", b"", timeout=5)
     with pytest.raises(MessageTooLarge):
         b.request(a.peer_id, "echo", b"x" * 5000, timeout=5, max_response_bytes=100)
+
+
+def test_a_request_that_never_arrives_is_dropped(pair, monkeypatch):
+    a, b, _ = pair
+    monkeypatch.setattr(hivemind_backend, "REQUEST_READ_TIMEOUT", 0.5)
+    a.serve("patient", lambda caller, data: data)
+
+    async def open_and_say_nothing() -> bytes:
+        _, reader, writer = await b._p2p.call_binary_stream_handler(PeerID.from_base58(a.peer_id), "patient")
+        try:
+            return await reader.read()  # b"" once a drops the stream
+        finally:
+            writer.close()
+
+    assert b._run(open_and_say_nothing(), timeout=30) == b""
 
 
 def test_restarted_peer_keeps_its_id(pair, tmp_path):

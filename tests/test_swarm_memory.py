@@ -1,6 +1,7 @@
 """The swarm layer on the in-process backend: records, claims, expiry, rebalance, partitions, faults."""
 
 import logging
+import threading
 
 import msgspec
 import pytest
@@ -12,7 +13,14 @@ from spes_p2p.swarm.manifest import ManifestServer, manifest_key
 from spes_p2p.swarm.member import SwarmMember, SwarmMismatch, read_view
 from spes_p2p.swarm.memory import FakeClock, MemoryNetwork
 from spes_p2p.swarm.records import peers_key
-from spes_p2p.swarm.transport import MessageTooLarge, PeerUnreachable, RemoteError, RequestTimeout
+from spes_p2p.swarm.transport import (
+    MAX_STREAMS_PER_PEER,
+    MessageTooLarge,
+    PeerUnreachable,
+    RemoteError,
+    RequestTimeout,
+)
+from spes_p2p.swarm.waiting import Deadline, poll
 
 TTL = 20.0
 
@@ -83,6 +91,31 @@ def test_requests_count_bytes_and_report_failures(net):
     a.shutdown()
     with pytest.raises(PeerUnreachable):
         b.request("a", "echo", b"", timeout=1)
+
+
+def test_a_hanging_handler_times_out_and_a_flood_is_capped_per_peer(net):
+    a, b, c = net.join("a"), net.join("b"), net.join("c")
+    release = threading.Event()
+    a.serve("hang", lambda caller, data: b"late" if release.wait(30) else b"")
+    a.serve("echo", lambda caller, data: data)
+    with pytest.raises(RequestTimeout):
+        b.request("a", "hang", b"", timeout=0.2)
+    flood = [
+        threading.Thread(target=lambda: b.request("a", "hang", b"", timeout=30))
+        for _ in range(MAX_STREAMS_PER_PEER)
+    ]
+    try:
+        for t in flood:
+            t.start()
+        assert poll(lambda: a.streams.in_progress("b") == MAX_STREAMS_PER_PEER or None, Deadline(20), 0.01)
+        with pytest.raises(RemoteError, match="too many requests in progress"):
+            b.request("a", "echo", b"x", timeout=1)
+        assert c.request("a", "echo", b"y", timeout=1) == b"y"  # the others are served as before
+    finally:
+        release.set()
+        for t in flood:
+            t.join(timeout=10)
+    assert b.request("a", "echo", b"z", timeout=1) == b"z"
 
 
 def test_fault_hooks(net):

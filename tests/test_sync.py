@@ -7,7 +7,7 @@ import torch
 
 from spes_p2p.swarm.codecs import TensorSpec, max_payload_bytes
 from spes_p2p.swarm.config import SyncConfig
-from spes_p2p.swarm.exchange import RESYNC_LIMIT
+from spes_p2p.swarm.exchange import MISS_LIMIT, RESYNC_LIMIT
 from spes_p2p.swarm.memory import MemoryNetwork
 from spes_p2p.swarm.messages import RPC_UPDATE, UpdateRequest
 from spes_p2p.swarm.sync import SyncEngine, dense_group
@@ -135,6 +135,24 @@ def test_a_holder_that_never_answers_does_not_stop_the_round():
     r = results[("p0", "experts/0")]
     assert r.missing == ["ghost"] and r.participants == ["p0", "p2"]
     assert torch.equal(r.new_weights["w1"], results[("p2", "experts/0")].new_weights["w1"])
+
+
+@pytest.mark.timeout(60)
+def test_a_participant_missing_round_after_round_stops_being_waited_for():
+    _, engines = make_swarm("none", deadline=0.5, peers=("p0", "p2"))
+    unit, holders = "experts/0", ["p0", "p2", "ghost"]  # the ghost holds the unit and never answers
+    start = tensors(0)[unit]
+    for round_ in range(MISS_LIMIT):
+        ends = {p: {"w1": start["w1"] + 0.01 * (i + 1)} for i, p in enumerate(engines)}
+        results = exchange_concurrently(engines, round_, unit, {p: start for p in engines}, ends, holders)
+        assert results["p0"].missing == ["ghost"] and results["p0"].participants == ["p0", "p2"]
+        start = results["p0"].new_weights
+    assert engines["p0"].deadline.seconds() == 0.2  # the minimum: it adapts to the answers, not the ghost
+    for engine in engines.values():  # from now on a wait for the ghost would outlive this test's timeout
+        engine.deadline.low = engine.deadline.high = 600.0
+    ends = {p: {"w1": start["w1"] + 0.01} for p in engines}
+    results = exchange_concurrently(engines, MISS_LIMIT, unit, {p: start for p in engines}, ends, holders)
+    assert results["p0"].missing == ["ghost"] and results["p0"].participants == ["p0", "p2"]
 
 
 def test_corrupt_payloads_are_rejected_and_counted():

@@ -14,11 +14,11 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 
+from spes_p2p.errors import SpesError
 from spes_p2p.model.units import UnitLayout
 from spes_p2p.settings import Settings
 from spes_p2p.swarm.member import SwarmMember, SwarmView
@@ -26,6 +26,8 @@ from spes_p2p.swarm.sync import SyncEngine, UnitRound, dense_group
 from spes_p2p.train.merge import merge_experts
 
 logger = logging.getLogger(__name__)
+
+SYNC_MARGIN_SECONDS = 60.0
 
 Tensors = dict[str, torch.Tensor]
 
@@ -114,6 +116,12 @@ class RoundSync:
             on_unit=lambda unit, _, weights: job.refreshed.__setitem__(unit, weights),
         )
 
+    def bound(self, job: RoundJob) -> float:
+        """Seconds a job's sync can take when every wait runs to its limit (each unit's exchange, a download,
+        the refresh), with a margin: past it, the sync is broken, not slow."""
+        c = self.settings.sync
+        return (2 * len(job.units) + 1) * (c.deadline_max + 2 * c.request_timeout) + SYNC_MARGIN_SECONDS
+
     def refresh_codec(self, unit: str) -> str:
         """Exact for a unit this peer is about to train; a frozen expert held quantized: in its own format."""
         if unit in self.member.units_held:
@@ -127,7 +135,7 @@ class RoundSync:
 class Pipeline:
     """Runs each round's sync: on a background thread with overlap, on the caller's without."""
 
-    def __init__(self, work: Callable[[RoundJob], None], overlap: bool) -> None:
+    def __init__(self, work: RoundSync, overlap: bool) -> None:
         self.work, self.overlap = work, overlap
         self.in_flight: RoundJob | None = None
 
@@ -151,6 +159,8 @@ class Pipeline:
         job, self.in_flight = self.in_flight, None
         if job is not None:
             waited = time.perf_counter()
-            job.thread.join()
+            job.thread.join(self.work.bound(job))
+            if job.thread.is_alive():
+                raise SpesError(f"the sync of round {job.round} did not end within its bound; it is stuck")
             job.metrics["sync_wait_seconds"] = time.perf_counter() - waited  # training was blocked this long
         return job

@@ -142,9 +142,11 @@ def _losses(rows: dict[str, list[dict]], completed: int) -> dict:
     by_round = {
         r: [row["loss"] for rs in rows.values() for row in rs if row["round"] == r] for r in range(completed)
     }
+    final_val = [row["val_loss"] for rs in rows.values() for row in rs[-1:] if "val_loss" in row]
     return {
         "initial_loss": statistics.fmean(by_round[0]) if completed else None,
         "final_loss": statistics.fmean(by_round[completed - 1]) if completed else None,
+        "final_val_loss": statistics.fmean(final_val) if final_val else None,  # of peers that evaluated last
         "loss_by_round": {str(r): statistics.fmean(v) for r, v in by_round.items() if v},
     }
 

@@ -1,13 +1,13 @@
 """One unit's exchange in one round, among the peers that trained it (docs/protocol.md, "A round"):
 
 1. our update = end - start weights, coded (top-k keeps its error feedback); we decode our own payload too,
-   so every holder aggregates exactly the same numbers; it goes to the outbox and is announced;
-2. the other participants' announced updates are fetched, several at a time, until all have answered, left
-   or been refused, or the round's deadline passed; late updates of the last ``staleness`` rounds count too;
-3. ``aggregate.decide`` says how the round ends: averaged updates, or re-synchronized end weights.
-
-A fetch has one typed outcome: ``Got`` (a checked update), ``Refused`` (a bad payload: counted, not waited
-for again), ``Gone`` (the peer no longer has it) or ``NotYet`` (unreachable right now: asked again).
+   so every holder aggregates exactly the same numbers; it goes to the outbox and is announced (an update
+   that is not finite is not: a diverged peer takes the others' result);
+2. the other participants' announced updates are fetched (``fetching.UpdateFetcher``), several at a time,
+   until all have answered, left or been refused, or the round's deadline passed; a participant that missed
+   ``MISS_LIMIT`` rounds in a row is fetched when it has announced, but no longer waited for. Late updates
+   of the last ``staleness`` rounds count too, from those rounds' participants only;
+3. ``aggregate.decide`` says how the round ends: combined updates, or re-synchronized end weights.
 """
 
 from __future__ import annotations
@@ -26,20 +26,19 @@ import torch
 from spes_p2p.swarm.aggregate import (
     RESYNC_FACTOR,
     Contribution,
-    Fetched,
     OuterStep,
     averaged,
     decide,
     norm_of,
     resynchronized,
 )
-from spes_p2p.swarm.codecs import TensorSpec, max_payload_bytes
+from spes_p2p.swarm.codecs import TensorSpec
 from spes_p2p.swarm.config import SyncConfig
-from spes_p2p.swarm.messages import RPC_UPDATE, UpdateRequest
-from spes_p2p.swarm.payload import PayloadError, TopKFeedback, decode, encode
-from spes_p2p.swarm.records import Announcement, decode_entries, updates_key
+from spes_p2p.swarm.fetching import Gone, Got, Refused, UpdateFetcher
+from spes_p2p.swarm.payload import TopKFeedback, decode, encode
+from spes_p2p.swarm.records import Announcement, updates_key
 from spes_p2p.swarm.serving import Outbox, Posted, payload_meta
-from spes_p2p.swarm.transport import RemoteError, Transport, TransportError
+from spes_p2p.swarm.transport import Transport
 from spes_p2p.swarm.waiting import AdaptiveDeadline, Deadline, poll
 
 logger = logging.getLogger(__name__)
@@ -47,33 +46,10 @@ logger = logging.getLogger(__name__)
 POLL_SECONDS = 0.1  # between reads of a round's announcements
 LIVENESS_CHECK_SECONDS = 1.0  # between checks that the participants we wait for are still in the swarm
 ANNOUNCE_TTL = 120.0  # seconds an announcement lives in the DHT
-MIN_REQUEST_SECONDS = 0.5  # a fetch started just before the deadline still gets this long
+MISS_LIMIT = 3  # rounds in a row a participant may miss before the rounds stop waiting for it
 RESYNC_LIMIT = 3  # rounds in a row a unit may stay off the swarm's base before it is downloaded
 
 Tensors = dict[str, torch.Tensor]
-
-
-@dataclass(frozen=True)
-class Got:
-    fetched: Fetched
-
-
-@dataclass(frozen=True)
-class Refused:
-    reason: str
-
-
-@dataclass(frozen=True)
-class Gone:
-    reason: str
-
-
-@dataclass(frozen=True)
-class NotYet:
-    reason: str
-
-
-FetchOutcome = Got | Refused | Gone | NotYet
 
 
 @dataclass
@@ -123,18 +99,21 @@ class Exchange:
         aggregate: str = "mean",
     ) -> None:
         self.transport, self.run_id, self.cfg, self.specs = transport, run_id, cfg, specs
-        self.aggregate = aggregate
-        self.outbox, self.pool, self.abort = outbox, pool, abort
+        self.aggregate, self.outbox, self.abort = aggregate, outbox, abort
+        self.fetcher = UpdateFetcher(transport, run_id, cfg, specs, pool, abort)
         self.live_peers = live_peers  # who is still in the swarm: no round waits for peers that left
         self.deadline = AdaptiveDeadline(cfg.deadline_min, cfg.deadline_max)
         self.base_hashes: dict[tuple[int, str], str] = {}  # (round, unit) -> our start-weights hash
         self.applied: set[tuple[str, int, str]] = set()  # (peer, round, unit) already aggregated
         self.participants: dict[tuple[int, str], set[str]] = {}  # (round, unit) -> who took part
         self.off_base: dict[str, int] = {}  # unit -> rounds in a row we were outnumbered on our base
+        self.misses: dict[str, int] = {}  # peer -> rounds in a row it did not answer in time
         self.feedback: dict[str, TopKFeedback] = {}
         self.outer: dict[str, OuterStep] = {}
-        self.rejected = 0
-        self._rejected_lock = threading.Lock()  # fetches run on the pool
+
+    @property
+    def rejected(self) -> int:
+        return self.fetcher.rejected
 
     def run(
         self,
@@ -156,7 +135,7 @@ class Exchange:
             logger.warning("round %d %s: our update is not finite; taking the others' result", round_, unit)
         own = None
         if counted and not diverged:
-            tokens = self.clamped(tokens)
+            tokens = self.fetcher.clamped(tokens)
             own = Contribution(me, tokens, self._announce(round_, unit, update, end, tokens, base), round_)
         self.participants[(round_, unit)] = set(participants)
         others = sorted(set(participants) - {me})
@@ -184,16 +163,12 @@ class Exchange:
         self.applied |= {(c.peer_id, c.round, unit) for c in counting}
         return result
 
-    def clamped(self, tokens: int) -> int:
-        """A round's token count, at most what a round can hold (so no peer outweighs the others at will)."""
-        return min(tokens, self.cfg.max_round_tokens)
-
     def _resync(self, round_, unit, end, own, decision, deadline, result: UnitRound) -> list[Contribution]:
         """Our new weights from the leading participants' end weights, each within reach of ours: a peer that
         sends far-off weights is not averaged in, and one that stays outnumbered downloads the unit."""
         me = self.transport.peer_id
         ends = [Contribution(me, own.tokens, end, round_)] if own and decision.ours_leads else []
-        ends += [e for e in (self._fetch_end(round_, unit, c, deadline) for c in decision.resync_from) if e]
+        ends += self.fetcher.ends(round_, unit, decision.resync_from, deadline)
         reach = math.inf if own is None else RESYNC_FACTOR * norm_of(own.tensors)
         result.new_weights, far = resynchronized(end, ends, reach)
         self._count_outliers(result, far)
@@ -207,7 +182,7 @@ class Exchange:
 
     def _count_outliers(self, result: UnitRound, peers: list[str]) -> None:
         for peer in peers:
-            self._refuse(peer, result.unit, "its update lies far beyond the round's others")
+            self.fetcher.refuse(peer, result.unit, "its update lies far beyond the round's others")
         result.rejected = sorted(set(result.rejected) | set(peers))
 
     def forget_before(self, round_: int, keep: int) -> None:
@@ -250,89 +225,38 @@ class Exchange:
     # ----------------------------------------------------------------------------------- the others
 
     def _gather(self, round_: int, unit: str, others: list[str], deadline: Deadline):
-        """Fetches the others' updates of this round until all answered, left, or the deadline passed."""
-        started = time.monotonic()
-        waiting, got, refused = set(others), {}, set()
-        next_liveness_check = [started + LIVENESS_CHECK_SECONDS]
+        """Fetches the others' updates of this round until all that are waited for answered, left, or the
+        deadline passed. The deadline adapts to when the last answer came, whoever is still missing."""
+        started = last_answer = time.monotonic()
+        wanted, got, refused = set(others), {}, set()
+        waiting = {p for p in others if self.misses.get(p, 0) < MISS_LIMIT}
+        next_liveness_check = started + LIVENESS_CHECK_SECONDS
 
         def one_pass() -> bool | None:
-            announced = self._announcements(round_, unit)
-            todo = [(p, announced[p]) for p in sorted(waiting) if p in announced]
-            for (peer, _), outcome in zip(todo, self._fetch_all(round_, unit, todo, deadline), strict=True):
-                match outcome:
-                    case Got(fetched):
-                        got[peer] = fetched
-                        waiting.discard(peer)
-                    case Refused():
-                        refused.add(peer)
-                        waiting.discard(peer)
-                    case Gone():
-                        waiting.discard(peer)
-            if waiting and self.live_peers is not None and time.monotonic() >= next_liveness_check[0]:
+            nonlocal last_answer, next_liveness_check
+            announced = self.fetcher.announcements(round_, unit)
+            todo = [(round_, p, announced[p]) for p in sorted(wanted) if p in announced]
+            for (_, peer, _), outcome in zip(todo, self.fetcher.updates(unit, todo, deadline), strict=True):
+                if isinstance(outcome, Got | Refused | Gone):
+                    wanted.discard(peer)
+                    waiting.discard(peer)
+                if isinstance(outcome, Got):
+                    got[peer], last_answer = outcome.fetched, time.monotonic()
+                elif isinstance(outcome, Refused):
+                    refused.add(peer)
+            if waiting and self.live_peers is not None and time.monotonic() >= next_liveness_check:
                 waiting.intersection_update(self.live_peers())  # one whose records vanished has left
-                next_liveness_check[0] = time.monotonic() + LIVENESS_CHECK_SECONDS
+                next_liveness_check = time.monotonic() + LIVENESS_CHECK_SECONDS
             return True if not waiting else None
 
-        if poll(one_pass, deadline, POLL_SECONDS):
-            self.deadline.observe(time.monotonic() - started)
-        else:
+        if not poll(one_pass, deadline, POLL_SECONDS):
             logger.info("round %d %s: deadline passed without %s", round_, unit, sorted(waiting))
+        if got:
+            self.deadline.observe(last_answer - started)
         missing = sorted(set(others) - set(got) - refused)
+        for peer in others:
+            self.misses[peer] = self.misses.get(peer, 0) + 1 if peer in missing else 0
         return [got[p] for p in sorted(got)], missing, sorted(refused)
-
-    def _announcements(self, round_: int, unit: str) -> dict[str, Announcement]:
-        entries = self.transport.read(updates_key(self.run_id, round_, unit))
-        announced = decode_entries(entries, Announcement, "update announcement")
-        return {p: a for p, a in announced.items() if a.round == round_}
-
-    def _fetch_all(self, round_: int, unit: str, todo: list, deadline: Deadline) -> list[FetchOutcome]:
-        return list(self.pool.map(lambda item: self._fetch(round_, unit, *item, deadline), todo))
-
-    def _fetch(
-        self, round_: int, unit: str, peer: str, announced: Announcement, deadline: Deadline
-    ) -> FetchOutcome:
-        limit = max_payload_bytes(self.specs[unit], self.cfg.codec, self.cfg.topk_fraction)
-        if announced.codec != self.cfg.codec or announced.bytes > limit:
-            return self._refuse(peer, unit, f"announced {announced.bytes} bytes of {announced.codec!r}")
-        request = UpdateRequest(round=round_, unit=unit, kind="delta").encode()
-        try:
-            payload = self._request(peer, request, limit, deadline)
-        except RemoteError as exc:  # it announced the update, so it will not come back
-            return Gone(f"{peer} no longer has its {unit} update of round {round_}: {exc}")
-        except TransportError as exc:
-            return NotYet(f"could not fetch {peer}'s {unit} update of round {round_}: {exc}")
-        try:
-            if hashlib.sha256(payload).hexdigest() != announced.sha256:
-                raise PayloadError("payload does not match its announced checksum")
-            meta = payload_meta(unit, round_, "delta")
-            tensors = decode(
-                payload, self.specs[unit], self.cfg.codec, meta=meta, topk_fraction=self.cfg.topk_fraction
-            )
-        except PayloadError as exc:
-            return self._refuse(peer, unit, str(exc))
-        contribution = Contribution(peer, self.clamped(announced.tokens), tensors, round_)
-        return Got(Fetched(contribution, announced.base))
-
-    def _request(self, peer: str, request: bytes, limit: int, deadline: Deadline) -> bytes:
-        timeout = min(self.cfg.request_timeout, max(deadline.remaining(), MIN_REQUEST_SECONDS))
-        return self.transport.request(peer, RPC_UPDATE, request, timeout=timeout, max_response_bytes=limit)
-
-    def _refuse(self, peer: str, unit: str, reason: str) -> Refused:
-        logger.warning("rejecting %s's %s update: %s", peer, unit, reason)
-        with self._rejected_lock:
-            self.rejected += 1
-        return Refused(reason)
-
-    def _fetch_end(self, round_: int, unit: str, c: Contribution, deadline: Deadline) -> Contribution | None:
-        request = UpdateRequest(round=round_, unit=unit, kind="end").encode()
-        limit = max_payload_bytes(self.specs[unit], "none")
-        try:
-            payload = self._request(c.peer_id, request, limit, deadline)
-            tensors = decode(payload, self.specs[unit], "none", meta=payload_meta(unit, round_, "end"))
-        except (TransportError, PayloadError) as exc:
-            logger.info("could not fetch %s's %s end weights: %s", c.peer_id, unit, exc)
-            return None
-        return Contribution(c.peer_id, c.tokens, tensors, round_)
 
     def _late_updates(self, round_: int, unit: str, deadline: Deadline) -> list[Contribution]:
         """Updates of the last ``staleness`` rounds that came after those rounds closed, on our old base,
@@ -341,9 +265,9 @@ class Exchange:
         for past in range(max(0, round_ - self.cfg.staleness), round_):
             our_base = self.base_hashes.get((past, unit))
             took_part = self.participants.get((past, unit), set()) - {self.transport.peer_id}
-            for peer, announced in sorted(self._announcements(past, unit).items()):
+            for peer, announced in sorted(self.fetcher.announcements(past, unit).items()):
                 fresh = peer in took_part and (peer, past, unit) not in self.applied
                 if fresh and our_base is not None and announced.base == our_base:
                     todo.append((past, peer, announced))
-        outcomes = self.pool.map(lambda item: self._fetch(item[0], unit, *item[1:], deadline), todo)
+        outcomes = self.fetcher.updates(unit, todo, deadline)
         return [o.fetched.contribution for o in outcomes if isinstance(o, Got)]

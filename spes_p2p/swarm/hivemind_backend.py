@@ -47,7 +47,9 @@ from hivemind.utils.timed_storage import get_dht_time
 
 from spes_p2p.errors import ConfigError
 from spes_p2p.swarm.transport import (
+    ANSWER_WRITE_TIMEOUT,
     DEFAULT_MAX_MESSAGE_BYTES,
+    REQUEST_READ_TIMEOUT,
     BootstrapError,
     Entry,
     Handler,
@@ -56,10 +58,10 @@ from spes_p2p.swarm.transport import (
     PeerUnreachable,
     RemoteError,
     RequestTimeout,
+    StreamSlots,
     Transport,
     TransportError,
     TransportStats,
-    Unavailable,
     check_record_size,
 )
 
@@ -107,6 +109,7 @@ class HivemindTransport(Transport):
         startup_timeout: float = STARTUP_TIMEOUT,
     ) -> None:
         self.stats = TransportStats()
+        self._streams = StreamSlots()
         check_ports_free(listen)
         ephemeral = None
         if identity_path is None:  # a throwaway identity: its key still signs this peer's records
@@ -207,26 +210,35 @@ class HivemindTransport(Transport):
     def serve(self, name: str, handler: Handler, max_request_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> None:
         async def rpc_handler(info, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
             caller = str(info.peer_id)
-            try:
-                request = await _read_frame(reader, max_request_bytes)
-                self.stats.bytes_received += len(request)
+            with self._streams.slot(caller) as admitted:
                 try:
-                    response = _OK + await self._loop.run_in_executor(None, handler, caller, request)
-                except Unavailable as exc:
-                    logger.debug("%s for %s: %s", name, caller, exc)
-                    response = _FAILED + str(exc).encode()
-                except Exception as exc:  # the caller learns that we failed, and why
-                    logger.warning("handler %s failed for %s: %s", name, caller, exc, exc_info=True)
-                    response = _FAILED + str(exc).encode()
-                await P2P.send_raw_data(response, writer)
-                self.stats.bytes_sent += len(response) - 1
-                self.stats.requests_served += 1
-            except (asyncio.IncompleteReadError, ConnectionError, MessageTooLarge) as exc:
-                logger.info("dropped a %s request from %s: %s", name, caller, exc)
-            finally:
-                writer.close()
+                    if admitted:
+                        request = await asyncio.wait_for(
+                            _read_frame(reader, max_request_bytes), REQUEST_READ_TIMEOUT
+                        )
+                        response = await self._answer(name, handler, caller, request)
+                    else:
+                        response = _FAILED + b"too many requests in progress from this peer"
+                    await asyncio.wait_for(P2P.send_raw_data(response, writer), ANSWER_WRITE_TIMEOUT)
+                    self.stats.bytes_sent += len(response) - 1
+                    self.stats.requests_served += 1
+                except (asyncio.IncompleteReadError, ConnectionError, MessageTooLarge, TimeoutError) as exc:
+                    logger.info("dropped a %s request from %s: %s", name, caller, exc or type(exc).__name__)
+                finally:
+                    writer.close()
 
         self._run(self._p2p.add_binary_stream_handler(name, rpc_handler), timeout=DHT_TIMEOUT)
+
+    async def _answer(self, name: str, handler: Handler, caller: str, request: bytes) -> bytes:
+        self.stats.bytes_received += len(request)
+        try:
+            return _OK + await self._loop.run_in_executor(None, handler, caller, request)
+        except RemoteError as exc:  # a refusal (Unavailable) or a malformed request (BadRequest)
+            logger.debug("%s for %s: %s", name, caller, exc)
+            return _FAILED + str(exc).encode()
+        except Exception as exc:  # the caller learns that we failed, and why
+            logger.warning("handler %s failed for %s: %s", name, caller, exc, exc_info=True)
+            return _FAILED + str(exc).encode()
 
     def request(
         self,

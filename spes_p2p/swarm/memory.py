@@ -12,6 +12,8 @@ import random
 import threading
 import time
 from collections.abc import Callable, Iterable
+from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
 
 from spes_p2p.swarm.transport import (
     DEFAULT_MAX_MESSAGE_BYTES,
@@ -21,6 +23,7 @@ from spes_p2p.swarm.transport import (
     PeerUnreachable,
     RemoteError,
     RequestTimeout,
+    StreamSlots,
     Transport,
     TransportError,
     TransportStats,
@@ -56,6 +59,7 @@ class MemoryNetwork:
         self.groups: dict[str, int] = {}  # peer id -> partition group; empty: fully connected
         self.unreachable: set[str] = set()  # peers nobody can dial (they dial out), as behind NAT
         self.faults = {"dropped": 0, "corrupted": 0, "partitioned": 0}
+        self.handlers = ThreadPoolExecutor(64, thread_name_prefix="spes-memory-handler")  # as a server's
         self.log: list[
             tuple[str, str, str, bytes, int]
         ] = []  # (caller, target, name, request, response bytes)
@@ -89,6 +93,7 @@ class MemoryTransport(Transport):
     def __init__(self, network: MemoryNetwork, peer_id: str) -> None:
         self.network, self.peer_id = network, peer_id
         self.handlers: dict[str, tuple[Handler, int]] = {}
+        self.streams = StreamSlots()
         self.stats = TransportStats()
         self.alive = True
 
@@ -156,10 +161,10 @@ class MemoryTransport(Transport):
         handler, max_request = target.handlers[name]
         if len(payload) > max_request:
             raise RemoteError(f"{peer_id} refused a {len(payload)}-byte {name} request (limit {max_request})")
-        try:
-            response = handler(self.peer_id, payload)
-        except Exception as exc:  # a failing remote handler is the remote's problem, reported to the caller
-            raise RemoteError(f"{peer_id} failed to answer {name}: {exc}") from None
+        with target.streams.slot(self.peer_id) as admitted:
+            if not admitted:
+                raise RemoteError(f"{peer_id} refused {name}: too many requests in progress from this peer")
+            response = self._answer(handler, peer_id, name, payload, timeout - net.delay)
         if len(response) > max_response_bytes:
             raise MessageTooLarge(
                 f"{name} answer from {peer_id} has {len(response)} bytes, over {max_response_bytes}"
@@ -176,6 +181,16 @@ class MemoryTransport(Transport):
         target.stats.bytes_sent += len(response)
         target.stats.requests_served += 1
         return response
+
+    def _answer(self, handler: Handler, peer_id: str, name: str, payload: bytes, timeout: float) -> bytes:
+        """The handler's answer, on a worker thread as a server would run it; within ``timeout``."""
+        future = self.network.handlers.submit(handler, self.peer_id, payload)
+        try:
+            return future.result(timeout=max(timeout, 0.0))
+        except FutureTimeout:
+            raise RequestTimeout(f"{name} to {peer_id} timed out after {timeout:.1f}s") from None
+        except Exception as exc:  # a failing remote handler is the remote's problem, reported to the caller
+            raise RemoteError(f"{peer_id} failed to answer {name}: {exc}") from None
 
     def probe(self, address: str, timeout: float) -> bool:
         """A memory address names a peer: it opens when that peer is on the network and this side of any

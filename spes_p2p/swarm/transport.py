@@ -6,7 +6,9 @@ A Transport gives a peer three things, whatever the backend:
   ``MAX_RECORD_BYTES``) under a shared key (``publish``) and anyone reads all live entries of a key
   (``read``); what the bytes mean is ``spes_p2p.swarm.records``'s business;
 - request/response of bytes with named handlers (``serve`` / ``request``), streamed for large payloads,
-  with a timeout and a size limit on every call;
+  with a timeout and a size limit on every call; a server reads each request within
+  ``REQUEST_READ_TIMEOUT``, drops an answer not taken within ``ANSWER_WRITE_TIMEOUT``, and serves each
+  remote peer at most ``MAX_STREAMS_PER_PEER`` requests at once (``StreamSlots``);
 - its own peer id and dialable addresses, and a bounded ``shutdown``.
 
 Errors (all ``TransportError``, a ``SpesError``)::
@@ -23,9 +25,12 @@ Errors (all ``TransportError``, a ``SpesError``)::
 
 from __future__ import annotations
 
+import threading
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Callable
+from collections import Counter
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 from spes_p2p.errors import SpesError
@@ -33,6 +38,11 @@ from spes_p2p.errors import SpesError
 # DHT records are small by design (and values over about 64 KB break hivemind's DHT loop).
 MAX_RECORD_BYTES = 16 * 1024
 DEFAULT_MAX_MESSAGE_BYTES = 1 << 30
+# What a server grants one remote peer: requests in progress at once, seconds to send its request (a few KB
+# at most), and seconds to take the answer before the stream is dropped.
+MAX_STREAMS_PER_PEER = 8
+REQUEST_READ_TIMEOUT = 10.0
+ANSWER_WRITE_TIMEOUT = 300.0
 
 Handler = Callable[[str, bytes], bytes]  # (caller's peer id, request) -> response
 
@@ -92,6 +102,35 @@ class Entry:
 
     value: bytes
     expires_at: float  # in the transport's clock (``Transport.now``)
+
+
+class StreamSlots:
+    """Each remote peer's requests in progress on a server, at most ``limit`` at once (thread-safe)."""
+
+    def __init__(self, limit: int = MAX_STREAMS_PER_PEER) -> None:
+        self.limit = limit
+        self._open: Counter[str] = Counter()
+        self._lock = threading.Lock()
+
+    def in_progress(self, peer: str) -> int:
+        with self._lock:
+            return self._open[peer]
+
+    @contextmanager
+    def slot(self, peer: str) -> Iterator[bool]:
+        """Yields whether ``peer`` may have one more request served now; the slot is freed on exit."""
+        with self._lock:
+            admitted = self._open[peer] < self.limit
+            if admitted:
+                self._open[peer] += 1
+        try:
+            yield admitted
+        finally:
+            if admitted:
+                with self._lock:
+                    self._open[peer] -= 1
+                    if not self._open[peer]:
+                        del self._open[peer]
 
 
 def check_record_size(data: bytes) -> None:

@@ -1,0 +1,142 @@
+"""Fetching a round's updates (and, to re-synchronize, end weights) from the other participants.
+
+Fetches run several at a time on the sync engine's pool, each against a **cutoff**: the round's deadline, or
+``MIN_REQUEST_SECONDS`` from the start of the batch when less is left. A fetch that would start after its
+cutoff is not sent, so a batch never outlives the deadline by more than that, however many participants are
+slow. A fetch has one typed outcome: ``Got`` (a checked update), ``Refused`` (a bad payload: counted, not
+waited for again), ``Gone`` (the peer no longer has it) or ``NotYet`` (unreachable right now: asked again).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+from spes_p2p.swarm.aggregate import Contribution, Fetched
+from spes_p2p.swarm.codecs import TensorSpec, max_payload_bytes
+from spes_p2p.swarm.config import SyncConfig
+from spes_p2p.swarm.messages import RPC_UPDATE, UpdateRequest
+from spes_p2p.swarm.payload import PayloadError, decode
+from spes_p2p.swarm.records import Announcement, decode_entries, updates_key
+from spes_p2p.swarm.serving import payload_meta
+from spes_p2p.swarm.transport import RemoteError, RequestTimeout, Transport, TransportError
+from spes_p2p.swarm.waiting import Deadline
+
+logger = logging.getLogger(__name__)
+
+MIN_REQUEST_SECONDS = 0.5  # a batch started just before the deadline still gets this long
+
+
+@dataclass(frozen=True)
+class Got:
+    fetched: Fetched
+
+
+@dataclass(frozen=True)
+class Refused:
+    reason: str
+
+
+@dataclass(frozen=True)
+class Gone:
+    reason: str
+
+
+@dataclass(frozen=True)
+class NotYet:
+    reason: str
+
+
+FetchOutcome = Got | Refused | Gone | NotYet
+
+
+class UpdateFetcher:
+    """Reads announcements and fetches what they announce; ``rejected`` counts refused payloads."""
+
+    def __init__(
+        self,
+        transport: Transport,
+        run_id: str,
+        cfg: SyncConfig,
+        specs: dict[str, dict[str, TensorSpec]],
+        pool: ThreadPoolExecutor,
+        abort: threading.Event,
+    ) -> None:
+        self.transport, self.run_id, self.cfg, self.specs = transport, run_id, cfg, specs
+        self.pool, self.abort = pool, abort
+        self.rejected = 0
+        self._lock = threading.Lock()
+
+    def announcements(self, round_: int, unit: str) -> dict[str, Announcement]:
+        entries = self.transport.read(updates_key(self.run_id, round_, unit))
+        announced = decode_entries(entries, Announcement, "update announcement")
+        return {p: a for p, a in announced.items() if a.round == round_}
+
+    def updates(self, unit: str, todo: list[tuple[int, str, Announcement]], deadline: Deadline):
+        """The outcome of fetching each (round, peer, announcement) in ``todo``, in parallel."""
+        cutoff = self._cutoff(deadline)
+        return list(self.pool.map(lambda item: self._update(unit, *item, cutoff), todo))
+
+    def ends(self, round_: int, unit: str, of: list[Contribution], deadline: Deadline) -> list[Contribution]:
+        """The end weights behind the given participants' updates (in parallel); those that came in time."""
+        cutoff = self._cutoff(deadline)
+        ends = self.pool.map(lambda c: self._end(round_, unit, c, cutoff), of)
+        return [e for e in ends if e is not None]
+
+    def clamped(self, tokens: int) -> int:
+        """A round's token count, at most what a round can hold (so no peer outweighs the others at will)."""
+        return min(tokens, self.cfg.max_round_tokens)
+
+    def refuse(self, peer: str, unit: str, reason: str) -> Refused:
+        logger.warning("rejecting %s's %s update: %s", peer, unit, reason)
+        with self._lock:
+            self.rejected += 1
+        return Refused(reason)
+
+    # ------------------------------------------------------------------------------------------ one
+
+    def _cutoff(self, deadline: Deadline) -> Deadline:
+        return Deadline(max(deadline.remaining(), MIN_REQUEST_SECONDS), self.abort)
+
+    def _update(self, unit: str, round_: int, peer: str, announced: Announcement, cutoff: Deadline):
+        limit = max_payload_bytes(self.specs[unit], self.cfg.codec, self.cfg.topk_fraction)
+        if announced.codec != self.cfg.codec or announced.bytes > limit:
+            return self.refuse(peer, unit, f"announced {announced.bytes} bytes of {announced.codec!r}")
+        request = UpdateRequest(round=round_, unit=unit, kind="delta").encode()
+        try:
+            payload = self._request(peer, request, limit, cutoff)
+        except RemoteError as exc:  # it announced the update, so it will not come back
+            return Gone(f"{peer} no longer has its {unit} update of round {round_}: {exc}")
+        except TransportError as exc:
+            return NotYet(f"could not fetch {peer}'s {unit} update of round {round_}: {exc}")
+        try:
+            if hashlib.sha256(payload).hexdigest() != announced.sha256:
+                raise PayloadError("payload does not match its announced checksum")
+            meta = payload_meta(unit, round_, "delta")
+            tensors = decode(
+                payload, self.specs[unit], self.cfg.codec, meta=meta, topk_fraction=self.cfg.topk_fraction
+            )
+        except PayloadError as exc:
+            return self.refuse(peer, unit, str(exc))
+        contribution = Contribution(peer, self.clamped(announced.tokens), tensors, round_)
+        return Got(Fetched(contribution, announced.base))
+
+    def _end(self, round_: int, unit: str, c: Contribution, cutoff: Deadline) -> Contribution | None:
+        request = UpdateRequest(round=round_, unit=unit, kind="end").encode()
+        limit = max_payload_bytes(self.specs[unit], "none")
+        try:
+            payload = self._request(c.peer_id, request, limit, cutoff)
+            tensors = decode(payload, self.specs[unit], "none", meta=payload_meta(unit, round_, "end"))
+        except (TransportError, PayloadError) as exc:
+            logger.info("could not fetch %s's %s end weights: %s", c.peer_id, unit, exc)
+            return None
+        return Contribution(c.peer_id, c.tokens, tensors, round_)
+
+    def _request(self, peer: str, request: bytes, limit: int, cutoff: Deadline) -> bytes:
+        if cutoff.passed():
+            raise RequestTimeout("the round's deadline passed before this request could start")
+        timeout = min(self.cfg.request_timeout, cutoff.remaining())
+        return self.transport.request(peer, RPC_UPDATE, request, timeout=timeout, max_response_bytes=limit)
