@@ -9,11 +9,13 @@ from conftest import TOKENIZER
 
 from spes_p2p.peer.setup import member_config
 from spes_p2p.settings import Settings
+from spes_p2p.swarm.guard import BAN_AFTER
 from spes_p2p.swarm.manifest import ManifestServer, manifest_key
 from spes_p2p.swarm.member import SwarmMember, SwarmMismatch, read_view
 from spes_p2p.swarm.memory import FakeClock, MemoryNetwork
 from spes_p2p.swarm.records import peers_key
 from spes_p2p.swarm.transport import (
+    MAX_EXPIRY_AHEAD,
     MAX_STREAMS_PER_PEER,
     MessageTooLarge,
     PeerUnreachable,
@@ -118,6 +120,45 @@ def test_a_hanging_handler_times_out_and_a_flood_is_capped_per_peer(net):
     assert b.request("a", "echo", b"z", timeout=1) == b"z"
 
 
+def test_an_allowlist_hides_and_refuses_everyone_else(net, clock):
+    a, b, stranger = net.join("a"), net.join("b"), net.join("stranger")
+    a.guard.allow_only(("b",))
+    for t in (a, b, stranger):
+        t.publish("k", t.peer_id.encode(), clock() + 10)
+        t.serve("echo", lambda caller, data: data)
+    assert set(a.read("k")) == {"a", "b"} and set(b.read("k")) == {"a", "b", "stranger"}
+    assert stranger.request("b", "echo", b"x", timeout=1) == b"x"
+    with pytest.raises(RemoteError, match="does not serve this peer"):
+        stranger.request("a", "echo", b"x", timeout=1)
+    assert b.request("a", "echo", b"y", timeout=1) == b"y"
+
+
+def test_a_peer_rejected_again_and_again_is_banned_until_the_end(net, clock):
+    a, bad, flaky = net.join("a"), net.join("bad"), net.join("flaky")
+    for t in (bad, flaky):
+        t.publish("k", b"record", clock() + 10)
+    a.serve("echo", lambda caller, data: data)
+    for _ in range(BAN_AFTER - 1):
+        a.guard.reject("bad", "payload", "garbage")
+        a.guard.reject("flaky", "payload", "a flipped bit")
+    a.guard.accept("flaky")  # one good payload: the count starts again
+    a.guard.reject("bad", "payload", "garbage")
+    a.guard.reject("flaky", "payload", "a flipped bit")
+    assert a.guard.banned() == ["bad"]
+    assert set(a.read("k")) == {"flaky"}  # a banned peer's records are not read...
+    with pytest.raises(RemoteError, match="does not serve this peer"):
+        bad.request("a", "echo", b"x", timeout=1)  # ...nor its requests served
+    a.guard.accept("bad")
+    assert a.guard.banned() == ["bad"]  # for the rest of the run
+
+
+def test_an_entry_set_to_outlive_every_ttl_is_not_read(net, clock):
+    a, b = net.join("a"), net.join("b")
+    a.publish("k", b"sane", clock() + 20)
+    b.publish("k", b"forever", clock() + 10 * MAX_EXPIRY_AHEAD)
+    assert set(a.read("k")) == {"a"}
+
+
 def test_fault_hooks(net):
     a, b = net.join("a"), net.join("b")
     a.serve("echo", lambda caller, data: data)
@@ -184,7 +225,7 @@ def test_mismatched_settings_are_refused_naming_the_fields_and_write_nothing(mem
     assert set(stranger.transport.read(manifest_key("spes-demo"))) == {"a"}
 
 
-def test_records_of_the_wrong_schema_are_ignored_and_logged(member, net, caplog):
+def test_records_of_the_wrong_schema_are_ignored_counted_and_logged_once(member, net, caplog):
     good = member(net, "good")
     good.join()
     evil = net.join("evil")
@@ -193,11 +234,14 @@ def test_records_of_the_wrong_schema_are_ignored_and_logged(member, net, caplog)
     wrong_manifest = msgspec.msgpack.encode({"hash": "0" * 64, "protocol": "two", "bytes": 10})
     evil.publish(manifest_key("spes-demo"), wrong_manifest, net.clock() + TTL)
     with caplog.at_level(logging.WARNING):
-        view = good.view()
-        good.check_manifest()  # the bogus manifest record is not trusted
+        for _ in range(3):
+            view = good.view()
+            good.check_manifest()  # the bogus manifest record is not trusted
     assert set(view.peers) == {"good"}
-    assert "ignoring the peer record of evil" in caplog.text
-    assert "ignoring the manifest record of evil" in caplog.text
+    assert caplog.text.count("rejecting evil's peer record") == 1  # once, however often it is read
+    assert caplog.text.count("rejecting evil's manifest record") == 1
+    guard = good.transport.guard
+    assert guard.rejections["evil"] >= 6 and guard.banned() == []  # records alone never ban
 
 
 def test_partition_hides_the_other_side_until_healed(member, net):

@@ -107,7 +107,7 @@ def _live_manifests(
     transport: Transport, run_id: str, seconds: float, stop: threading.Event
 ) -> dict[str, ManifestRecord]:
     def seen() -> dict[str, ManifestRecord] | None:
-        live = parse_peers(transport.read(peers_key(run_id)))
+        live = parse_peers(transport.read(peers_key(run_id)), transport.guard)
         records = {p: r for p, r in manifests.read_records(transport, run_id).items() if p in live}
         return records or None
 
@@ -122,7 +122,7 @@ def _live_manifests(
 
 def nobody_alive(transport: Transport, run_id: str, seconds: float) -> str:
     """Why a swarm shows no live peer, and what to do."""
-    every = decode_entries(transport.read(peers_key(run_id)), PeerRecord, "peer")
+    every = decode_entries(transport.read(peers_key(run_id)), PeerRecord, "peer", transport.guard)
     if every:
         last = max(r.round for r in every.values())
         return (

@@ -70,6 +70,7 @@ def live(
     if transport is None:
         with ui.phase("Starting the peer and joining the swarm..."):
             transport = open_transport(settings, new_swarm=settings.run.new_swarm)
+    transport.guard.allow_only(settings.swarm.allowlist)
     startup.mark("transport")
     peer = None
     try:

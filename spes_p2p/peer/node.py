@@ -79,6 +79,7 @@ class Peer:
         """``admission``: the swarm's manifest, taken from its peers; without one, this peer founds the swarm
         (or, in tests, computes the manifest every peer of its settings computes alike)."""
         self.settings, self.transport, self.me = settings, transport, transport.peer_id
+        transport.guard.allow_only(settings.swarm.allowlist)
         self.layout = settings.model.layout()
         self.local = LocalTraining(settings, self.layout, initial_seed(settings), self.me)
         self.admission = admission

@@ -38,7 +38,7 @@ class SwarmReader:
 
     def read(self) -> dict:
         """The swarm as `spes status --json` prints it; SwarmUnavailable when no peer of it is alive."""
-        live = parse_peers(self.transport.read(peers_key(self.run_id)))
+        live = parse_peers(self.transport.read(peers_key(self.run_id)), self.transport.guard)
         if not live:
             raise SwarmUnavailable(nobody_alive(self.transport, self.run_id, 0))
         if self.manifest is None:
@@ -110,7 +110,7 @@ def write_invite(path: Path, settings: Settings, manifest: Manifest, addresses: 
 
 def live_addresses(transport: Transport, run_id: str) -> list[str]:
     """Every dialable address of the swarm's live peers (client-mode peers cannot be dialed)."""
-    peers = parse_peers(transport.read(peers_key(run_id)))
+    peers = parse_peers(transport.read(peers_key(run_id)), transport.guard)
     return [
         a for p in sorted(peers.values(), key=lambda p: p.peer_id) if not p.client_mode for a in p.addresses
     ]

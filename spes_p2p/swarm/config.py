@@ -40,6 +40,12 @@ class SwarmConfig(Section):
         20.0, "Seconds before a silent peer's records vanish.", flag="--record-ttl"
     )
     join_timeout_seconds: float = setting(20.0, "Bound on reaching the initial peers.", flag="--join-timeout")
+    allowlist: tuple[str, ...] = setting(
+        (),
+        "Listen only to these peer ids (repeatable; give every peer the same list); empty: to everyone.",
+        flag="--allow",
+        metavar="PEER_ID",
+    )
 
     def validate(self) -> None:
         check(
@@ -63,6 +69,12 @@ class SwarmConfig(Section):
             "must exceed twice heartbeat_seconds, or records expire between heartbeats",
         )
         check(self.join_timeout_seconds > 0, "join_timeout_seconds", "must be positive")
+        for peer in self.allowlist:
+            check(
+                bool(re.fullmatch(r"[A-Za-z0-9]{1,128}", peer)),
+                "allowlist",
+                f"has {peer!r}, which is not a peer id (the part after /p2p/ in a peer's address)",
+            )
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -72,7 +72,7 @@ class UpdateFetcher:
 
     def announcements(self, round_: int, unit: str) -> dict[str, Announcement]:
         entries = self.transport.read(updates_key(self.run_id, round_, unit))
-        announced = decode_entries(entries, Announcement, "update announcement")
+        announced = decode_entries(entries, Announcement, "update announcement", self.transport.guard)
         return {p: a for p, a in announced.items() if a.round == round_}
 
     def updates(self, unit: str, todo: list[tuple[int, str, Announcement]], deadline: Deadline):
@@ -91,7 +91,7 @@ class UpdateFetcher:
         return min(tokens, self.cfg.max_round_tokens)
 
     def refuse(self, peer: str, unit: str, reason: str) -> Refused:
-        logger.warning("rejecting %s's %s update: %s", peer, unit, reason)
+        self.transport.guard.reject(peer, f"{unit} update", reason)
         with self._lock:
             self.rejected += 1
         return Refused(reason)
@@ -121,6 +121,7 @@ class UpdateFetcher:
             )
         except PayloadError as exc:
             return self.refuse(peer, unit, str(exc))
+        self.transport.guard.accept(peer)
         contribution = Contribution(peer, self.clamped(announced.tokens), tensors, round_)
         return Got(Fetched(contribution, announced.base))
 

@@ -46,6 +46,7 @@ from hivemind.utils.crypto import RSAPrivateKey
 from hivemind.utils.timed_storage import get_dht_time
 
 from spes_p2p.errors import ConfigError
+from spes_p2p.swarm.guard import Guard
 from spes_p2p.swarm.transport import (
     ANSWER_WRITE_TIMEOUT,
     DEFAULT_MAX_MESSAGE_BYTES,
@@ -110,6 +111,7 @@ class HivemindTransport(Transport):
     ) -> None:
         self.stats = TransportStats()
         self._streams = StreamSlots()
+        self.guard = Guard()
         check_ports_free(listen)
         ephemeral = None
         if identity_path is None:  # a throwaway identity: its key still signs this peer's records
@@ -196,13 +198,17 @@ class HivemindTransport(Transport):
         if found is None or not isinstance(found.value, dict):
             return {}
         entries: dict[str, Entry] = {}
+        now = self.now()
         for subkey, item in found.value.items():
             peer, value = _owner_peer_id(subkey), _as_bytes(item.value)
             if peer is None or value is None:
                 logger.debug("ignoring an unsigned or unreadable entry under %s", key)
                 continue
-            if peer not in entries or item.expiration_time > entries[peer].expires_at:
-                entries[peer] = Entry(value, item.expiration_time)
+            entry = Entry(value, item.expiration_time)
+            if self.readable(peer, entry, now) and (
+                peer not in entries or entry.expires_at > entries[peer].expires_at
+            ):
+                entries[peer] = entry
         return entries
 
     # --------------------------------------------------------------------------------------- streams
@@ -212,7 +218,9 @@ class HivemindTransport(Transport):
             caller = str(info.peer_id)
             with self._streams.slot(caller) as admitted:
                 try:
-                    if admitted:
+                    if not self.admits(caller):
+                        response = _FAILED + b"this peer does not serve you"
+                    elif admitted:
                         request = await asyncio.wait_for(
                             _read_frame(reader, max_request_bytes), REQUEST_READ_TIMEOUT
                         )

@@ -98,7 +98,7 @@ def _flat(manifest: Manifest) -> dict[str, Any]:
 
 
 def read_records(transport: Transport, run_id: str) -> dict[str, ManifestRecord]:
-    return decode_entries(transport.read(manifest_key(run_id)), ManifestRecord, "manifest")
+    return decode_entries(transport.read(manifest_key(run_id)), ManifestRecord, "manifest", transport.guard)
 
 
 class _LegacyConfig(msgspec.Struct):

@@ -93,10 +93,12 @@ class SwarmView:
 
 def read_view(transport: Transport, run_id: str, units: list[str]) -> SwarmView:
     """Live peers and, for every unit, its live holders; invalid records are logged and skipped."""
-    peers = parse_peers(transport.read(peers_key(run_id)))
+    peers = parse_peers(transport.read(peers_key(run_id)), transport.guard)
     view = SwarmView(peers, {})
     for unit in units:
-        records = decode_entries(transport.read(holders_key(run_id, unit)), HolderRecord, "holder")
+        records = decode_entries(
+            transport.read(holders_key(run_id, unit)), HolderRecord, "holder", transport.guard
+        )
         live = {p: r for p, r in records.items() if p in peers and r.held}
         view.until[unit] = {p: r.until for p, r in live.items() if r.until is not None}
         view.holders[unit] = set(live) - set(view.until[unit])
@@ -179,7 +181,7 @@ class SwarmMember:
 
     def live_peers(self) -> set[str]:
         """Peer ids with a live, active record (one DHT read)."""
-        return set(parse_peers(self.transport.read(peers_key(self.cfg.run_id))))
+        return set(parse_peers(self.transport.read(peers_key(self.cfg.run_id)), self.transport.guard))
 
     def view(self) -> SwarmView:
         view = read_view(self.transport, self.cfg.run_id, self.units)

@@ -15,6 +15,7 @@ from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 
+from spes_p2p.swarm.guard import Guard
 from spes_p2p.swarm.transport import (
     DEFAULT_MAX_MESSAGE_BYTES,
     Entry,
@@ -94,6 +95,7 @@ class MemoryTransport(Transport):
         self.network, self.peer_id = network, peer_id
         self.handlers: dict[str, tuple[Handler, int]] = {}
         self.streams = StreamSlots()
+        self.guard = Guard()
         self.stats = TransportStats()
         self.alive = True
 
@@ -128,7 +130,7 @@ class MemoryTransport(Transport):
         return {
             peer: entry
             for peer, entry in entries.items()
-            if entry.expires_at > now and self.network.connected(self.peer_id, peer)
+            if self.readable(peer, entry, now) and self.network.connected(self.peer_id, peer)
         }
 
     def serve(self, name: str, handler: Handler, max_request_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> None:
@@ -161,6 +163,8 @@ class MemoryTransport(Transport):
         handler, max_request = target.handlers[name]
         if len(payload) > max_request:
             raise RemoteError(f"{peer_id} refused a {len(payload)}-byte {name} request (limit {max_request})")
+        if not target.admits(self.peer_id):
+            raise RemoteError(f"{peer_id} refused {name}: it does not serve this peer")
         with target.streams.slot(self.peer_id) as admitted:
             if not admitted:
                 raise RemoteError(f"{peer_id} refused {name}: too many requests in progress from this peer")

@@ -8,22 +8,21 @@ Keys, all under the swarm's ``run_id``; every peer writes only its own entry und
     <run_id>/updates/<round>/<unit> Announcement: this peer's update of <unit> for <round> is ready
 
 Entries are msgpack, written and read as msgspec structs. Decoding is strict: a wrong type, a missing or
-unknown field, a value out of range, or oversized input is a ``RecordError``; readers log the entry and skip
-it, and count it in ``rejected_records``. Entries expire unless refreshed by the heartbeat; a peer that
-leaves overwrites its entries with ``state = "left"`` / ``held = False`` tombstones.
+unknown field, a value out of range, or oversized input is a ``RecordError``; readers skip the entry and
+report it to the transport's guard, which logs it once per peer and counts it. Entries expire unless
+refreshed by the heartbeat; a peer that leaves overwrites its entries with ``state = "left"`` / ``held =
+False`` tombstones.
 """
 
 from __future__ import annotations
 
-import logging
 import math
 from typing import Annotated, ClassVar, Literal, TypeVar
 
 import msgspec
 
+from spes_p2p.swarm.guard import Guard
 from spes_p2p.swarm.transport import MAX_RECORD_BYTES
-
-logger = logging.getLogger(__name__)
 
 MAX_ADDRESSES = 16
 MAX_UNITS = 256
@@ -122,23 +121,26 @@ def updates_key(run_id: str, round_: int, unit: str) -> str:
     return f"{run_id}/updates/{round_}/{unit}"
 
 
-def decode_entries(entries: dict, cls: type[R], what: str) -> dict[str, R]:
-    """Valid records by the peer id that wrote them; invalid ones are logged and skipped."""
+def decode_entries(entries: dict, cls: type[R], what: str, guard: Guard | None = None) -> dict[str, R]:
+    """Valid records by the peer id that wrote them; invalid ones are skipped, and reported to ``guard``
+    (which logs each kind once per peer and counts it)."""
+    guard = guard or Guard()
     valid = {}
     for peer_id, entry in entries.items():
         try:
             valid[peer_id] = cls.decode(entry.value)
         except RecordError as exc:
-            logger.warning("ignoring the %s record of %s: %s", what, peer_id, exc)
+            guard.reject(peer_id, f"{what} record", str(exc), counts_toward_ban=False)
     return valid
 
 
-def parse_peers(entries: dict) -> dict[str, PeerRecord]:
+def parse_peers(entries: dict, guard: Guard | None = None) -> dict[str, PeerRecord]:
     """Valid, active peer records by peer id; a record must name the peer that wrote it."""
+    guard = guard or Guard()
     peers = {}
-    for peer_id, record in decode_entries(entries, PeerRecord, "peer").items():
+    for peer_id, record in decode_entries(entries, PeerRecord, "peer", guard).items():
         if record.peer_id != peer_id:
-            logger.warning("ignoring the peer record of %s: it names %s", peer_id, record.peer_id)
+            guard.reject(peer_id, "peer record", f"it names {record.peer_id}", counts_toward_ban=False)
         elif record.state == "active":
             peers[peer_id] = record
     return peers

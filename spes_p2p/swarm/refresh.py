@@ -145,10 +145,11 @@ class Refresh:
             )
             round_ = _round_of(payload)
         except PayloadError as exc:
-            logger.warning("rejecting %s's weights of %s: %s", peer, unit, exc)
+            self.transport.guard.reject(peer, f"weights of {unit}", str(exc))
             with self._lock:
                 self.rejected += 1
             return None
+        self.transport.guard.accept(peer)
         return (round_, tensors) if round_ >= min_round else None
 
 

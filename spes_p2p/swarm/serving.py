@@ -14,15 +14,25 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TypeVar
 
 import torch
 
 from spes_p2p.swarm.codecs import TensorSpec
-from spes_p2p.swarm.messages import MAX_REQUEST_BYTES, RPC_UPDATE, RPC_WEIGHTS, UpdateRequest, WeightsRequest
+from spes_p2p.swarm.messages import (
+    MAX_REQUEST_BYTES,
+    RPC_UPDATE,
+    RPC_WEIGHTS,
+    BadRequest,
+    Message,
+    UpdateRequest,
+    WeightsRequest,
+)
 from spes_p2p.swarm.payload import encode
 from spes_p2p.swarm.transport import Transport, Unavailable
 
 KEEP_ROUNDS = 3
+M = TypeVar("M", bound=Message)
 
 Tensors = dict[str, torch.Tensor]
 
@@ -52,6 +62,7 @@ class Outbox:
     ) -> None:
         self.specs, self.topk_fraction = specs, topk_fraction
         self.local_copy = local_copy  # our copy of any unit, for newcomers that find no holder ready
+        self.guard = transport.guard
         self._lock = threading.Lock()
         self._updates: dict[tuple[int, str], Posted] = {}  # (round, unit) -> our update
         self._weights: dict[str, dict[int, Tensors]] = {}  # unit -> round -> weights served
@@ -92,7 +103,7 @@ class Outbox:
     # ------------------------------------------------------------------------------------- serving
 
     def rpc_update(self, caller: str, request: bytes) -> bytes:
-        req = UpdateRequest.decode(request)
+        req = self._parse(UpdateRequest, caller, request)
         posted = self.update(req.round, req.unit)
         if posted is None:
             raise Unavailable(f"no update for {req.unit} in round {req.round}")
@@ -101,7 +112,7 @@ class Outbox:
         return self._encoded_once((req.round, req.unit, "end", "none"), posted.end)
 
     def rpc_weights(self, caller: str, request: bytes) -> bytes:
-        req = WeightsRequest.decode(request)
+        req = self._parse(WeightsRequest, caller, request)
         with self._lock:
             versions = dict(self._weights.get(req.unit, {}))
         if versions:
@@ -113,6 +124,14 @@ class Outbox:
                 copy, req.codec, meta=payload_meta(req.unit, -1, "weights"), topk_fraction=self.topk_fraction
             )
         raise Unavailable(f"this peer does not hold {req.unit}")
+
+    def _parse(self, message: type[M], caller: str, request: bytes) -> M:
+        """The request, checked; a malformed one counts against its sender (and its answer is a failure)."""
+        try:
+            return message.decode(request)
+        except BadRequest as exc:
+            self.guard.reject(caller, "request", str(exc))
+            raise
 
     def _encoded_once(self, key: tuple[int, str, str, str], tensors: Tensors) -> bytes:
         with self._lock:

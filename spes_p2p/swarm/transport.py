@@ -9,7 +9,9 @@ A Transport gives a peer three things, whatever the backend:
   with a timeout and a size limit on every call; a server reads each request within
   ``REQUEST_READ_TIMEOUT``, drops an answer not taken within ``ANSWER_WRITE_TIMEOUT``, and serves each
   remote peer at most ``MAX_STREAMS_PER_PEER`` requests at once (``StreamSlots``);
-- its own peer id and dialable addresses, and a bounded ``shutdown``.
+- its own peer id and dialable addresses, and a bounded ``shutdown``;
+- a ``guard`` (``spes_p2p.swarm.guard``): entries of peers it does not allow are not read, and their
+  requests are refused.
 
 Errors (all ``TransportError``, a ``SpesError``)::
 
@@ -34,12 +36,14 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 
 from spes_p2p.errors import SpesError
+from spes_p2p.swarm.guard import Guard
 
 # DHT records are small by design (and values over about 64 KB break hivemind's DHT loop).
 MAX_RECORD_BYTES = 16 * 1024
 DEFAULT_MAX_MESSAGE_BYTES = 1 << 30
 # What a server grants one remote peer: requests in progress at once, seconds to send its request (a few KB
 # at most), and seconds to take the answer before the stream is dropped.
+MAX_EXPIRY_AHEAD = 600.0  # an entry set to outlive every honest TTL by this much is not read
 MAX_STREAMS_PER_PEER = 8
 REQUEST_READ_TIMEOUT = 10.0
 ANSWER_WRITE_TIMEOUT = 300.0
@@ -142,10 +146,22 @@ def check_record_size(data: bytes) -> None:
 
 
 class Transport(ABC):
-    """One peer's connection to the swarm. Thread-safe; every call returns within its timeout."""
+    """One peer's connection to the swarm. Thread-safe; every call returns within its timeout. Its
+    ``guard`` says whose entries ``read`` returns and whose requests are served (``readable``, ``admits``)."""
 
     peer_id: str
     stats: TransportStats
+    guard: Guard
+
+    def readable(self, peer: str, entry: Entry, now: float) -> bool:
+        """Whether ``read`` returns ``peer``'s entry: it is live, does not outlive every honest TTL by
+        ``MAX_EXPIRY_AHEAD``, and was written by this peer or one its guard allows."""
+        live = now < entry.expires_at <= now + MAX_EXPIRY_AHEAD
+        return live and (peer == self.peer_id or self.guard.allows(peer))
+
+    def admits(self, caller: str) -> bool:
+        """Whether a request from ``caller`` is served."""
+        return self.guard.allows(caller)
 
     @abstractmethod
     def addresses(self) -> list[str]:
