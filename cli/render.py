@@ -191,6 +191,8 @@ class SwarmLive(LiveView):
                 f"; loss {status.loss:.3f}, {status.tokens_per_s:,.0f} tok/s, "
                 f"sent {_mib(status.bytes_sent)}, received {_mib(status.bytes_received)}"
             )
+        if status.banned:
+            line += f"; banned {', '.join(status.banned)}"
         return line
 
 
@@ -215,6 +217,8 @@ def swarm_table(run_id: str, status) -> Table:
     loss = "-" if status.loss is None else f"{status.loss:.3f}"
     table.add_row("round", str(status.round), f"loss {loss}, {status.tokens_per_s:,.0f} tok/s")
     table.add_row("traffic", "", f"sent {_mib(status.bytes_sent)}, received {_mib(status.bytes_received)}")
+    if status.banned:
+        table.add_row("banned", str(len(status.banned)), " ".join(p[-8:] for p in status.banned), style="red")
     return table
 
 
@@ -224,15 +228,25 @@ def status_tables(summary: dict) -> list[Table]:
         caption=f"manifest {summary['manifest'][:16]}, protocol {summary['protocol']}",
     )
     peers.add_column("peer", overflow="fold")
-    for col in ("units", "round", "tokens/s", "loss", "reachable", "version", "seen"):
+    for col in ("units", "round", "tokens/s", "loss", "reachable", "version", "seen", "banned by"):
         peers.add_column(col)
     for p in summary["peers"]:
         loss = "-" if p["loss"] is None else f"{p['loss']:.3f}"
         seen = f"{p['seen_seconds_ago']:.0f}s ago"
         reach = "client" if p["client_mode"] else p["reachable"]
         tokens = f"{p['tokens_per_s']:,.0f}"
+        banned_by = str(len(p["banned_by"])) if p["banned_by"] else ""
         peers.add_row(
-            p["peer_id"], ", ".join(p["units"]), str(p["round"]), tokens, loss, reach, p["version"], seen
+            p["peer_id"],
+            ", ".join(p["units"]),
+            str(p["round"]),
+            tokens,
+            loss,
+            reach,
+            p["version"],
+            seen,
+            banned_by,
+            style="red" if banned_by else None,
         )
     units = Table(title=f"units (target: {summary['target_replication']} holders per expert shard)")
     units.add_column("unit")

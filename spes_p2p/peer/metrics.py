@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 
 from spes_p2p.peer.rounds import RoundJob
-from spes_p2p.swarm.transport import TransportStats
+from spes_p2p.swarm.transport import Transport
 
 
 def crossed(round_: int, steps_per_round: int, every: int) -> bool:
@@ -17,8 +17,8 @@ class RoundMetrics:
     """Turns a landed job into its row; traffic is counted from one landing to the next (this round's
     exchange, plus what others fetched from this peer meanwhile). Training thread only."""
 
-    def __init__(self, peer_id: str, stats: TransportStats) -> None:
-        self.peer_id, self.stats = peer_id, stats
+    def __init__(self, transport: Transport) -> None:
+        self.peer_id, self.stats, self.guard = transport.peer_id, transport.stats, transport.guard
         self._last = self._now()
 
     def _now(self) -> tuple[int, int, int, float]:
@@ -51,4 +51,6 @@ class RoundMetrics:
             "resynced": sorted(u for u, r in job.results.items() if r.resynced),
             "refreshed": sorted(job.refreshed),
             "rejected_payloads": rejected,
+            "rejected": self.guard.total(),  # everything refused: records, requests, payloads, outliers
+            "banned": self.guard.banned(),
         }

@@ -63,6 +63,7 @@ class PeerStatus:
     bytes_received: int = 0
     last: dict = field(default_factory=dict)  # the latest round's metrics row
     reachable: str = "unknown"  # whether peers could dial this one back
+    banned: list[str] = field(default_factory=list)  # peers this one ignores for the rest of the run
 
 
 class Peer:
@@ -96,7 +97,7 @@ class Peer:
         overlap = settings.method.overlap
         self.pipeline = Pipeline(RoundSync(settings, self.member, self.sync, self.layout), overlap)
         self.landing = Landing(self.local.read, self.local.write, overlap, self.local.reset_state)
-        self.metrics = RoundMetrics(self.me, transport.stats)
+        self.metrics = RoundMetrics(transport)
         self.reachability = SelfCheck(transport, self.member, settings.network)
         self.heartbeat = Heartbeat(
             self.member, settings.swarm.heartbeat_seconds, also=self.reachability.recheck
@@ -132,7 +133,7 @@ class Peer:
         self.local.start(self.member.units_held, self.round, checkpoint)
         for unit in self.member.units_held:
             self.sync.serve_weights(self.round - 1, unit, self.local.read(unit))
-        self.metrics = RoundMetrics(self.me, self.transport.stats)  # traffic counts from here
+        self.metrics = RoundMetrics(self.transport)  # traffic counts from here
         return self.status()
 
     def _restore(self) -> Checkpoint:
@@ -291,6 +292,7 @@ class Peer:
             stats.bytes_received,
             self._last_row,
             member.reachable,
+            self.transport.guard.banned(),
         )
 
     def crash(self) -> None:

@@ -84,6 +84,8 @@ def swarm_summary(transport: Transport, run_id: str, manifest: Manifest) -> dict
                 "client_mode": p.client_mode,
                 "reachable": p.reachable,
                 "seen_seconds_ago": max(0.0, now - p.seen),
+                "banned": p.banned,  # peers this one has banned
+                "banned_by": sorted(q.peer_id for q in view.peers.values() if p.peer_id in q.banned),
             }
             for p in sorted(view.peers.values(), key=lambda p: p.peer_id)
         ],

@@ -23,6 +23,7 @@ from spes_p2p.swarm.claims import carry_block, choose_units, holders_at_epoch
 from spes_p2p.swarm.manifest import Manifest, ManifestError
 from spes_p2p.swarm.records import (
     MAX_ADDRESSES,
+    MAX_BANNED,
     HolderRecord,
     PeerRecord,
     Record,
@@ -332,5 +333,6 @@ class SwarmMember:
             state=state,
             client_mode=self.cfg.client_mode,
             seen=self.transport.now(),
+            banned=self.transport.guard.banned()[:MAX_BANNED],
             reachable=self.reachable,
         )

@@ -26,6 +26,7 @@ from spes_p2p.swarm.transport import MAX_RECORD_BYTES
 
 MAX_ADDRESSES = 16
 MAX_UNITS = 256
+MAX_BANNED = 64
 
 Unit = Annotated[str, msgspec.Meta(pattern=r"^(experts|dense)/\d{1,4}$")]
 Round = Annotated[int, msgspec.Meta(ge=0)]
@@ -81,6 +82,7 @@ class PeerRecord(Record):
     client_mode: bool = False
     seen: float = 0.0  # the writer's DHT time when it wrote this record
     reachable: Literal["yes", "no", "unknown"] = "unknown"  # whether peers could dial it back
+    banned: Annotated[list[Short], msgspec.Meta(max_length=MAX_BANNED)] = msgspec.field(default_factory=list)
 
     def __post_init__(self) -> None:
         if not all(math.isfinite(x) for x in (self.tokens_per_s, self.seen, self.loss or 0.0)):
