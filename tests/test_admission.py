@@ -2,12 +2,14 @@
 and what `spes status` reads."""
 
 import threading
+from types import SimpleNamespace
 
 import msgspec
 import pytest
 
 from spes_p2p.peer import Peer
 from spes_p2p.peer.admission import SwarmUnavailable, admit
+from spes_p2p.peer.joining import swarm_round
 from spes_p2p.peer.summary import SwarmReader, invite
 from spes_p2p.settings import Settings, load_settings
 from spes_p2p.swarm import manifest as manifests
@@ -123,3 +125,8 @@ def test_a_peer_that_serves_a_wrong_manifest_is_not_asked_again(swarm):
     with pytest.raises(manifests.ManifestError, match=r"liar: its manifest hashes to .*, not"):
         manifests.fetch(newcomer, ["liar"], founder.manifest.hash, Deadline(60))  # at once: nobody else
     assert asked == ["newcomer"] * 2
+
+
+def test_the_swarm_round_is_what_most_peers_report_not_the_furthest():
+    peers = [SimpleNamespace(round=r) for r in (4, 5, 5, 10**6)]
+    assert swarm_round(peers) == 5 and swarm_round(peers[:2]) == 4 and swarm_round([]) == 0

@@ -155,6 +155,19 @@ def test_an_update_scaled_a_thousandfold_is_rejected_under_every_rule(method):
     assert pair.rejected == ["x"] and torch.equal(pair.update["w"], HONEST[0].tensors["w"])
 
 
+def test_no_update_weighs_more_than_four_times_the_median_token_count():
+    ups = [
+        update("a", [1.0], 100),
+        update("b", [1.0], 100),
+        update("c", [1.0], 120),
+        update("x", [5.0], 10**15),
+    ]
+    # x weighs 4 x 110 (the median count) = 440 tokens: (100 + 100 + 120 + 440 * 5) / 760
+    torch.testing.assert_close(combine(ups, "mean").update["w"], torch.tensor([2520 / 760]))
+    pair = combine([update("a", [1.0], 100), update("x", [3.0], 10**15)], "mean", own="a")
+    torch.testing.assert_close(pair.update["w"], torch.tensor([(100 + 400 * 3) / 500]))  # against its own
+
+
 def test_each_rule_on_values():
     ups = [update("a", [1.0, 0.0]), update("b", [2.0, 0.0]), update("c", [3.0, 0.0]), update("d", [5.9, 0.0])]
     torch.testing.assert_close(combine(ups, "mean").update["w"], torch.tensor([11.9 / 4, 0.0]))

@@ -101,10 +101,10 @@ def test_a_hanging_handler_times_out_and_a_flood_is_capped_per_peer(net):
     a.serve("hang", lambda caller, data: b"late" if release.wait(30) else b"")
     a.serve("echo", lambda caller, data: data)
     with pytest.raises(RequestTimeout):
-        b.request("a", "hang", b"", timeout=0.2)
+        b.request("a", "hang", b"", timeout=0.2)  # (its handler still runs, and holds one of b's slots)
     flood = [
         threading.Thread(target=lambda: b.request("a", "hang", b"", timeout=30))
-        for _ in range(MAX_STREAMS_PER_PEER)
+        for _ in range(MAX_STREAMS_PER_PEER - 1)
     ]
     try:
         for t in flood:
@@ -223,6 +223,17 @@ def test_mismatched_settings_are_refused_naming_the_fields_and_write_nothing(mem
         stranger.join()
     assert set(stranger.transport.read(peers_key("spes-demo"))) == {"a"}
     assert set(stranger.transport.read(manifest_key("spes-demo"))) == {"a"}
+
+
+def test_one_peer_on_another_manifest_locks_nobody_out_and_is_left_out_of_views(member, net):
+    member(net, "a").join()
+    member(net, "evil", make_settings(shards=4)).heartbeat()  # live, on another manifest, without a join
+    newcomer = member(net, "b")
+    newcomer.join()  # a and b share a manifest: evil's record alone does not stop b
+    assert set(newcomer.view().peers) == {"a", "b"}
+    assert newcomer.transport.guard.rejections["evil"] >= 1
+    with pytest.raises(SwarmMismatch):  # but a peer whom every other live peer contradicts is refused
+        member(net, "c", make_settings(shards=8)).join()
 
 
 def test_records_of_the_wrong_schema_are_ignored_counted_and_logged_once(member, net, caplog):

@@ -10,6 +10,7 @@ from spes_p2p.swarm.config import SyncConfig
 from spes_p2p.swarm.exchange import MISS_LIMIT, RESYNC_LIMIT
 from spes_p2p.swarm.memory import MemoryNetwork
 from spes_p2p.swarm.messages import RPC_UPDATE, UpdateRequest
+from spes_p2p.swarm.records import Announcement, updates_key
 from spes_p2p.swarm.sync import SyncEngine, dense_group
 
 SPECS = {
@@ -138,18 +139,28 @@ def test_a_holder_that_never_answers_does_not_stop_the_round():
 
 
 @pytest.mark.timeout(60)
-def test_a_participant_missing_round_after_round_stops_being_waited_for():
-    _, engines = make_swarm("none", deadline=0.5, peers=("p0", "p2"))
-    unit, holders = "experts/0", ["p0", "p2", "ghost"]  # the ghost holds the unit and never answers
+def test_a_participant_that_announces_and_never_serves_stops_being_waited_for():
+    net = MemoryNetwork(seed=0)
+    cfg = SyncConfig(codec="none", deadline_min=2.0, deadline_max=2.0)
+    engines = {p: SyncEngine(net.join(p), "t", cfg, SPECS) for p in ("p0", "p2")}
+    ghost = net.join("ghost")  # holds the unit, announces every round, serves nothing
+    unit, holders = "experts/0", ["p0", "p2", "ghost"]
+
+    def ghost_announces(round_):
+        a = Announcement(round=round_, tokens=1, bytes=100, codec="none", sha256="0" * 64, base="0" * 16)
+        ghost.publish(updates_key("t", round_, unit), a.encode(), ghost.now() + 60)
+
     start = tensors(0)[unit]
     for round_ in range(MISS_LIMIT):
+        ghost_announces(round_)
         ends = {p: {"w1": start["w1"] + 0.01 * (i + 1)} for i, p in enumerate(engines)}
         results = exchange_concurrently(engines, round_, unit, {p: start for p in engines}, ends, holders)
         assert results["p0"].missing == ["ghost"] and results["p0"].participants == ["p0", "p2"]
         start = results["p0"].new_weights
-    assert engines["p0"].deadline.seconds() == 0.2  # the minimum: it adapts to the answers, not the ghost
+    assert engines["p0"].deadline.mean_wait is not None  # it learns from the answers, whoever is missing
     for engine in engines.values():  # from now on a wait for the ghost would outlive this test's timeout
         engine.deadline.low = engine.deadline.high = 600.0
+    ghost_announces(MISS_LIMIT)
     ends = {p: {"w1": start["w1"] + 0.01} for p in engines}
     results = exchange_concurrently(engines, MISS_LIMIT, unit, {p: start for p in engines}, ends, holders)
     assert results["p0"].missing == ["ghost"] and results["p0"].participants == ["p0", "p2"]
@@ -224,7 +235,7 @@ def test_a_late_update_counts_in_the_next_round():
 
 
 def test_a_non_participant_cannot_slip_in_a_late_update():
-    _, engines = make_swarm("none", deadline=0.5, peers=("p0", "p1", "intruder"))
+    _, engines = make_swarm("none", deadline=5.0, peers=("p0", "p1", "intruder"))
     unit, holders = "experts/0", ["p0", "p1"]
     start = tensors(0)[unit]
     end = {p: tensors(i + 40)[unit] for i, p in enumerate(engines)}
@@ -250,7 +261,7 @@ def poisoned_round(attack, aggregate="clipped_mean"):
     """p0 and p1 train honestly; p2, a holder too, sends ``attack(start, honest end)``."""
     _, engines = make_swarm(
         "int8",
-        deadline=1.0,
+        deadline=5.0,
         peers=("p0", "p1", "p2"),
         aggregate=aggregate,
     )
@@ -276,10 +287,23 @@ def test_an_update_scaled_a_thousandfold_is_rejected_and_the_honest_holders_agre
     assert (results["p0"].new_weights["w1"] - honest).abs().max() < 1e-3
 
 
+def test_an_update_in_another_codec_than_the_swarms_is_refused_unfetched():
+    net = MemoryNetwork(seed=0)
+    engines = {
+        p: SyncEngine(net.join(p), "t", SyncConfig(codec=codec, deadline_min=5.0, deadline_max=5.0), SPECS)
+        for p, codec in (("p0", "int8"), ("p1", "none"))
+    }
+    start = tensors(0)["experts/0"]
+    ends = {p: {"w1": start["w1"] + 0.01} for p in engines}
+    results = exchange_concurrently(engines, 0, "experts/0", {p: start for p in engines}, ends, ["p0", "p1"])
+    assert results["p0"].rejected == ["p1"] and results["p0"].participants == ["p0"]
+    assert not any(caller == "p0" for caller, *_ in net.log)  # nothing was fetched from p1
+
+
 def test_token_counts_are_clamped_to_what_a_round_can_hold():
     tokens = {"p0": 100, "p1": 100, "p2": 10**15}
     _, engines = make_swarm(
-        "none", deadline=1.0, peers=("p0", "p1", "p2"), aggregate="mean", max_round_tokens=100
+        "none", deadline=5.0, peers=("p0", "p1", "p2"), aggregate="mean", max_round_tokens=100
     )
     unit, holders = "experts/0", ["p0", "p1", "p2"]
     start = tensors(0)[unit]
@@ -299,7 +323,7 @@ def test_a_diverged_peer_sends_nothing_and_takes_the_others_result():
 
 
 def test_the_majority_base_wins_and_far_end_weights_are_not_averaged_in():
-    _, engines = make_swarm("none", deadline=1.0, peers=("p0", "p1", "p2"))
+    _, engines = make_swarm("none", deadline=5.0, peers=("p0", "p1", "p2"))
     unit, holders = "experts/0", ["p0", "p1", "p2"]
     start = tensors(0)[unit]
     ends = {p: {"w1": start["w1"] + tensors(i + 1, scale=0.01)[unit]["w1"]} for i, p in enumerate(holders)}
@@ -314,7 +338,7 @@ def test_the_majority_base_wins_and_far_end_weights_are_not_averaged_in():
 
 
 def test_far_end_weights_drag_nobody():
-    _, engines = make_swarm("none", deadline=1.0, peers=("p0", "x"))
+    _, engines = make_swarm("none", deadline=5.0, peers=("p0", "x"))
     unit, holders = "experts/0", ["p0", "x"]
     start = tensors(0)[unit]
     starts = {"p0": start, "x": {"w1": start["w1"] + 1}}  # a tie of bases, one of them far off
@@ -325,7 +349,7 @@ def test_far_end_weights_drag_nobody():
 
 
 def test_a_peer_outnumbered_and_out_of_reach_downloads_the_unit():
-    _, engines = make_swarm("none", deadline=1.0, peers=("p0", "p1", "x"))
+    _, engines = make_swarm("none", deadline=5.0, peers=("p0", "p1", "x"))
     unit, holders = "experts/0", ["p0", "p1", "x"]
     start = tensors(0)[unit]
     for round_ in range(RESYNC_LIMIT):

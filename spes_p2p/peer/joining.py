@@ -9,6 +9,7 @@ behind does the same. A peer that starts training a unit fetches that unit's las
 from __future__ import annotations
 
 import logging
+import statistics
 import threading
 from collections.abc import Callable
 
@@ -48,6 +49,12 @@ def others_of(view: SwarmView, me: str) -> list:
     return [p for p in view.peers.values() if p.peer_id != me]
 
 
+def swarm_round(others: list) -> int:
+    """The round the swarm is at, as most of the others report it (one peer that claims a round far ahead, or
+    simply runs ahead, does not make the rest believe they are behind)."""
+    return statistics.median_low(p.round for p in others) if others else 0
+
+
 def is_training(view: SwarmView, me: str) -> bool:
     """Whether the others have finished a round (peers that start together all hold the seeded model)."""
     return any(p.loss is not None or p.round > 0 for p in others_of(view, me))
@@ -60,11 +67,11 @@ def at_round_boundary(member: SwarmMember, seconds: float) -> SwarmView:
     others = others_of(view, me)
     if not others or all(p.loss is None for p in others):  # nobody has finished a round yet
         return view
-    current = max(p.round for p in others)
+    current = swarm_round(others)
 
     def landed() -> SwarmView | None:
         fresh = member.view()
-        return fresh if max((p.round for p in fresh.peers.values()), default=0) > current else None
+        return fresh if swarm_round(others_of(fresh, me)) > current else None
 
     return poll(landed, Deadline(seconds), POLL_SECONDS) or member.last_view
 
@@ -76,7 +83,7 @@ def catch_up(view: SwarmView, me: str, sync: SyncEngine, write: Write, seconds: 
         return None
     holders = {u: sorted(h - {me}) for u, h in view.holders.items()}
     furthest_first = [p.peer_id for p in sorted(others, key=lambda p: -p.round)]
-    landed = max(p.round for p in others) - 1  # the swarm's last landed round: holders catch up to it
+    landed = swarm_round(others) - 1  # the swarm's last landed round: holders catch up to it
     got = sync.refresh(
         max(landed, -1),
         holders,
@@ -85,13 +92,13 @@ def catch_up(view: SwarmView, me: str, sync: SyncEngine, write: Write, seconds: 
         on_unit=lambda unit, _, weights: write(unit, weights),
         fallback=furthest_first,  # a unit whose holders are newcomers too comes from any peer's copy
     )
-    round_ = max(p.round for p in others)
+    round_ = swarm_round(others)
     logger.info("caught up at round %d: downloaded %s (unit: its round; -1: a peer's own copy)", round_, got)
     return round_
 
 
 def rounds_behind(view: SwarmView, me: str, round_: int) -> int:
-    return max((p.round for p in others_of(view, me)), default=0) - round_
+    return swarm_round(others_of(view, me)) - round_
 
 
 def fetch_exact(

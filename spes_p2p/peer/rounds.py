@@ -108,13 +108,16 @@ class RoundSync:
             for u in self.layout.units
             if u not in job.units
         }
-        self.sync.refresh(
+        got = self.sync.refresh(
             job.round,
             frozen,
             self.sync.deadline.seconds(),
             codec={u: self.refresh_codec(u) for u in frozen},
             on_unit=lambda unit, _, weights: job.refreshed.__setitem__(unit, weights),
         )
+        for unit, holders in frozen.items():
+            if holders:
+                self.member.served(unit, unit in got)
 
     def bound(self, job: RoundJob) -> float:
         """Seconds a job's sync can take when every wait runs to its limit (each unit's exchange, a download,

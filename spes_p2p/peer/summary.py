@@ -64,7 +64,7 @@ class SwarmReader:
 
 def swarm_summary(transport: Transport, run_id: str, manifest: Manifest) -> dict:
     """Peers (with how long ago each wrote its record), units and their holders against the target."""
-    view = read_view(transport, run_id, manifest.units)
+    view = read_view(transport, run_id, manifest.units, manifest.hash)
     now, target = transport.now(), manifest.settings.get("swarm.target_replication", 1)
     experts = [u for u in manifest.units if u.startswith("experts/")]
     return {

@@ -7,7 +7,8 @@ Updates come from strangers, so a round's combination is robust (docs/security.m
 
 - an update whose norm is beyond ``REJECT_FACTOR`` times the round's reference norm is rejected, whatever the
   rule; the reference is the median norm of the round's updates, or this peer's own when there are fewer
-  than three (two cannot outvote each other);
+  than three (two cannot outvote each other); token counts are capped alike, at ``TOKEN_FACTOR`` times the
+  median (or this peer's own) count;
 - the rule (``[method] aggregate``): ``mean`` (token-weighted), ``clipped_mean`` (each update's norm clipped
   to ``CLIP_FACTOR`` times the reference, then the token-weighted mean; the default), ``trimmed_mean`` (per
   coordinate, the mean of what is left when the largest and smallest quarter are dropped) or ``median`` (per
@@ -20,7 +21,7 @@ from __future__ import annotations
 
 import math
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -29,6 +30,7 @@ from spes_p2p.swarm.config import AGGREGATES, OUTER_RULES
 
 REJECT_FACTOR = 10.0
 CLIP_FACTOR = 2.0
+TOKEN_FACTOR = 4.0  # no update weighs more than this many times the round's median token count
 TRIM_FRACTION = 0.25
 RESYNC_FACTOR = 10.0  # re-sync moves toward end weights at most this many own-update norms away
 
@@ -80,7 +82,7 @@ def combine(contributions: list[Contribution], method: str, own: str | None = No
     """The contributions combined by ``method``; ``own`` is this peer's id when its update is among them."""
     if method not in AGGREGATES:
         raise ValueError(f"unknown aggregate {method!r}; choose one of {', '.join(AGGREGATES)}")
-    ordered = sorted(contributions, key=lambda c: (c.peer_id, c.round))
+    ordered = _capped_tokens(sorted(contributions, key=lambda c: (c.peer_id, c.round)), own)
     norms = [norm_of(c.tensors) for c in ordered]
     reference = _reference(ordered, norms, own)
     bound = REJECT_FACTOR * reference if reference > 0 else math.inf
@@ -93,6 +95,11 @@ def combine(contributions: list[Contribution], method: str, own: str | None = No
     update = _RULES[method](used)
     _check_bounded(update, [norm_of(c.tensors) for c in used])
     return Combined(update, used, rejected)
+
+
+def _capped_tokens(ordered: list[Contribution], own: str | None) -> list[Contribution]:
+    cap = TOKEN_FACTOR * max(_reference(ordered, [float(c.tokens) for c in ordered], own), 1.0)
+    return [replace(c, tokens=int(min(c.tokens, cap))) for c in ordered]
 
 
 def _reference(ordered: list[Contribution], norms: list[float], own: str | None) -> float:

@@ -107,7 +107,8 @@ class Exchange:
         self.applied: set[tuple[str, int, str]] = set()  # (peer, round, unit) already aggregated
         self.participants: dict[tuple[int, str], set[str]] = {}  # (round, unit) -> who took part
         self.off_base: dict[str, int] = {}  # unit -> rounds in a row we were outnumbered on our base
-        self.misses: dict[str, int] = {}  # peer -> rounds in a row it did not answer in time
+        self.misses: dict[str, int] = {}  # peer -> rounds in a row it announced and did not deliver
+        self.missed_in: dict[str, int] = {}  # peer -> the last round counted in ``misses``
         self.feedback: dict[str, TopKFeedback] = {}
         self.outer: dict[str, OuterStep] = {}
 
@@ -228,13 +229,14 @@ class Exchange:
         """Fetches the others' updates of this round until all that are waited for answered, left, or the
         deadline passed. The deadline adapts to when the last answer came, whoever is still missing."""
         started = last_answer = time.monotonic()
-        wanted, got, refused = set(others), {}, set()
+        wanted, got, refused, announcing = set(others), {}, set(), set()
         waiting = {p for p in others if self.misses.get(p, 0) < MISS_LIMIT}
         next_liveness_check = started + LIVENESS_CHECK_SECONDS
 
         def one_pass() -> bool | None:
             nonlocal last_answer, next_liveness_check
             announced = self.fetcher.announcements(round_, unit)
+            announcing.update(announced)
             todo = [(round_, p, announced[p]) for p in sorted(wanted) if p in announced]
             for (_, peer, _), outcome in zip(todo, self.fetcher.updates(unit, todo, deadline), strict=True):
                 if isinstance(outcome, Got | Refused | Gone):
@@ -254,9 +256,19 @@ class Exchange:
         if got:
             self.deadline.observe(last_answer - started)
         missing = sorted(set(others) - set(got) - refused)
-        for peer in others:
-            self.misses[peer] = self.misses.get(peer, 0) + 1 if peer in missing else 0
+        self._count_misses(round_, others, got, missing, announcing)
         return [got[p] for p in sorted(got)], missing, sorted(refused)
+
+    def _count_misses(self, round_: int, others, got, missing, announcing) -> None:
+        """Once a round per peer: one that announced its update and did not deliver it (silent, or slow)
+        counts a miss; an answer resets the count. A peer merely behind (not announced yet) counts nothing:
+        honest peers held up by someone else do not stop waiting for each other."""
+        for peer in others:
+            if peer in got:
+                self.misses[peer] = 0
+            elif peer in missing and peer in announcing and self.missed_in.get(peer, -1) < round_:
+                self.misses[peer] = self.misses.get(peer, 0) + 1
+                self.missed_in[peer] = round_
 
     def _late_updates(self, round_: int, unit: str, deadline: Deadline) -> list[Contribution]:
         """Updates of the last ``staleness`` rounds that came after those rounds closed, on our old base,

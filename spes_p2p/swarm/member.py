@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections import Counter
 from dataclasses import dataclass, field
 
 from spes_p2p.errors import SwarmMismatch
@@ -36,6 +37,8 @@ from spes_p2p.swarm.transport import Transport
 from spes_p2p.swarm.waiting import Deadline
 
 logger = logging.getLogger(__name__)
+
+UNSERVED_LIMIT = 3
 
 
 ENDING_ROUNDS = 2  # rounds a former holder still announces a unit it gave up
@@ -92,20 +95,49 @@ class SwarmView:
         return current | former
 
 
-def read_view(transport: Transport, run_id: str, units: list[str]) -> SwarmView:
-    """Live peers and, for every unit, its live holders; invalid records are logged and skipped."""
+def read_view(transport: Transport, run_id: str, units: list[str], manifest: str = "") -> SwarmView:
+    """Live peers (those sharing ``manifest``, when given) and, for every unit, its live holders; invalid
+    records are skipped and reported to the transport's guard."""
     peers = parse_peers(transport.read(peers_key(run_id)), transport.guard)
+    peers = {p: r for p, r in peers.items() if not manifest or r.manifest == manifest}
     view = SwarmView(peers, {})
-    for unit in units:
-        records = decode_entries(
+    claims = {
+        unit: decode_entries(
             transport.read(holders_key(run_id, unit)), HolderRecord, "holder", transport.guard
         )
-        live = {p: r for p, r in records.items() if p in peers and r.held}
+        for unit in units
+    }
+    over = over_capacity(peers, claims, transport.guard)
+    for unit, records in claims.items():
+        live = {p: r for p, r in records.items() if p in peers and r.held and p not in over}
         view.until[unit] = {p: r.until for p, r in live.items() if r.until is not None}
         view.holders[unit] = set(live) - set(view.until[unit])
         view.since[unit] = {p: r.since for p, r in live.items()}
         view.epochs[unit] = {p: r.epoch for p, r in live.items()}
     return view
+
+
+def over_capacity(
+    peers: dict[str, PeerRecord], claims: dict[str, dict[str, HolderRecord]], guard
+) -> set[str]:
+    """Peers that hold more expert shards than their records declare they can: their claims are ignored
+    (a client never does this; a peer that claims every shard to starve the others does)."""
+    held = Counter(
+        p
+        for u, records in claims.items()
+        if u.startswith("experts/")
+        for p, r in records.items()
+        if r.held and r.until is None  # (a shard given up is still served a few rounds: not a claim)
+    )
+    over = {p for p, n in held.items() if p in peers and n > peers[p].capacity}
+    for p in over:
+        guard.reject(
+            p,
+            "claims",
+            f"{held[p]} expert shards, over its capacity {peers[p].capacity}",
+            counts_toward_ban=False,
+        )
+    return over
 
 
 class SwarmMember:
@@ -131,6 +163,7 @@ class SwarmMember:
         self.loss: float | None = None
         self.reachable = "unknown"
         self.last_view = SwarmView({}, {u: set() for u in self.units})
+        self.unserved: Counter[str] = Counter()  # unit -> refreshes in a row that none of its holders served
 
     @property
     def units(self) -> list[str]:
@@ -146,11 +179,19 @@ class SwarmMember:
             return self.since.get(unit, 0)
 
     def check_manifest(self) -> None:
-        """Raises SwarmMismatch when a live peer shares another manifest, naming what differs."""
-        live = self.live_peers()
-        for peer, theirs in manifests.read_records(self.transport, self.cfg.run_id).items():
-            if peer != self.transport.peer_id and peer in live and theirs.hash != self.manifest.hash:
-                raise mismatch(self.transport, self.cfg.run_id, self.manifest, peer, theirs)
+        """Raises SwarmMismatch when the other live peers share another manifest, naming what differs. A few
+        that differ while others share ours are left out of this peer's views (one stranger's record does
+        not lock newcomers out)."""
+        live, me = self.live_peers(), self.transport.peer_id
+        records = manifests.read_records(self.transport, self.cfg.run_id)
+        others = {p: r for p, r in records.items() if p != me and p in live}
+        differ = {p: r for p, r in sorted(others.items()) if r.hash != self.manifest.hash}
+        if differ and len(differ) == len(others):
+            peer, theirs = next(iter(differ.items()))
+            raise mismatch(self.transport, self.cfg.run_id, self.manifest, peer, theirs)
+        for peer, theirs in differ.items():
+            reason = f"manifest {theirs.hash[:16]}, not the swarm's"
+            self.transport.guard.reject(peer, "manifest record", reason, counts_toward_ban=False)
 
     def join(self, first_round: int | None = None) -> SwarmView:
         """Checks the manifest, then claims and publishes. Nothing is written if the check fails. The
@@ -185,9 +226,16 @@ class SwarmMember:
         return set(parse_peers(self.transport.read(peers_key(self.cfg.run_id)), self.transport.guard))
 
     def view(self) -> SwarmView:
-        view = read_view(self.transport, self.cfg.run_id, self.units)
+        view = read_view(self.transport, self.cfg.run_id, self.units, self.manifest.hash)
         self.last_view = view  # (one reference swap: readers see the old view or this one)
         return view
+
+    def served(self, unit: str, ok: bool) -> None:
+        """Whether a refresh of ``unit`` (not trained here) got it from one of its holders. A unit none of
+        whose holders serves for ``UNSERVED_LIMIT`` refreshes in a row counts as uncovered in claims: holders
+        that never deliver (fake ones too) do not keep it from being trained."""
+        with self._state:
+            self.unserved[unit] = 0 if ok else self.unserved[unit] + 1
 
     def rebalance(self, first_round: int | None = None, count_from: int | None = None) -> set[str]:
         """Re-runs the claim policy (call at sync boundaries); returns the units given up. The claims take
@@ -215,11 +263,12 @@ class SwarmMember:
         if self.cfg.client_mode:
             return set()  # nobody can fetch a client's updates, so it holds nothing on its own
         settled = {p for since in view.since.values() for p, s in since.items() if s >= first_round}
+        delivering = {u: set() if self.unserved[u] >= UNSERVED_LIMIT else h for u, h in view.holders.items()}
         experts = choose_units(
             me=self.transport.peer_id,
             held=self.held,
             units=self.cfg.claimable,
-            holders=view.holders,
+            holders=delivering,
             capacity=self.cfg.capacity,
             target=self.cfg.target_replication,
             hysteresis=self.cfg.hysteresis,
@@ -333,6 +382,7 @@ class SwarmMember:
             state=state,
             client_mode=self.cfg.client_mode,
             seen=self.transport.now(),
+            capacity=self.cfg.capacity + sum(u.startswith("experts/") for u in self.cfg.always_held),
             banned=self.transport.guard.banned()[:MAX_BANNED],
             reachable=self.reachable,
         )

@@ -165,10 +165,7 @@ class MemoryTransport(Transport):
             raise RemoteError(f"{peer_id} refused a {len(payload)}-byte {name} request (limit {max_request})")
         if not target.admits(self.peer_id):
             raise RemoteError(f"{peer_id} refused {name}: it does not serve this peer")
-        with target.streams.slot(self.peer_id) as admitted:
-            if not admitted:
-                raise RemoteError(f"{peer_id} refused {name}: too many requests in progress from this peer")
-            response = self._answer(handler, peer_id, name, payload, timeout - net.delay)
+        response = target._answer(handler, self.peer_id, name, payload, timeout - net.delay)
         if len(response) > max_response_bytes:
             raise MessageTooLarge(
                 f"{name} answer from {peer_id} has {len(response)} bytes, over {max_response_bytes}"
@@ -186,15 +183,20 @@ class MemoryTransport(Transport):
         target.stats.requests_served += 1
         return response
 
-    def _answer(self, handler: Handler, peer_id: str, name: str, payload: bytes, timeout: float) -> bytes:
-        """The handler's answer, on a worker thread as a server would run it; within ``timeout``."""
-        future = self.network.handlers.submit(handler, self.peer_id, payload)
+    def _answer(self, handler: Handler, caller: str, name: str, payload: bytes, timeout: float) -> bytes:
+        """This peer's answer to ``caller``, on a worker thread as a server would run it, within ``timeout``.
+        The caller's slot is held until the handler is done, even when the caller gave up waiting."""
+        me = self.peer_id
+        if not self.streams.acquire(caller):
+            raise RemoteError(f"{me} refused {name}: too many requests in progress from this peer")
+        future = self.network.handlers.submit(handler, caller, payload)
+        future.add_done_callback(lambda _: self.streams.release(caller))
         try:
             return future.result(timeout=max(timeout, 0.0))
         except FutureTimeout:
-            raise RequestTimeout(f"{name} to {peer_id} timed out after {timeout:.1f}s") from None
+            raise RequestTimeout(f"{name} to {me} timed out after {timeout:.1f}s") from None
         except Exception as exc:  # a failing remote handler is the remote's problem, reported to the caller
-            raise RemoteError(f"{peer_id} failed to answer {name}: {exc}") from None
+            raise RemoteError(f"{me} failed to answer {name}: {exc}") from None
 
     def probe(self, address: str, timeout: float) -> bool:
         """A memory address names a peer: it opens when that peer is on the network and this side of any

@@ -83,6 +83,7 @@ class PeerRecord(Record):
     seen: float = 0.0  # the writer's DHT time when it wrote this record
     reachable: Literal["yes", "no", "unknown"] = "unknown"  # whether peers could dial it back
     banned: Annotated[list[Short], msgspec.Meta(max_length=MAX_BANNED)] = msgspec.field(default_factory=list)
+    capacity: Annotated[int, msgspec.Meta(ge=0, le=MAX_UNITS)] = 1  # expert shards it may hold at once
 
     def __post_init__(self) -> None:
         if not all(math.isfinite(x) for x in (self.tokens_per_s, self.seen, self.loss or 0.0)):

@@ -1,9 +1,10 @@
 """Frozen copies: a peer fetches the units it does not train from their holders, units in parallel.
 
-For each unit it asks the holders (in an order shuffled per peer, to spread the load) for their weights of
-round ``min_round`` or later, until one answers or the deadline passes; holders whose records vanished are
-skipped. A unit that no holder can serve may come from a ``fallback`` peer's own copy (newcomers). Every
-answer is a checked payload; a bad one is counted and the next holder is asked.
+For each unit it asks the holders (in an order shuffled per peer, to spread the load, those that failed to
+serve lately last) for their weights of round ``min_round`` or later, until one answers or the deadline
+passes; holders whose records vanished are skipped. A unit that no holder can serve may come from a
+``fallback`` peer's own copy (newcomers). Every answer is a checked payload; a bad one is counted and the
+next holder is asked.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from __future__ import annotations
 import logging
 import random
 import threading
+from collections import Counter
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
@@ -49,6 +51,7 @@ class Refresh:
         self.transport, self.cfg, self.specs, self.pool, self.abort = transport, cfg, specs, pool, abort
         self.live_peers = live_peers
         self.rejected = 0
+        self.failed: Counter[str] = Counter()  # holder -> fetches in a row it did not serve
         self._lock = threading.Lock()
 
     def run(
@@ -94,6 +97,7 @@ class Refresh:
     ) -> Found | None:
         order = list(holders)
         random.Random(f"{self.transport.peer_id}:{unit}:{min_round}").shuffle(order)
+        order.sort(key=lambda p: self.failed[p])  # (stable) holders that served lately first
 
         def one_pass() -> Found | None:
             nonlocal order
@@ -134,6 +138,8 @@ class Refresh:
             )
         except TransportError as exc:
             logger.debug("weights of %s from %s: %s", unit, peer, exc)
+            with self._lock:
+                self.failed[peer] += 1
             return None
         try:
             tensors = decode(
@@ -150,6 +156,8 @@ class Refresh:
                 self.rejected += 1
             return None
         self.transport.guard.accept(peer)
+        with self._lock:
+            self.failed.pop(peer, None)
         return (round_, tensors) if round_ >= min_round else None
 
 

@@ -120,21 +120,29 @@ class StreamSlots:
         with self._lock:
             return self._open[peer]
 
-    @contextmanager
-    def slot(self, peer: str) -> Iterator[bool]:
-        """Yields whether ``peer`` may have one more request served now; the slot is freed on exit."""
+    def acquire(self, peer: str) -> bool:
+        """Whether ``peer`` may have one more request served now (then ``release`` it when done)."""
         with self._lock:
             admitted = self._open[peer] < self.limit
             if admitted:
                 self._open[peer] += 1
+            return admitted
+
+    def release(self, peer: str) -> None:
+        with self._lock:
+            self._open[peer] -= 1
+            if not self._open[peer]:
+                del self._open[peer]
+
+    @contextmanager
+    def slot(self, peer: str) -> Iterator[bool]:
+        """Yields whether ``peer`` may have one more request served now; the slot is freed on exit."""
+        admitted = self.acquire(peer)
         try:
             yield admitted
         finally:
             if admitted:
-                with self._lock:
-                    self._open[peer] -= 1
-                    if not self._open[peer]:
-                        del self._open[peer]
+                self.release(peer)
 
 
 def check_record_size(data: bytes) -> None:
