@@ -8,6 +8,18 @@ from dataclasses import dataclass
 from spes_p2p.fields import FieldError, Section, check, setting
 
 BACKENDS = ("hivemind", "memory")
+BYZANTINE_MODES = (
+    "garbage",
+    "nan",
+    "scale",
+    "signflip",
+    "tokens",
+    "late",
+    "resync",
+    "claimall",
+    "silent",
+    "slow",
+)
 SOLE = -1  # --kill sole@ROUND: whichever live peer is then the only holder of a unit
 
 # `spes simulate` runs every peer on one machine: short heartbeats and rounds, a slice of the corpus, and
@@ -72,6 +84,11 @@ class SimConfig(Section):
     drop: float = setting(0.0, "Memory backend: probability that a request is lost.")
     delay_ms: float = setting(0.0, "Memory backend: milliseconds added to every request.", flag="--delay")
     corrupt: float = setting(0.0, "Memory backend: probability that an answer has a byte flipped.")
+    byzantine: tuple[str, ...] = setting(
+        (),
+        f"Memory backend: peer I turns malicious, in MODE: {', '.join(BYZANTINE_MODES)} (docs/security.md).",
+        metavar="I:MODE",
+    )
 
     def validate(self) -> None:
         check(self.peers >= 1, "peers", "must be at least 1")
@@ -91,6 +108,23 @@ class SimConfig(Section):
             "drop and corrupt are probabilities in [0, 1)",
         )
         check(self.delay_ms >= 0, "delay_ms", "must be at least 0")
+        check(not self.byzantine or self.backend == "memory", "backend", "must be memory for byzantine peers")
+        for index in self.byzantine_peers:
+            check(0 <= index < total, "byzantine", f"names no peer {index}")
+
+    @property
+    def byzantine_peers(self) -> dict[int, str]:
+        """Peer index -> its attack."""
+        peers = {}
+        for text in self.byzantine:
+            index, _, mode = text.partition(":")
+            check(
+                index.isdigit() and mode in BYZANTINE_MODES,
+                "byzantine",
+                f"has {text!r}; write I:MODE, as in 1:scale, with MODE one of {', '.join(BYZANTINE_MODES)}",
+            )
+            peers[int(index)] = mode
+        return peers
 
     @property
     def kill_events(self) -> list[Event]:

@@ -139,8 +139,14 @@ class MemoryFleet(Fleet):
             def started(self, peer) -> None:
                 fleet.peers[index] = peer
 
+        transport = self.net.join(name_of(index))
+        mode = self.settings.sim.byzantine_peers.get(index)
+        if mode:
+            from spes_p2p.sim.byzantine import ByzantineTransport
+
+            transport = ByzantineTransport(transport, mode, self.settings.model.layout().units)
         try:
-            live(settings, self.stops[index], Tracked(), transport=self.net.join(name_of(index)))
+            live(settings, self.stops[index], Tracked(), transport=transport)
         except Exception as exc:  # a killed peer may fail in any way; a live one must not
             if index not in self.killed:
                 logger.exception("%s failed", name_of(index))

@@ -59,6 +59,7 @@ def summarize(
         "rejected_payloads": sum(
             max((r.get("rejected_payloads", 0) for r in rs), default=0) for rs in rows.values()
         ),
+        "byzantine": byzantine(settings, rows, killed),
         "events": events,
         "failures": failures,
         "seconds": seconds,
@@ -72,9 +73,31 @@ def summarize(
             "codec": settings.sync.codec,
         },
     }
-    summary["failures"] = failures + splits(rows)
+    attackers = {f"peer{i}" for i in settings.sim.byzantine_peers}  # (it may split itself off: its business)
+    summary["failures"] = failures + splits({n: rs for n, rs in rows.items() if n not in attackers})
     (Path(settings.run.out) / "summary.json").write_text(json.dumps(summary, indent=1))
     return summary
+
+
+def byzantine(settings: Settings, rows: dict[str, list[dict]], killed: set[str]) -> dict:
+    """Per malicious peer: its attack, how many refusals the honest peers counted, who banned it; and the
+    honest peers' final validation loss (the figure an attack must not move)."""
+    attackers = {f"peer{i}": mode for i, mode in settings.sim.byzantine_peers.items()}
+    if not attackers:
+        return {}
+    honest = {n: rs[-1] for n, rs in rows.items() if rs and n not in attackers and n not in killed}
+    val = [row["val_loss"] for row in honest.values() if "val_loss" in row]
+    return {
+        "attackers": {
+            name: {
+                "mode": mode,
+                "banned_by": sorted(n for n, row in honest.items() if name in row.get("banned", [])),
+            }
+            for name, mode in attackers.items()
+        },
+        "honest_rejected": sum(row.get("rejected", 0) for row in honest.values()),
+        "honest_final_val_loss": statistics.fmean(val) if val else None,
+    }
 
 
 def _counted_rounds(rows: list[dict]) -> list[int]:

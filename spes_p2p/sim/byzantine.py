@@ -1,0 +1,188 @@
+"""Malicious peers for simulations (``spes simulate --byzantine I:MODE``).
+
+A byzantine peer runs the honest client over a ``ByzantineTransport``, which rewrites what the client sends:
+its update announcements, the payloads it serves, and extra messages of its own. Nothing here is imported
+by the client; the attacks only ever reach the honest peers through the network, as a stranger's would.
+
+    garbage   served updates are random bytes, and it sends malformed requests to every other peer
+    nan       its updates are NaN (block scales too, in a quantized codec)
+    scale     its updates are multiplied by 1000
+    signflip  its updates are negated
+    tokens    it claims 10^15 tokens for every update
+    late      it injects updates, as a late participant, into units and rounds it did not train
+    resync    it announces a foreign start-weight hash and serves end weights pulled far away
+    claimall  it claims every unit, and SYBILS fake peers claim the last expert shard and never serve it
+    silent    it announces its updates and never serves them (nor anything else)
+    slow      it answers every request only after SLOW_SECONDS
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import threading
+
+import msgspec
+from safetensors.torch import load, save
+
+from spes_p2p.sim.config import BYZANTINE_MODES as MODES
+from spes_p2p.swarm.messages import RPC_UPDATE, RPC_WEIGHTS, UpdateRequest
+from spes_p2p.swarm.payload import buffers_digest, metadata_of
+from spes_p2p.swarm.records import Announcement, HolderRecord, PeerRecord, RecordError, holders_key
+from spes_p2p.swarm.transport import Entry, Handler, Transport, TransportError
+
+logger = logging.getLogger(__name__)
+
+SLOW_SECONDS = 8.0
+SYBILS = 8
+SILENT_SECONDS = 120.0  # how long a silent peer holds a request before dropping it
+_REWRITES = {
+    "nan": lambda t: t * float("nan"),
+    "scale": lambda t: t * 1000,
+    "signflip": lambda t: -t,
+}
+
+
+def rewrite(payload: bytes, change) -> bytes:
+    """The payload with ``change`` applied to every floating-point buffer, and its checksum made to match:
+    a well-formed payload carrying bad values."""
+    buffers = load(payload)
+    changed = {k: change(v) if v.is_floating_point() else v for k, v in buffers.items()}
+    return save(changed, metadata={**metadata_of(payload), "sha256": buffers_digest(changed)})
+
+
+class ByzantineTransport(Transport):
+    """The transport of a malicious peer: the inner one, with ``mode``'s attack on top. ``units`` are every
+    unit of the model (what ``late`` injects into)."""
+
+    def __init__(self, inner: Transport, mode: str, units: list[str]) -> None:
+        if mode not in MODES:
+            raise ValueError(f"unknown byzantine mode {mode!r}; choose one of {', '.join(MODES)}")
+        self.inner, self.mode, self.units = inner, mode, units
+        self.peer_id, self.stats, self.guard = inner.peer_id, inner.stats, inner.guard
+        self.handlers: dict[str, Handler] = {}
+        self.forged: dict[tuple[int, str], bytes] = {}  # (round, unit) -> the payload it serves
+        self.stopped = threading.Event()
+        self.sybils: list[Transport] = []
+
+    # ---------------------------------------------------------------------------------- pass-through
+
+    def addresses(self) -> list[str]:
+        return self.inner.addresses()
+
+    def now(self) -> float:
+        return self.inner.now()
+
+    def read(self, key: str) -> dict[str, Entry]:
+        return self.inner.read(key)
+
+    def request(self, peer_id: str, name: str, payload: bytes, **kwargs) -> bytes:
+        return self.inner.request(peer_id, name, payload, **kwargs)
+
+    def probe(self, address: str, timeout: float) -> bool:
+        return self.inner.probe(address, timeout)
+
+    def shutdown(self, timeout: float = 5.0) -> None:
+        self.stopped.set()
+        for sybil in self.sybils:
+            sybil.shutdown(timeout)
+        self.inner.shutdown(timeout)
+
+    # -------------------------------------------------------------------------------------- attacks
+
+    def serve(self, name: str, handler: Handler, max_request_bytes: int = 1 << 30) -> None:
+        self.handlers[name] = handler
+
+        def attacked(caller: str, request: bytes) -> bytes:
+            if self.mode == "silent":
+                self.stopped.wait(SILENT_SECONDS)
+                raise TransportError("never answered")
+            if self.mode == "slow":
+                self.stopped.wait(SLOW_SECONDS)
+            if name == RPC_UPDATE:
+                req = UpdateRequest.decode(request)
+                if req.kind == "delta" and (req.round, req.unit) in self.forged:
+                    return self.forged[(req.round, req.unit)]
+                if req.kind == "end" and self.mode == "resync":
+                    return rewrite(handler(caller, request), lambda t: t * -10)
+            return handler(caller, request)
+
+        self.inner.serve(name, attacked, max_request_bytes)
+
+    def publish(self, key: str, value: bytes, expires_at: float) -> bool:
+        parts = key.split("/")
+        if self.mode == "claimall" and parts[-1] == "peers":
+            self._claim_all(parts[0], PeerRecord.decode(value), expires_at)
+        if len(parts) == 5 and parts[1] == "updates":  # <run>/updates/<round>/<unit>: our update is ready
+            value = self._announce(int(parts[2]), f"{parts[3]}/{parts[4]}", Announcement.decode(value))
+            if self.mode == "late":
+                self._inject_late(parts[0], int(parts[2]) - 1, expires_at)
+            if self.mode == "garbage":
+                self._send_garbage_requests(parts[0])
+        return self.inner.publish(key, value, expires_at)
+
+    def _announce(self, round_: int, unit: str, a: Announcement) -> bytes:
+        fields = {f: getattr(a, f) for f in a.__struct_fields__}
+        if self.mode == "tokens":
+            fields["tokens"] = 10**15
+        elif self.mode == "resync":
+            fields["base"] = hashlib.sha256(f"foreign {round_}".encode()).hexdigest()[:16]
+        elif self.mode in ("garbage", *_REWRITES):
+            honest = self.handlers[RPC_UPDATE](self.peer_id, UpdateRequest(round=round_, unit=unit).encode())
+            forged = (
+                os.urandom(len(honest)) if self.mode == "garbage" else rewrite(honest, _REWRITES[self.mode])
+            )
+            self.forged[(round_, unit)] = forged
+            fields.update(bytes=len(forged), sha256=hashlib.sha256(forged).hexdigest())
+        return Announcement(**fields).encode()
+
+    def _inject_late(self, run_id: str, round_: int, expires_at: float) -> None:
+        """Into every unit it did not announce for in ``round_ + 1``: a copy of a holder's update of
+        ``round_``, negated and with 10^6 tokens, announced on that holder's start weights as a late one."""
+        if round_ < 0:
+            return
+        for unit in self.units:
+            key = f"{run_id}/updates/{round_}/{unit}"
+            entries = self.inner.read(key)
+            if self.peer_id in entries or (round_, unit) in self.forged:
+                continue
+            for holder, entry in sorted(entries.items()):
+                try:
+                    a = Announcement.decode(entry.value)
+                    request = UpdateRequest(round=round_, unit=unit).encode()
+                    payload = rewrite(
+                        self.inner.request(holder, RPC_UPDATE, request, timeout=5), lambda t: -t
+                    )
+                except (RecordError, TransportError) as exc:
+                    logger.debug("late injection into %s: %s", unit, exc)
+                    continue
+                self.forged[(round_, unit)] = payload
+                digest = hashlib.sha256(payload).hexdigest()
+                fake = Announcement(
+                    round=round_, tokens=10**6, bytes=len(payload), codec=a.codec, sha256=digest, base=a.base
+                )
+                self.inner.publish(key, fake.encode(), expires_at)
+                break
+
+    def _claim_all(self, run_id: str, record: PeerRecord, expires_at: float) -> None:
+        """Claims every unit under its own id, and has its sybils (fake peers on the same network, that serve
+        nothing) claim the last expert shard, so that it looks covered many times over."""
+        claim = HolderRecord(held=True, round=record.round, since=0).encode()
+        for unit in self.units:
+            self.inner.publish(holders_key(run_id, unit), claim, expires_at)
+        if not self.sybils:
+            self.sybils = [self.inner.network.join(f"{self.peer_id}-sybil{i}") for i in range(SYBILS)]
+        target = [u for u in self.units if u.startswith("experts/")][-1]
+        for sybil in self.sybils:
+            fake = msgspec.structs.replace(record, peer_id=sybil.peer_id, addresses=[], units=[target])
+            sybil.publish(f"{run_id}/peers", fake.encode(), expires_at)
+            sybil.publish(holders_key(run_id, target), claim, expires_at)
+
+    def _send_garbage_requests(self, run_id: str) -> None:
+        for peer in set(self.inner.read(f"{run_id}/peers")) - {self.peer_id}:
+            for name in (RPC_UPDATE, RPC_WEIGHTS):
+                try:
+                    self.inner.request(peer, name, os.urandom(64), timeout=2)
+                except TransportError:
+                    pass
