@@ -5,7 +5,7 @@ import pytest
 
 from spes_p2p.errors import ConfigError
 from spes_p2p.sim import run, simulation
-from spes_p2p.sim.config import BYZANTINE_MODES, SimConfig
+from spes_p2p.sim.config import BYZANTINE_MODES, HIVEMIND_ONLY_MODES, SimConfig
 
 pytestmark = [pytest.mark.timeout(300), pytest.mark.slow]
 SWARM = {
@@ -42,7 +42,7 @@ def clean(tmp_path_factory):
     return summary["final_val_loss"]
 
 
-@pytest.mark.parametrize("mode", BYZANTINE_MODES)
+@pytest.mark.parametrize("mode", [m for m in BYZANTINE_MODES if m not in HIVEMIND_ONLY_MODES])
 def test_one_malicious_peer_neither_stops_nor_steers_the_honest_ones(mode, clean, tmp_path):
     # (claimall: the founder, so that its fake holders are in place before the others claim)
     attacker = 0 if mode == "claimall" else 3
@@ -61,11 +61,28 @@ def test_one_malicious_peer_neither_stops_nor_steers_the_honest_ones(mode, clean
         assert honest & set(summary["units"]["experts/1"]["holders"][last])
 
 
+def test_records_forged_under_the_others_ids_move_nobody_on_hivemind(tmp_path):
+    """forge needs signatures to attack: real peer processes. Its tombstones, were they read, would remove
+    every honest peer from the others' views and release their claims."""
+    swarm = {**SWARM, "sim__backend": "hivemind", "sim__peers": 3, "run__rounds": 4}
+    clean = run(simulation(run__out=str(tmp_path / "clean"), **swarm))
+    summary = run(simulation(run__out=str(tmp_path / "forge"), sim__byzantine=("2:forge",), **swarm))
+    assert not clean["failures"] and not summary["failures"]
+    report = summary["byzantine"]
+    assert abs(report["honest_final_val_loss"] - clean["final_val_loss"]) <= NOISE, (report, clean)
+    for unit, info in summary["units"].items():  # the honest peers kept seeing each other's claims
+        assert {"peer0", "peer1"} & set(info["holders"]["3"]), unit
+    assert all(p["final_round"] == 4 for p in summary["peers"] if p["name"] != "peer2")
+
+
 def test_byzantine_settings_are_checked():
     assert SimConfig(byzantine=("1:nan", "2:late"), backend="memory").byzantine_peers == {1: "nan", 2: "late"}
     with pytest.raises(ConfigError, match="write I:MODE"):
         SimConfig(byzantine=("1:evil",), backend="memory")
-    with pytest.raises(ConfigError, match="must be memory"):
-        SimConfig(byzantine=("1:nan",), backend="hivemind")
+    with pytest.raises(ConfigError, match="must be memory for claimall"):
+        SimConfig(byzantine=("1:claimall",), backend="hivemind")
+    with pytest.raises(ConfigError, match="must be hivemind for forge"):
+        SimConfig(byzantine=("1:forge",), backend="memory")
+    assert SimConfig(byzantine=("1:nan",), backend="hivemind").byzantine_peers == {1: "nan"}
     with pytest.raises(ConfigError, match="names no peer 9"):
         SimConfig(byzantine=("9:nan",), backend="memory")

@@ -93,6 +93,15 @@ def test_toml_written_by_the_library_reads_back_to_the_same_settings(tmp_path):
         ("[sim]\nkills = ['9@2']\n", r"peers.toml:2: \[sim\] kills name no peer 9"),
         ("[sim]\ndrop = 0.1\n", r"\[sim\] backend must be memory"),
         ("[run]\nowned_shards = '7'\n", r"peers.toml:2: \[run\] owned_shards names shard 7"),
+        (
+            "[swarm]\nallowlist = ['/p2p/Qm1']\n",
+            r"\[swarm\] allowlist has '/p2p/Qm1', which is not a peer id",
+        ),
+        ("[sim]\nbyzantine = ['1:evil']\n", r"\[sim\] byzantine has '1:evil'; write I:MODE"),
+        (
+            "[train]\nbatch_size = 8\nseq_len = 128\n[sync]\nmax_round_tokens = 1000\n",
+            r"\[train\] batch_size x seq_len x steps_per_round \(102400\) is over \[sync\] max_round_tokens",
+        ),
     ],
 )
 def test_bad_files_name_the_line_section_and_field(tmp_path, text, message):

@@ -13,7 +13,8 @@ from spes_p2p.compat import setup_logging
 from spes_p2p.errors import SpesError
 
 
-def main(argv: list[str]) -> int:
+def main(argv: list[str], transport_for=None) -> int:
+    """``transport_for(settings)``: the transport to run over (default: the one the settings name)."""
     if len(argv) != 2:
         print("usage: python -m spes_p2p.peer SETTINGS.toml", file=sys.stderr)
         return 2
@@ -24,7 +25,7 @@ def main(argv: list[str]) -> int:
         setup_logging(settings.run.log_level)
         from spes_p2p.peer.life import live, stop_on_signals
 
-        live(settings, stop_on_signals())
+        live(settings, stop_on_signals(), transport=transport_for(settings) if transport_for else None)
     except SpesError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1

@@ -12,6 +12,7 @@ by the client; the attacks only ever reach the honest peers through the network,
     late      it injects updates, as a late participant, into units and rounds it did not train
     resync    it announces a foreign start-weight hash and serves end weights pulled far away
     claimall  it claims every unit, and SYBILS fake peers claim the last expert shard and never serve it
+    forge     (hivemind) it signs "left" tombstones of every other peer, and of their claims, under their ids
     silent    it announces its updates and never serves them (nor anything else)
     slow      it answers every request only after SLOW_SECONDS
 """
@@ -21,6 +22,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import sys
 import threading
 
 import msgspec
@@ -114,6 +116,8 @@ class ByzantineTransport(Transport):
         parts = key.split("/")
         if self.mode == "claimall" and parts[-1] == "peers":
             self._claim_all(parts[0], PeerRecord.decode(value), expires_at)
+        if self.mode == "forge" and parts[-1] == "peers":
+            self._forge_tombstones(parts[0], PeerRecord.decode(value))
         if len(parts) == 5 and parts[1] == "updates":  # <run>/updates/<round>/<unit>: our update is ready
             value = self._announce(int(parts[2]), f"{parts[3]}/{parts[4]}", Announcement.decode(value))
             if self.mode == "late":
@@ -179,6 +183,21 @@ class ByzantineTransport(Transport):
             sybil.publish(f"{run_id}/peers", fake.encode(), expires_at)
             sybil.publish(holders_key(run_id, target), claim, expires_at)
 
+    def _forge_tombstones(self, run_id: str, record: PeerRecord) -> None:
+        """For every other peer: a "left" peer record and released claims, signed with this peer's key but
+        stored under the victim's id, expiring in an hour (the DHT keeps the entry that expires last)."""
+        dht, key = self.inner.dht, self.inner._validator.local_public_key
+        far = self.inner.now() + 3600
+        victims = set(self.inner.read(f"{run_id}/peers")) - {self.peer_id}
+        logger.info("forging tombstones of %s", sorted(victims))
+        for victim in victims:
+            subkey = victim.encode() + key
+            left = msgspec.structs.replace(record, peer_id=victim, addresses=[], units=[], state="left")
+            dht.store(f"{run_id}/peers", left.encode(), far, subkey=subkey, return_future=True)
+            released = HolderRecord(held=False, round=record.round, since=0).encode()
+            for unit in self.units:
+                dht.store(holders_key(run_id, unit), released, far, subkey=subkey, return_future=True)
+
     def _send_garbage_requests(self, run_id: str) -> None:
         for peer in set(self.inner.read(f"{run_id}/peers")) - {self.peer_id}:
             for name in (RPC_UPDATE, RPC_WEIGHTS):
@@ -186,3 +205,20 @@ class ByzantineTransport(Transport):
                     self.inner.request(peer, name, os.urandom(64), timeout=2)
                 except TransportError:
                     pass
+
+
+def main(argv: list[str]) -> int:
+    """``python -m spes_p2p.sim.byzantine SETTINGS.toml MODE``: the peer process of a malicious peer in a
+    simulation on the hivemind backend (``python -m spes_p2p.peer``, over an attacking transport)."""
+    from spes_p2p.peer.__main__ import main as peer_main
+    from spes_p2p.peer.setup import open_transport
+
+    def attacking(settings) -> ByzantineTransport:
+        transport = open_transport(settings, new_swarm=settings.run.new_swarm)
+        return ByzantineTransport(transport, argv[2], settings.model.layout().units)
+
+    return peer_main(argv[:2], attacking)
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv))

@@ -8,6 +8,8 @@ from dataclasses import dataclass
 from spes_p2p.fields import FieldError, Section, check, setting
 
 BACKENDS = ("hivemind", "memory")
+MEMORY_ONLY_MODES = ("claimall",)  # its fake holders are peers of the in-process network
+HIVEMIND_ONLY_MODES = ("forge",)  # the memory backend has no signatures to forge
 BYZANTINE_MODES = (
     "garbage",
     "nan",
@@ -17,6 +19,7 @@ BYZANTINE_MODES = (
     "late",
     "resync",
     "claimall",
+    "forge",
     "silent",
     "slow",
 )
@@ -86,7 +89,7 @@ class SimConfig(Section):
     corrupt: float = setting(0.0, "Memory backend: probability that an answer has a byte flipped.")
     byzantine: tuple[str, ...] = setting(
         (),
-        f"Memory backend: peer I turns malicious, in MODE: {', '.join(BYZANTINE_MODES)} (docs/security.md).",
+        f"Peer I turns malicious, in MODE: {', '.join(BYZANTINE_MODES)} (docs/security.md).",
         metavar="I:MODE",
     )
 
@@ -108,9 +111,18 @@ class SimConfig(Section):
             "drop and corrupt are probabilities in [0, 1)",
         )
         check(self.delay_ms >= 0, "delay_ms", "must be at least 0")
-        check(not self.byzantine or self.backend == "memory", "backend", "must be memory for byzantine peers")
-        for index in self.byzantine_peers:
+        for index, mode in self.byzantine_peers.items():
             check(0 <= index < total, "byzantine", f"names no peer {index}")
+            check(
+                mode not in MEMORY_ONLY_MODES or self.backend == "memory",
+                "backend",
+                f"must be memory for {mode}",
+            )
+            check(
+                mode not in HIVEMIND_ONLY_MODES or self.backend == "hivemind",
+                "backend",
+                f"must be hivemind for {mode}",
+            )
 
     @property
     def byzantine_peers(self) -> dict[int, str]:

@@ -212,9 +212,11 @@ class ProcessFleet(Fleet):
         )
         config = self.keys / f"{name}.toml"
         config.write_text(settings.to_toml())
+        mode = self.settings.sim.byzantine_peers.get(index)
+        command = ["spes_p2p.sim.byzantine", str(config), mode] if mode else ["spes_p2p.peer", str(config)]
         with open(self.out / "logs" / f"{name}.log", "w") as log:
             self.procs[index] = subprocess.Popen(
-                [sys.executable, "-m", "spes_p2p.peer", str(config)],
+                [sys.executable, "-m", *command],
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 start_new_session=True,
