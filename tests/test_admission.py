@@ -13,6 +13,7 @@ from spes_p2p.peer.joining import swarm_round
 from spes_p2p.peer.summary import SwarmReader, invite
 from spes_p2p.settings import Settings, load_settings
 from spes_p2p.swarm import manifest as manifests
+from spes_p2p.swarm.guard import BAN_AFTER
 from spes_p2p.swarm.member import SwarmMismatch
 from spes_p2p.swarm.memory import MemoryNetwork
 from spes_p2p.swarm.waiting import Deadline
@@ -95,6 +96,27 @@ def test_status_reads_peers_units_and_the_replication_target(swarm):
     assert {u for u, h in summary["units"].items() if h} == held
     assert summary["under_replicated"] == [u for u in ("experts/0", "experts/1") if u in held]
     assert summary["uncovered"] == sorted(set(summary["units"]) - held)
+
+
+def test_status_shows_who_banned_whom(swarm):
+    from rich.console import Console
+    from spes_cli.render import status_tables
+
+    net, founder = swarm
+    other = Peer(founder_settings(), net.join("other"))
+    other.join()
+    for _ in range(BAN_AFTER):
+        founder.transport.guard.reject("other", "request", "garbage")
+    founder.member.heartbeat()  # its record now lists its bans
+    with SwarmReader(founder.settings, transport=net.join("observer")) as reader:
+        peers = {p["peer_id"]: p for p in reader.read()["peers"]}
+        console = Console(record=True, width=200)
+        for table in status_tables(reader.read()):
+            console.print(table)
+    assert peers["founder"]["banned"] == ["other"] and peers["other"]["banned_by"] == ["founder"]
+    assert "banned by" in console.export_text()
+    assert founder.status().banned == ["other"]
+    other.close()
 
 
 def test_a_manifest_request_that_breaks_is_asked_again(swarm):
