@@ -283,6 +283,9 @@ def test_an_update_scaled_a_thousandfold_is_rejected_and_the_honest_holders_agre
         assert results[p].rejected == ["p2"] and results[p].participants == ["p0", "p1"]
         assert engines[p].rejected_payloads == 1
     assert torch.equal(results["p0"].new_weights["w1"], results["p1"].new_weights["w1"])
+    # p2 measures the same: its own update is left out, and it does not count that against itself
+    assert results["p2"].participants == ["p0", "p1"] and results["p2"].rejected == []
+    assert engines["p2"].rejected_payloads == 0 and engines["p2"].transport.guard.total() == 0
     honest = (100 * ends["p0"]["w1"] + 200 * ends["p1"]["w1"]) / 300
     assert (results["p0"].new_weights["w1"] - honest).abs().max() < 1e-3
 

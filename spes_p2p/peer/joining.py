@@ -40,7 +40,8 @@ def wait_for_round(member: SwarmMember, round_: int, timeout: float, stop: threa
     """Waits (bounded) until the swarm has reached ``round_``, before joining it."""
 
     def reached() -> bool | None:
-        return max((p.round for p in member.view().peers.values()), default=0) >= round_ or None
+        view = member.view()
+        return swarm_round(others_of(view, member.transport.peer_id)) >= round_ or None
 
     return bool(poll(reached, Deadline(timeout, stop), POLL_SECONDS))
 
@@ -92,7 +93,7 @@ def catch_up(view: SwarmView, me: str, sync: SyncEngine, write: Write, seconds: 
         on_unit=lambda unit, _, weights: write(unit, weights),
         fallback=furthest_first,  # a unit whose holders are newcomers too comes from any peer's copy
     )
-    round_ = swarm_round(others)
+    round_ = landed + 1
     logger.info("caught up at round %d: downloaded %s (unit: its round; -1: a peer's own copy)", round_, got)
     return round_
 

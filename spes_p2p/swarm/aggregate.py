@@ -149,11 +149,9 @@ _RULES = {
 def _check_bounded(update: Tensors, norms: list[float]) -> None:
     if not all(torch.isfinite(t).all() for t in update.values()):
         raise AggregationError("the combined update is not finite")
-    bound = math.sqrt(sum(n * n for n in norms))
-    if norm_of(update) > bound * (1 + 1e-4) + 1e-6:
-        raise AggregationError(
-            f"the combined update's norm {norm_of(update):.3g} exceeds its inputs' {bound:.3g}"
-        )
+    bound, norm = math.sqrt(sum(n * n for n in norms)), norm_of(update)
+    if norm > bound * (1 + 1e-4) + 1e-6:
+        raise AggregationError(f"the combined update's norm {norm:.3g} exceeds its inputs' {bound:.3g}")
 
 
 @dataclass

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 from spes_p2p.fields import PEER, SWARM, FieldError, Section, check, setting
 from spes_p2p.swarm.codecs import CODECS, TOPK_FRACTION
+from spes_p2p.swarm.transport import MAX_EXPIRY_AHEAD
 
 OUTER_RULES = ("fedavg", "nesterov")
 AGGREGATES = ("mean", "clipped_mean", "trimmed_mean", "median")
@@ -64,9 +65,10 @@ class SwarmConfig(Section):
         check(self.hysteresis >= 0, "hysteresis", "must be at least 0")
         check(self.heartbeat_seconds > 0, "heartbeat_seconds", "must be positive")
         check(
-            self.record_ttl_seconds > 2 * self.heartbeat_seconds,
+            2 * self.heartbeat_seconds < self.record_ttl_seconds < MAX_EXPIRY_AHEAD - 1,
             "record_ttl_seconds",
-            "must exceed twice heartbeat_seconds, or records expire between heartbeats",
+            "must exceed twice heartbeat_seconds (or records expire between heartbeats), and stay under "
+            f"{MAX_EXPIRY_AHEAD - 1:.0f} (entries set to live longer are not read)",
         )
         check(self.join_timeout_seconds > 0, "join_timeout_seconds", "must be positive")
         for peer in self.allowlist:

@@ -160,7 +160,8 @@ class Exchange:
             self._count_outliers(result, outliers)
             counting = [c for c in decision.contributions if c.peer_id not in outliers]
             self.off_base[unit] = 0
-        result.participants = sorted({c.peer_id for c in counting} | ({me} if own else set()))
+        own_counts = own is not None and me in {c.peer_id for c in counting}  # (an outlier's does not)
+        result.participants = sorted({c.peer_id for c in counting} | ({me} if own_counts else set()))
         self.applied |= {(c.peer_id, c.round, unit) for c in counting}
         return result
 
@@ -182,9 +183,10 @@ class Exchange:
         return [e for e in ends if e.peer_id not in far]
 
     def _count_outliers(self, result: UnitRound, peers: list[str]) -> None:
-        for peer in peers:
+        others = sorted(set(peers) - {self.transport.peer_id})  # our own, when an outlier, is only left out
+        for peer in others:
             self.fetcher.refuse(peer, result.unit, "its update lies far beyond the round's others")
-        result.rejected = sorted(set(result.rejected) | set(peers))
+        result.rejected = sorted(set(result.rejected) | set(others))
 
     def forget_before(self, round_: int, keep: int) -> None:
         horizon = round_ - keep - self.cfg.staleness

@@ -131,9 +131,13 @@ class UpdateFetcher:
         try:
             payload = self._request(c.peer_id, request, limit, cutoff)
             tensors = decode(payload, self.specs[unit], "none", meta=payload_meta(unit, round_, "end"))
-        except (TransportError, PayloadError) as exc:
+        except TransportError as exc:
             logger.info("could not fetch %s's %s end weights: %s", c.peer_id, unit, exc)
             return None
+        except PayloadError as exc:
+            self.refuse(c.peer_id, f"{unit} end weights", str(exc))
+            return None
+        self.transport.guard.accept(c.peer_id)
         return Contribution(c.peer_id, c.tokens, tensors, round_)
 
     def _request(self, peer: str, request: bytes, limit: int, cutoff: Deadline) -> bytes:

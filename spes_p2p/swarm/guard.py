@@ -6,7 +6,7 @@ reject (``reject``): malformed records, requests and payloads, and updates far b
 is logged once per peer (then at debug level) and counted; a peer whose payloads or requests are rejected
 ``BAN_AFTER`` times in a row (an accepted one resets the count: a bit flipped in transit is not a ban) is
 banned for the rest of the run. A malformed record only hides that record: records are re-read at every
-poll, so they do not count toward a ban.
+poll, so each kind counts once per peer and never toward a ban.
 """
 
 from __future__ import annotations
@@ -52,8 +52,9 @@ class Guard:
     def reject(self, peer: str, kind: str, reason: str, *, counts_toward_ban: bool = True) -> None:
         """``peer`` sent a ``kind`` (a record, a request, a payload...) that was refused for ``reason``."""
         with self._lock:
-            self.rejections[peer] += 1
             first = (peer, kind) not in self._logged
+            if first or counts_toward_ban:  # (a record re-read at every poll counts once)
+                self.rejections[peer] += 1
             self._logged.add((peer, kind))
             ban = False
             if counts_toward_ban:

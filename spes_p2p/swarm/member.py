@@ -252,6 +252,7 @@ class SwarmMember:
                 logger.info("claims: %s -> %s", sorted(self.held), sorted(new))
             for unit in new - self.held:
                 self.since[unit] = count_from
+                self.unserved.pop(unit, None)  # (held: no longer refreshed, so no longer judged)
                 self.ending.pop(unit, None)
             for unit in dropped:
                 self.ending[unit] = first_round - 1  # the last round it trains the unit
