@@ -10,8 +10,8 @@ from safetensors.torch import save
 from spes_p2p.swarm.codecs import CODECS, TensorSpec, max_payload_bytes
 from spes_p2p.swarm.payload import (
     FORMAT,
+    ErrorFeedback,
     PayloadError,
-    TopKFeedback,
     buffers_digest,
     decode,
     encode,
@@ -64,15 +64,42 @@ def test_topk_sends_the_largest_entries_and_error_feedback_catches_up():
     back = decode(encode(update, "topk", topk_fraction=0.002), specs_of(update), "topk", topk_fraction=0.002)
     assert back["w"].nonzero().flatten().tolist() == [3, 500]
     # with error feedback, what was held back is sent later: the sums converge
-    feedback, sent_total = TopKFeedback(0.05), torch.zeros(1000)
+    feedback, sent_total = ErrorFeedback("topk", 0.05), torch.zeros(1000)
     g = torch.Generator().manual_seed(1)
     true_total = torch.zeros(1000)
     for _ in range(200):
         u = {"w": torch.randn(1000, generator=g)}
         true_total += u["w"]
-        sent_total += decode(feedback.encode(u), specs_of(u), "topk", topk_fraction=0.05)["w"]
+        sent_total += feedback.encode(u)[1]["w"]
     assert (sent_total + feedback.residual["w"] - true_total).abs().max() < 1e-2
     assert (sent_total - true_total).norm() / true_total.norm() < 0.5
+
+
+@pytest.mark.parametrize("codec", ["fp16", "int8", "nf4", "topk"])
+def test_error_feedback_keeps_a_lossy_codecs_sum_within_one_rounds_loss(codec):
+    """Small updates with a steady drift, as a lone holder's are: coded alone, each round's rounding adds up;
+    with error feedback, the sum of what was sent stays within one round's residual of the true sum."""
+    g = torch.Generator().manual_seed(0)
+    feedback, true_total, fed, plain = ErrorFeedback(codec, 0.05), torch.zeros(5000), 0, 0
+    drift = torch.randn(5000, generator=g) * 1e-3
+    for round_ in range(100):
+        u = {"w": drift + torch.randn(5000, generator=g) * 1e-4}
+        true_total += u["w"]
+        fed = fed + feedback.encode(u, round_=round_)[1]["w"]
+        payload = encode(u, codec, topk_fraction=0.05)
+        plain = plain + decode(payload, specs_of(u), codec, topk_fraction=0.05)["w"]
+    fed_error, plain_error = (fed - true_total).norm(), (plain - true_total).norm()
+    assert fed_error <= feedback.residual["w"].norm() * 1.05  # (up to float32 summation)
+    if codec != "topk":  # (top-k alone never sends most entries: its plain error is the whole sum)
+        assert fed_error < 0.2 * plain_error, (fed_error, plain_error)
+
+
+def test_error_feedback_drops_a_residual_after_a_gap():
+    feedback = ErrorFeedback("int8")
+    feedback.encode({"w": torch.randn(100)}, round_=3)
+    assert feedback.residual
+    _, sent = feedback.encode({"w": torch.zeros(100)}, round_=5)  # round 4 was missed: nothing carried
+    assert torch.equal(sent["w"], torch.zeros(100))
 
 
 @pytest.mark.parametrize("codec", list(CODECS))

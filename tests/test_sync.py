@@ -379,3 +379,19 @@ def test_the_deadline_adapts_within_its_bounds():
     for _ in range(20):
         d.observe(100.0)
     assert d.seconds() == 30.0
+
+
+def test_a_lone_holders_int8_updates_do_not_accumulate_rounding():
+    """A sole holder applies its own coded update every round: with error feedback its weights stay within
+    one round's rounding of where its training took them, over 30 rounds."""
+    _, engines = make_swarm("int8", peers=("p0",))
+    g = torch.Generator().manual_seed(3)
+    synced = true = {"w1": torch.randn(8, 16, generator=g)}
+    drift = torch.randn(8, 16, generator=g) * 1e-3
+    for round_ in range(30):
+        step = drift + torch.randn(8, 16, generator=g) * 1e-4
+        end = {"w1": synced["w1"] + step}
+        true = {"w1": true["w1"] + step}
+        synced = engines["p0"].exchange(round_, "experts/0", synced, end, 100, ["p0"]).new_weights
+    one_round = (drift.abs().max() * 2 / 127).item()  # int8's step on an update of this size
+    assert (synced["w1"] - true["w1"]).abs().max() < one_round

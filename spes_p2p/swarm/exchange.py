@@ -1,8 +1,9 @@
 """One unit's exchange in one round, among the peers that trained it (docs/protocol.md, "A round"):
 
-1. our update = end - start weights, coded (top-k keeps its error feedback); we decode our own payload too,
-   so every holder aggregates exactly the same numbers; it goes to the outbox and is announced (an update
-   that is not finite is not: a diverged peer takes the others' result);
+1. our update = end - start weights, coded with error feedback (what the codec lost last round is added to
+   this round's update); we decode our own payload too, so every holder aggregates exactly the same
+   numbers; it goes to the outbox and is announced (an update that is not finite is not: a diverged peer
+   takes the others' result);
 2. the other participants' announced updates are fetched (``fetching.UpdateFetcher``), several at a time,
    until all have answered, left or been refused, or the round's deadline passed; a participant that missed
    ``MISS_LIMIT`` rounds in a row is fetched when it has announced, but no longer waited for. Late updates
@@ -35,7 +36,7 @@ from spes_p2p.swarm.aggregate import (
 from spes_p2p.swarm.codecs import TensorSpec
 from spes_p2p.swarm.config import SyncConfig
 from spes_p2p.swarm.fetching import Gone, Got, Refused, UpdateFetcher
-from spes_p2p.swarm.payload import TopKFeedback, decode, encode
+from spes_p2p.swarm.payload import ErrorFeedback
 from spes_p2p.swarm.records import Announcement, updates_key
 from spes_p2p.swarm.serving import Outbox, Posted, payload_meta
 from spes_p2p.swarm.transport import Transport
@@ -109,7 +110,7 @@ class Exchange:
         self.off_base: dict[str, int] = {}  # unit -> rounds in a row we were outnumbered on our base
         self.misses: dict[str, int] = {}  # peer -> rounds in a row it announced and did not deliver
         self.missed_in: dict[str, int] = {}  # peer -> the last round counted in ``misses``
-        self.feedback: dict[str, TopKFeedback] = {}
+        self.feedback: dict[str, ErrorFeedback] = {}  # unit -> what our last update's coding lost
         self.outer: dict[str, OuterStep] = {}
 
     @property
@@ -147,6 +148,8 @@ class Exchange:
         result = UnitRound(unit, [me], missing, rejected, decision.resync, diverged)
         if decision.differ:
             logger.info("round %d %s: %s started from other weights", round_, unit, decision.differ)
+        if decision.resync or diverged:  # our weights are replaced: what our coding lost is moot
+            self.feedback.pop(unit, None)
         if decision.resync:
             counting = self._resync(round_, unit, end, own, decision, deadline, result)
         else:
@@ -201,12 +204,8 @@ class Exchange:
     ) -> Tensors:
         """Codes, posts and announces our update; returns its decoded form, which is what we aggregate."""
         meta = payload_meta(unit, round_, "delta")
-        if self.cfg.codec == "topk":
-            payload = self.feedback.setdefault(unit, TopKFeedback(self.cfg.topk_fraction)).encode(
-                update, meta
-            )
-        else:
-            payload = encode(update, self.cfg.codec, meta=meta, topk_fraction=self.cfg.topk_fraction)
+        feedback = self.feedback.setdefault(unit, ErrorFeedback(self.cfg.codec, self.cfg.topk_fraction))
+        payload, sent = feedback.encode(update, meta, round_)
         self.outbox.post_update(
             round_, unit, Posted(payload, {n: t.clone() for n, t in end.items()}, tokens, base)
         )
@@ -221,9 +220,7 @@ class Exchange:
         )
         key = updates_key(self.run_id, round_, unit)
         self.transport.publish(key, announcement.encode(), self.transport.now() + ANNOUNCE_TTL)
-        return decode(
-            payload, self.specs[unit], self.cfg.codec, meta=meta, topk_fraction=self.cfg.topk_fraction
-        )
+        return sent
 
     # ----------------------------------------------------------------------------------- the others
 

@@ -184,16 +184,29 @@ _DECODE = {
 }
 
 
-class TopKFeedback:
-    """Error feedback for top-k: what a round did not send is added to the next round's update."""
+class ErrorFeedback:
+    """Error feedback for a lossy codec: what one round's payload lost to the codec (top-k's unsent entries,
+    int8's and nf4's rounding) is added to the next round's update, so a peer's coded updates sum to its
+    true ones. The residual is kept only from one round to the next: after a gap it is dropped."""
 
-    def __init__(self, fraction: float = TOPK_FRACTION) -> None:
-        self.fraction = fraction
+    def __init__(self, codec: str, fraction: float = TOPK_FRACTION) -> None:
+        self.codec, self.fraction = codec, fraction
         self.residual: Tensors = {}
+        self.round: int | None = None  # the round whose loss ``residual`` holds
 
-    def encode(self, update: Tensors, meta: dict[str, str] | None = None) -> bytes:
+    def encode(
+        self, update: Tensors, meta: dict[str, str] | None = None, round_: int | None = None
+    ) -> tuple[bytes, Tensors]:
+        """The payload of ``update`` plus the carried residual, and what it decodes to; ``round_`` (when
+        given) drops a residual that is not from the round before."""
+        if round_ is not None and self.round is not None and self.round != round_ - 1:
+            self.residual = {}
         full = {n: t + self.residual[n] if n in self.residual else t.clone() for n, t in update.items()}
-        payload = encode(full, "topk", meta=meta, topk_fraction=self.fraction)
-        sent = decode(payload, specs_of(full), "topk", meta=meta, topk_fraction=self.fraction)
-        self.residual = {n: full[n] - sent[n] for n in full}
-        return payload
+        payload = encode(full, self.codec, meta=meta, topk_fraction=self.fraction)
+        sent = decode(payload, specs_of(full), self.codec, meta=meta, topk_fraction=self.fraction)
+        lossless = self.codec == "none"
+        self.residual, self.round = ({} if lossless else {n: full[n] - sent[n] for n in full}), round_
+        return payload, sent
+
+    def reset(self) -> None:
+        self.residual, self.round = {}, None
