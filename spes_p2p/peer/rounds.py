@@ -67,12 +67,13 @@ class RoundSync:
 
     def _exchange(self, job: RoundJob, unit: str, view: SwarmView) -> UnitRound:
         participants = sorted(view.participants(unit, job.round) | {self.me})
-        if unit.startswith("dense/") or self.settings.method.mode == "diloco":
+        grouped = unit.startswith("dense/") or self.settings.method.mode == "diloco"
+        if grouped:
             size = self.settings.sync.dense_group_size
             participants = dense_group(participants, self.me, job.round, self.settings.swarm.run_id, size)
         counted = self.member.since_of(unit) <= job.round
         result = self.sync.exchange(
-            job.round, unit, job.start[unit], job.end[unit], job.tokens, participants, counted
+            job.round, unit, job.start[unit], job.end[unit], job.tokens, participants, counted, grouped
         )
         if result.download:  # kept off the swarm's weights: take a participant's result of this round
             self.sync.refresh(
@@ -123,7 +124,8 @@ class RoundSync:
         """Seconds a job's sync can take when every wait runs to its limit (each unit's exchange, a download,
         the refresh), with a margin: past it, the sync is broken, not slow."""
         c = self.settings.sync
-        return (2 * len(job.units) + 1) * (c.deadline_max + 2 * c.request_timeout) + SYNC_MARGIN_SECONDS
+        waits = 3 * len(job.units) + 1  # a reduce-scatter waits for pieces, combined parts and a fallback
+        return waits * (c.deadline_max + 2 * c.request_timeout) + SYNC_MARGIN_SECONDS
 
     def refresh_codec(self, unit: str) -> str:
         """Exact for a unit this peer is about to train; a frozen expert held quantized: in its own format."""

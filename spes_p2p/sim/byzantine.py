@@ -8,6 +8,7 @@ by the client; the attacks only ever reach the honest peers through the network,
     nan       its updates are NaN (block scales too, in a quantized codec)
     scale     its updates are multiplied by 1000
     signflip  its updates are negated
+              (these four also apply to each piece of a reduce-scatter, and to the combined parts it owns)
     tokens    it claims 10^15 tokens for every update
     late      it injects updates, as a late participant, into units and rounds it did not train
     resync    it announces a foreign start-weight hash and serves end weights pulled far away
@@ -64,7 +65,7 @@ class ByzantineTransport(Transport):
         self.inner, self.mode, self.units = inner, mode, units
         self.peer_id, self.stats, self.guard = inner.peer_id, inner.stats, inner.guard
         self.handlers: dict[str, Handler] = {}
-        self.forged: dict[tuple[int, str], bytes] = {}  # (round, unit) -> the payload it serves
+        self.forged: dict[tuple[int, str, int], bytes] = {}  # (round, unit, part) -> the payload it serves
         self.stopped = threading.Event()
         self.sybils: list[Transport] = []
 
@@ -104,10 +105,12 @@ class ByzantineTransport(Transport):
                 self.stopped.wait(SLOW_SECONDS)
             if name == RPC_UPDATE:
                 req = UpdateRequest.decode(request)
-                if req.kind == "delta" and (req.round, req.unit) in self.forged:
-                    return self.forged[(req.round, req.unit)]
+                if req.kind in ("delta", "piece") and (req.round, req.unit, req.part) in self.forged:
+                    return self.forged[(req.round, req.unit, req.part)]
                 if req.kind == "end" and self.mode == "resync":
                     return rewrite(handler(caller, request), lambda t: t * -10)
+                if req.kind == "reduced" and self.mode in ("garbage", *_REWRITES):
+                    return self._forge(handler(caller, request))
             return handler(caller, request)
 
         self.inner.serve(name, attacked, max_request_bytes)
@@ -133,13 +136,23 @@ class ByzantineTransport(Transport):
         elif self.mode == "resync":
             fields["base"] = hashlib.sha256(f"foreign {round_}".encode()).hexdigest()[:16]
         elif self.mode in ("garbage", *_REWRITES):
-            honest = self.handlers[RPC_UPDATE](self.peer_id, UpdateRequest(round=round_, unit=unit).encode())
-            forged = (
-                os.urandom(len(honest)) if self.mode == "garbage" else rewrite(honest, _REWRITES[self.mode])
-            )
-            self.forged[(round_, unit)] = forged
-            fields.update(bytes=len(forged), sha256=hashlib.sha256(forged).hexdigest())
+            serve = self.handlers[RPC_UPDATE]
+            if not a.pieces:
+                forged = self._forge(serve(self.peer_id, UpdateRequest(round=round_, unit=unit).encode()))
+                self.forged[(round_, unit, 0)] = forged
+                fields.update(bytes=len(forged), sha256=hashlib.sha256(forged).hexdigest())
+            else:
+                for part in range(len(a.pieces)):
+                    ask = UpdateRequest(round=round_, unit=unit, kind="piece", part=part, parts=len(a.pieces))
+                    self.forged[(round_, unit, part)] = self._forge(serve(self.peer_id, ask.encode()))
+                pieces = [
+                    hashlib.sha256(self.forged[(round_, unit, p)]).hexdigest() for p in range(len(a.pieces))
+                ]
+                fields.update(pieces=pieces, sha256=hashlib.sha256("".join(pieces).encode()).hexdigest())
         return Announcement(**fields).encode()
+
+    def _forge(self, honest: bytes) -> bytes:
+        return os.urandom(len(honest)) if self.mode == "garbage" else rewrite(honest, _REWRITES[self.mode])
 
     def _inject_late(self, run_id: str, round_: int, expires_at: float) -> None:
         """Into every unit it did not announce for in ``round_ + 1``: a copy of a holder's update of
@@ -149,7 +162,7 @@ class ByzantineTransport(Transport):
         for unit in self.units:
             key = f"{run_id}/updates/{round_}/{unit}"
             entries = self.inner.read(key)
-            if self.peer_id in entries or (round_, unit) in self.forged:
+            if self.peer_id in entries or (round_, unit, 0) in self.forged:
                 continue
             for holder, entry in sorted(entries.items()):
                 try:
@@ -161,7 +174,7 @@ class ByzantineTransport(Transport):
                 except (RecordError, TransportError) as exc:
                     logger.debug("late injection into %s: %s", unit, exc)
                     continue
-                self.forged[(round_, unit)] = payload
+                self.forged[(round_, unit, 0)] = payload
                 digest = hashlib.sha256(payload).hexdigest()
                 fake = Announcement(
                     round=round_, tokens=10**6, bytes=len(payload), codec=a.codec, sha256=digest, base=a.base

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from itertools import pairwise
 
 from spes_p2p.blockwise import int8_sizes, nf4_sizes
 
@@ -27,6 +28,7 @@ CODECS = {
     "topk": "the largest fraction of entries, with error feedback at the sender",
 }
 TOPK_FRACTION = 0.02
+MAX_PARTS = 64  # the most parts a unit is split into for a reduce-scatter (one per group member)
 HEADER_ALLOWANCE = 4096  # safetensors' length prefix, its metadata, and slack
 ENTRY_ALLOWANCE = 256  # header bytes one buffer's entry may take (name, dtype, shape, offsets)
 _BYTES = {"F32": 4, "F16": 2, "U8": 1, "I32": 4}
@@ -77,3 +79,18 @@ def max_payload_bytes(specs: dict[str, TensorSpec], codec: str, topk_fraction: f
         for dtype, shape in layout(codec, spec, topk_fraction).values():
             total += _BYTES[dtype] * math.prod(shape) + ENTRY_ALLOWANCE
     return total
+
+
+def part_bounds(numel: int, parts: int) -> list[tuple[int, int]]:
+    """The ranges [start, stop) of a flattened unit's ``parts`` contiguous parts, sizes within one of each
+    other (a reduce-scatter's split; ``numel >= parts``, so none is empty)."""
+    if not 1 <= parts <= min(numel, MAX_PARTS):
+        raise ValueError(f"cannot split {numel} elements into {parts} parts")
+    cuts = [numel * i // parts for i in range(parts + 1)]
+    return list(pairwise(cuts))
+
+
+def piece_spec(specs: dict[str, TensorSpec], part: int, parts: int) -> dict[str, TensorSpec]:
+    """What one part of a unit (flattened in name order) travels as: one flat tensor named ``piece``."""
+    start, stop = part_bounds(sum(s.numel for s in specs.values()), parts)[part]
+    return {"piece": TensorSpec((stop - start,))}

@@ -7,11 +7,12 @@ import re
 from dataclasses import dataclass
 
 from spes_p2p.fields import PEER, SWARM, FieldError, Section, check, setting
-from spes_p2p.swarm.codecs import CODECS, TOPK_FRACTION
+from spes_p2p.swarm.codecs import CODECS, MAX_PARTS, TOPK_FRACTION
 from spes_p2p.swarm.transport import MAX_EXPIRY_AHEAD
 
 OUTER_RULES = ("fedavg", "nesterov")
 AGGREGATES = ("mean", "clipped_mean", "trimmed_mean", "median")
+DENSE_EXCHANGES = ("reduce_scatter", "all_to_all")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -92,6 +93,12 @@ class SyncConfig(Section):
     outer_lr: float = setting(1.0, "Outer learning rate.")
     outer_momentum: float = setting(0.9, "Outer momentum (nesterov only).")
     dense_group_size: int = setting(16, "G: the dense part is averaged in random groups of at most G peers.")
+    dense_exchange: str = setting(
+        "reduce_scatter",
+        "How a group averages the dense part: reduce_scatter (each member combines 1/G of it: about two "
+        "dense-sized messages each way per peer) or all_to_all (each pulls every other member's update).",
+        choices=DENSE_EXCHANGES,
+    )
     staleness: int = setting(1, "Rounds a late update still counts.")
     max_round_tokens: int = setting(
         1 << 24, "The most tokens one update may count for; a larger count is clamped to this."
@@ -111,7 +118,7 @@ class SyncConfig(Section):
         check(0 < self.topk_fraction <= 1, "topk_fraction", "must be in (0, 1]")
         check(self.outer_lr > 0, "outer_lr", "must be positive")
         check(0 <= self.outer_momentum < 1, "outer_momentum", "must be in [0, 1)")
-        check(self.dense_group_size >= 2, "dense_group_size", "must be at least 2")
+        check(2 <= self.dense_group_size <= MAX_PARTS, "dense_group_size", f"must be in [2, {MAX_PARTS}]")
         check(self.staleness >= 0, "staleness", "must be at least 0")
         check(self.max_round_tokens >= 1, "max_round_tokens", "must be at least 1")
         check(

@@ -20,7 +20,7 @@ import random
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -38,6 +38,7 @@ from spes_p2p.swarm.config import SyncConfig
 from spes_p2p.swarm.fetching import Gone, Got, Refused, UpdateFetcher
 from spes_p2p.swarm.payload import ErrorFeedback
 from spes_p2p.swarm.records import Announcement, updates_key
+from spes_p2p.swarm.reduce import ReduceScatter
 from spes_p2p.swarm.serving import Outbox, Posted, payload_meta
 from spes_p2p.swarm.transport import Transport
 from spes_p2p.swarm.waiting import AdaptiveDeadline, Deadline, poll
@@ -112,6 +113,7 @@ class Exchange:
         self.missed_in: dict[str, int] = {}  # peer -> the last round counted in ``misses``
         self.feedback: dict[str, ErrorFeedback] = {}  # unit -> what our last update's coding lost
         self.outer: dict[str, OuterStep] = {}
+        self.reduce_scatter = ReduceScatter(self)
 
     @property
     def rejected(self) -> int:
@@ -126,9 +128,14 @@ class Exchange:
         tokens: int,
         participants: list[str],
         counted: bool = True,
+        grouped: bool = False,
     ) -> UnitRound:
         """The unit's new weights and who took part. With ``counted`` False (a newcomer's first round, which
-        the others do not wait for) our update is neither announced nor aggregated."""
+        the others do not wait for) our update is neither announced nor aggregated. A ``grouped`` unit (the
+        dense part: ``participants`` is a group in its agreed order) goes by reduce-scatter when the swarm
+        says so and the group has three members or more."""
+        if grouped and self.cfg.dense_exchange == "reduce_scatter" and len(participants) >= 3:
+            return self.reduce_scatter.run(round_, unit, start, end, tokens, participants, counted)
         me = self.transport.peer_id
         base = tensors_hash(start)
         update = {n: end[n] - start[n] for n in start}
@@ -206,27 +213,33 @@ class Exchange:
         meta = payload_meta(unit, round_, "delta")
         feedback = self.feedback.setdefault(unit, ErrorFeedback(self.cfg.codec, self.cfg.topk_fraction))
         payload, sent = feedback.encode(update, meta, round_)
-        self.outbox.post_update(
-            round_, unit, Posted(payload, {n: t.clone() for n, t in end.items()}, tokens, base)
-        )
-        self.base_hashes[(round_, unit)] = base
+        self.post(round_, unit, Posted(payload, end, tokens, base))
+        return sent
+
+    def post(self, round_: int, unit: str, posted: Posted) -> None:
+        """Serves our update (whole, or in pieces) and the end weights behind it, and announces it."""
+        end = {n: t.clone() for n, t in posted.end.items()}
+        self.outbox.post_update(round_, unit, replace(posted, end=end))
+        self.base_hashes[(round_, unit)] = posted.base
+        pieces = [hashlib.sha256(p).hexdigest() for p in posted.pieces]
         announcement = Announcement(
             round=round_,
-            tokens=tokens,
-            bytes=len(payload),
+            tokens=posted.tokens,
+            bytes=len(posted.payload) + sum(len(p) for p in posted.pieces),
             codec=self.cfg.codec,
-            sha256=hashlib.sha256(payload).hexdigest(),
-            base=base,
+            sha256=hashlib.sha256(posted.payload or "".join(pieces).encode()).hexdigest(),
+            base=posted.base,
+            pieces=pieces,
         )
         key = updates_key(self.run_id, round_, unit)
         self.transport.publish(key, announcement.encode(), self.transport.now() + ANNOUNCE_TTL)
-        return sent
 
     # ----------------------------------------------------------------------------------- the others
 
-    def _gather(self, round_: int, unit: str, others: list[str], deadline: Deadline):
-        """Fetches the others' updates of this round until all that are waited for answered, left, or the
-        deadline passed. The deadline adapts to when the last answer came, whoever is still missing."""
+    def _gather(self, round_: int, unit: str, others: list[str], deadline: Deadline, part=None):
+        """Fetches the others' updates of this round (with ``part``, that part of them) until all that are
+        waited for answered, left, or the deadline passed. The deadline adapts to when the last answer came,
+        whoever is still missing."""
         started = last_answer = time.monotonic()
         wanted, got, refused, announcing = set(others), {}, set(), set()
         waiting = {p for p in others if self.misses.get(p, 0) < MISS_LIMIT}
@@ -237,7 +250,8 @@ class Exchange:
             announced = self.fetcher.announcements(round_, unit)
             announcing.update(announced)
             todo = [(round_, p, announced[p]) for p in sorted(wanted) if p in announced]
-            for (_, peer, _), outcome in zip(todo, self.fetcher.updates(unit, todo, deadline), strict=True):
+            outcomes = self.fetcher.updates(unit, todo, deadline, part)
+            for (_, peer, _), outcome in zip(todo, outcomes, strict=True):
                 if isinstance(outcome, Got | Refused | Gone):
                     wanted.discard(peer)
                     waiting.discard(peer)

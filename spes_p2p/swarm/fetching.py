@@ -3,8 +3,9 @@
 Fetches run several at a time on the sync engine's pool, each against a **cutoff**: the round's deadline, or
 ``MIN_REQUEST_SECONDS`` from the start of the batch when less is left. A fetch that would start after its
 cutoff is not sent, so a batch never outlives the deadline by more than that, however many participants are
-slow. A fetch has one typed outcome: ``Got`` (a checked update), ``Refused`` (a bad payload: counted, not
-waited for again), ``Gone`` (the peer no longer has it) or ``NotYet`` (unreachable right now: asked again).
+slow. A fetch has one typed outcome: ``Got`` (a checked update, or a part of it), ``Refused`` (a bad payload:
+counted, not waited for again), ``Gone`` (the peer no longer has it) or ``NotYet`` (unreachable right now:
+asked again); a reduce-scatter's combined part comes as ``Reduced``.
 """
 
 from __future__ import annotations
@@ -15,11 +16,13 @@ import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
+import torch
+
 from spes_p2p.swarm.aggregate import Contribution, Fetched
-from spes_p2p.swarm.codecs import TensorSpec, max_payload_bytes
+from spes_p2p.swarm.codecs import HEADER_ALLOWANCE, MAX_PARTS, TensorSpec, max_payload_bytes, piece_spec
 from spes_p2p.swarm.config import SyncConfig
 from spes_p2p.swarm.messages import RPC_UPDATE, UpdateRequest
-from spes_p2p.swarm.payload import PayloadError, decode
+from spes_p2p.swarm.payload import PayloadError, decode, metadata_of
 from spes_p2p.swarm.records import Announcement, decode_entries, updates_key
 from spes_p2p.swarm.serving import payload_meta
 from spes_p2p.swarm.transport import RemoteError, RequestTimeout, Transport, TransportError
@@ -50,6 +53,14 @@ class NotYet:
     reason: str
 
 
+@dataclass(frozen=True)
+class Reduced:
+    """A group's combined update of one part, and who its owner says contributed to it."""
+
+    piece: torch.Tensor
+    contributors: list[str]
+
+
 FetchOutcome = Got | Refused | Gone | NotYet
 
 
@@ -75,10 +86,35 @@ class UpdateFetcher:
         announced = decode_entries(entries, Announcement, "update announcement", self.transport.guard)
         return {p: a for p, a in announced.items() if a.round == round_}
 
-    def updates(self, unit: str, todo: list[tuple[int, str, Announcement]], deadline: Deadline):
-        """The outcome of fetching each (round, peer, announcement) in ``todo``, in parallel."""
+    def updates(
+        self,
+        unit: str,
+        todo: list[tuple[int, str, Announcement]],
+        deadline: Deadline,
+        part: tuple[int, int] | None = None,
+    ):
+        """The outcome of fetching each (round, peer, announcement) in ``todo``, in parallel: the whole
+        update, or with ``part`` = (part, parts) that part of it (a reduce-scatter's piece)."""
         cutoff = self._cutoff(deadline)
-        return list(self.pool.map(lambda item: self._update(unit, *item, cutoff), todo))
+        return list(self.pool.map(lambda item: self._update(unit, *item, cutoff, part), todo))
+
+    def reduced(self, round_: int, unit: str, owner: str, part: int, parts: int, deadline: Deadline):
+        """The combined update of one part from the member that owns it: ``Reduced``, ``Refused`` (a bad
+        payload), or ``NotYet`` (not served yet, or unreachable)."""
+        spec = piece_spec(self.specs[unit], part, parts)
+        limit = max_payload_bytes(spec, self.cfg.codec, self.cfg.topk_fraction)
+        request = UpdateRequest(round=round_, unit=unit, kind="reduced", part=part, parts=parts).encode()
+        try:
+            payload = self._request(owner, request, limit, self._cutoff(deadline))
+        except TransportError as exc:  # (a refusal too: the owner may still be combining)
+            return NotYet(f"{owner}'s combined part {part} of {unit}: {exc}")
+        meta = payload_meta(unit, round_, "reduced", part, parts)
+        try:
+            tensors = decode(payload, spec, self.cfg.codec, meta=meta, topk_fraction=self.cfg.topk_fraction)
+            contributors = metadata_of(payload).get("peers", "")
+        except PayloadError as exc:
+            return self.refuse(owner, unit, str(exc))
+        return Reduced(tensors["piece"], contributors.split(",") if contributors else [])
 
     def ends(self, round_: int, unit: str, of: list[Contribution], deadline: Deadline) -> list[Contribution]:
         """The end weights behind the given participants' updates (in parallel); those that came in time."""
@@ -101,24 +137,38 @@ class UpdateFetcher:
     def _cutoff(self, deadline: Deadline) -> Deadline:
         return Deadline(max(deadline.remaining(), MIN_REQUEST_SECONDS), self.abort)
 
-    def _update(self, unit: str, round_: int, peer: str, announced: Announcement, cutoff: Deadline):
-        limit = max_payload_bytes(self.specs[unit], self.cfg.codec, self.cfg.topk_fraction)
-        if announced.codec != self.cfg.codec or announced.bytes > limit:
+    def _update(
+        self,
+        unit: str,
+        round_: int,
+        peer: str,
+        announced: Announcement,
+        cutoff: Deadline,
+        part: tuple[int, int] | None,
+    ):
+        full = self.specs[unit]
+        limit = max_payload_bytes(full, self.cfg.codec, self.cfg.topk_fraction)
+        if announced.codec != self.cfg.codec or announced.bytes > limit + MAX_PARTS * HEADER_ALLOWANCE:
             return self.refuse(peer, unit, f"announced {announced.bytes} bytes of {announced.codec!r}")
-        request = UpdateRequest(round=round_, unit=unit, kind="delta").encode()
+        if (part is None and announced.pieces) or (part is not None and len(announced.pieces) != part[1]):
+            # split otherwise than we asked: it saw another group (a disagreement, not an attack)
+            return Gone(f"{peer} split its {unit} update of round {round_} in {len(announced.pieces)} parts")
+        spec = full if part is None else piece_spec(full, *part)
+        kind, where = ("delta", {}) if part is None else ("piece", {"part": part[0], "parts": part[1]})
+        request = UpdateRequest(round=round_, unit=unit, kind=kind, **where).encode()
         try:
-            payload = self._request(peer, request, limit, cutoff)
+            bound = max_payload_bytes(spec, self.cfg.codec, self.cfg.topk_fraction)
+            payload = self._request(peer, request, bound, cutoff)
         except RemoteError as exc:  # it announced the update, so it will not come back
             return Gone(f"{peer} no longer has its {unit} update of round {round_}: {exc}")
         except TransportError as exc:
             return NotYet(f"could not fetch {peer}'s {unit} update of round {round_}: {exc}")
         try:
-            if hashlib.sha256(payload).hexdigest() != announced.sha256:
+            digest = announced.sha256 if part is None else announced.pieces[part[0]]
+            if hashlib.sha256(payload).hexdigest() != digest:
                 raise PayloadError("payload does not match its announced checksum")
-            meta = payload_meta(unit, round_, "delta")
-            tensors = decode(
-                payload, self.specs[unit], self.cfg.codec, meta=meta, topk_fraction=self.cfg.topk_fraction
-            )
+            meta = payload_meta(unit, round_, kind, *(part or (0, 0)))
+            tensors = decode(payload, spec, self.cfg.codec, meta=meta, topk_fraction=self.cfg.topk_fraction)
         except PayloadError as exc:
             return self.refuse(peer, unit, str(exc))
         self.transport.guard.accept(peer)

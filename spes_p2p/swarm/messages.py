@@ -2,7 +2,9 @@
 
 Answers are payloads (``spes_p2p.swarm.payload``): safetensors whose metadata names the unit and round.
 
-    spes/update   UpdateRequest  -> our coded update of that round ("delta"), or its end weights ("end")
+    spes/update   UpdateRequest  -> our coded update of that round ("delta"), its end weights ("end"), part
+                                  ``part`` of ``parts`` of it ("piece"), or the group's combined update of
+                                  that part, when we own it ("reduced"; see ``swarm/reduce.py``)
     spes/weights  WeightsRequest -> our weights of a unit, as of ``round`` when we still have it
 
 A request that is too large, not msgpack, of the wrong schema (a missing or unknown field, a wrong type, an
@@ -15,7 +17,7 @@ from typing import Annotated, Literal
 
 import msgspec
 
-from spes_p2p.swarm.codecs import CODECS
+from spes_p2p.swarm.codecs import CODECS, MAX_PARTS
 from spes_p2p.swarm.records import Round, Strict, Unit
 from spes_p2p.swarm.transport import RemoteError
 
@@ -38,7 +40,14 @@ class Message(Strict):
 class UpdateRequest(Message):
     round: Round
     unit: Unit
-    kind: Literal["delta", "end"] = "delta"
+    kind: Literal["delta", "end", "piece", "reduced"] = "delta"
+    part: Annotated[int, msgspec.Meta(ge=0, lt=MAX_PARTS)] = 0  # piece and reduced: which part...
+    parts: Annotated[int, msgspec.Meta(ge=0, le=MAX_PARTS)] = 0  # ...of how many
+
+    def __post_init__(self) -> None:
+        split = self.kind in ("piece", "reduced")
+        if split != (self.part < self.parts) or (not split and self.parts):
+            raise ValueError("part and parts go with kinds piece and reduced, with part < parts")
 
 
 class WeightsRequest(Message):

@@ -55,6 +55,20 @@ def specs_of(tensors: Tensors) -> dict[str, TensorSpec]:
     }
 
 
+def flatten(tensors: Tensors) -> torch.Tensor:
+    """A unit's tensors as one float32 vector, in name order (the order ``unflatten`` reads back)."""
+    return torch.cat([tensors[n].detach().reshape(-1).float() for n in sorted(tensors)])
+
+
+def unflatten(flat: torch.Tensor, specs: dict[str, TensorSpec]) -> Tensors:
+    out, at = {}, 0
+    for name in sorted(specs):
+        n = specs[name].numel
+        out[name] = flat[at : at + n].view(specs[name].shape).clone()
+        at += n
+    return out
+
+
 def encode(
     tensors: Tensors, codec: str, *, meta: dict[str, str] | None = None, topk_fraction: float = TOPK_FRACTION
 ) -> bytes:
@@ -199,14 +213,22 @@ class ErrorFeedback:
     ) -> tuple[bytes, Tensors]:
         """The payload of ``update`` plus the carried residual, and what it decodes to; ``round_`` (when
         given) drops a residual that is not from the round before."""
-        if round_ is not None and self.round is not None and self.round != round_ - 1:
-            self.residual = {}
-        full = {n: t + self.residual[n] if n in self.residual else t.clone() for n, t in update.items()}
+        full = self.carry(update, round_)
         payload = encode(full, self.codec, meta=meta, topk_fraction=self.fraction)
         sent = decode(payload, specs_of(full), self.codec, meta=meta, topk_fraction=self.fraction)
+        self.keep(full, sent, round_)
+        return payload, sent
+
+    def carry(self, update: Tensors, round_: int | None = None) -> Tensors:
+        """``update`` plus what the codec lost in the round before (``round_ - 1``)."""
+        if round_ is not None and self.round is not None and self.round != round_ - 1:
+            self.residual = {}
+        return {n: t + self.residual[n] if n in self.residual else t.clone() for n, t in update.items()}
+
+    def keep(self, full: Tensors, sent: Tensors, round_: int | None = None) -> None:
+        """Remembers what coding ``full`` lost (``sent`` is what its payloads decode to)."""
         lossless = self.codec == "none"
         self.residual, self.round = ({} if lossless else {n: full[n] - sent[n] for n in full}), round_
-        return payload, sent
 
     def reset(self) -> None:
         self.residual, self.round = {}, None

@@ -21,6 +21,7 @@ from typing import Annotated, ClassVar, Literal, TypeVar
 
 import msgspec
 
+from spes_p2p.swarm.codecs import MAX_PARTS
 from spes_p2p.swarm.guard import Guard
 from spes_p2p.swarm.transport import MAX_RECORD_BYTES
 
@@ -102,7 +103,9 @@ class HolderRecord(Record):
 
 
 class Announcement(Record):
-    """An update is ready: its size, codec, SHA-256, and ``base`` (the hash of its start weights)."""
+    """An update is ready: its size, codec, SHA-256, and ``base`` (the hash of its start weights). An
+    update served in parts (a reduce-scatter) lists each part's SHA-256 in ``pieces``; ``sha256`` hashes
+    that list."""
 
     round: Round
     tokens: Annotated[int, msgspec.Meta(ge=0)]
@@ -110,6 +113,7 @@ class Announcement(Record):
     codec: Short
     sha256: Hex
     base: Hex
+    pieces: Annotated[list[Hex], msgspec.Meta(max_length=MAX_PARTS)] = msgspec.field(default_factory=list)
 
 
 def peers_key(run_id: str) -> str:

@@ -1,7 +1,8 @@
 """What a peer serves to the others, and for how long.
 
-- its coded update of each unit it trained, per round (``spes/update``, kind "delta"), and the end weights
-  behind it (kind "end", uncompressed, for re-synchronization);
+- its coded update of each unit it trained, per round (``spes/update``, kind "delta"; or in parts, kind
+  "piece", for a reduce-scatter), the end weights behind it (kind "end", uncompressed, for
+  re-synchronization), and the group's combined update of each part it owns (kind "reduced");
 - its weights of each unit it holds, per round version (``spes/weights``), so that every peer refreshing a
   frozen copy gets the same version of a round; newcomers may ask for its own copy of any unit.
 
@@ -39,17 +40,20 @@ Tensors = dict[str, torch.Tensor]
 
 @dataclass(frozen=True)
 class Posted:
-    """One of our updates: its payload, the end weights behind it, and what its announcement said."""
+    """One of our updates: its payload (or its parts' payloads), the end weights behind it, and what its
+    announcement said."""
 
     payload: bytes
     end: Tensors
     tokens: int
     base: str
+    pieces: tuple[bytes, ...] = ()
 
 
-def payload_meta(unit: str, round_: int, kind: str) -> dict[str, str]:
+def payload_meta(unit: str, round_: int, kind: str, part: int = 0, parts: int = 0) -> dict[str, str]:
     """The metadata every payload carries, and that its receiver checks."""
-    return {"unit": unit, "round": str(round_), "kind": kind}
+    meta = {"unit": unit, "round": str(round_), "kind": kind}
+    return {**meta, "part": f"{part}/{parts}"} if parts else meta
 
 
 class Outbox:
@@ -67,6 +71,7 @@ class Outbox:
         self._updates: dict[tuple[int, str], Posted] = {}  # (round, unit) -> our update
         self._weights: dict[str, dict[int, Tensors]] = {}  # unit -> round -> weights served
         self._encoded: dict[tuple[int, str, str, str], bytes] = {}  # (round, unit, kind, codec) -> payload
+        self._reduced: dict[tuple[int, str, int, int], bytes] = {}  # (round, unit, part, parts) -> payload
         transport.serve(RPC_UPDATE, self.rpc_update, max_request_bytes=MAX_REQUEST_BYTES)
         transport.serve(RPC_WEIGHTS, self.rpc_weights, max_request_bytes=MAX_REQUEST_BYTES)
 
@@ -75,6 +80,10 @@ class Outbox:
     def post_update(self, round_: int, unit: str, posted: Posted) -> None:
         with self._lock:
             self._updates[(round_, unit)] = posted
+
+    def post_reduced(self, round_: int, unit: str, part: int, parts: int, payload: bytes) -> None:
+        with self._lock:
+            self._reduced[(round_, unit, part, parts)] = payload
 
     def update(self, round_: int, unit: str) -> Posted | None:
         with self._lock:
@@ -99,17 +108,30 @@ class Outbox:
             self._weights = {u: v for u, v in kept.items() if v}
             self._updates = {k: v for k, v in self._updates.items() if k[0] > horizon}
             self._encoded = {k: v for k, v in self._encoded.items() if k[0] > horizon}
+            self._reduced = {k: v for k, v in self._reduced.items() if k[0] > horizon}
 
     # ------------------------------------------------------------------------------------- serving
 
     def rpc_update(self, caller: str, request: bytes) -> bytes:
         req = self._parse(UpdateRequest, caller, request)
+        if req.kind == "reduced":
+            with self._lock:
+                reduced = self._reduced.get((req.round, req.unit, req.part, req.parts))
+            if reduced is None:
+                raise Unavailable(
+                    f"no combined part {req.part}/{req.parts} of {req.unit} in round {req.round}"
+                )
+            return reduced
         posted = self.update(req.round, req.unit)
         if posted is None:
             raise Unavailable(f"no update for {req.unit} in round {req.round}")
-        if req.kind == "delta":
+        if req.kind == "end":
+            return self._encoded_once((req.round, req.unit, "end", "none"), posted.end)
+        if req.kind == "piece" and req.parts == len(posted.pieces):
+            return posted.pieces[req.part]
+        if req.kind == "delta" and posted.payload:
             return posted.payload
-        return self._encoded_once((req.round, req.unit, "end", "none"), posted.end)
+        raise Unavailable(f"our {req.unit} update of round {req.round} is not served as asked")
 
     def rpc_weights(self, caller: str, request: bytes) -> bytes:
         req = self._parse(WeightsRequest, caller, request)

@@ -74,8 +74,9 @@ class SyncEngine:
         tokens: int,
         participants: list[str],
         counted: bool = True,
+        grouped: bool = False,
     ) -> UnitRound:
-        return self._exchange.run(round_, unit, start, end, tokens, participants, counted)
+        return self._exchange.run(round_, unit, start, end, tokens, participants, counted, grouped)
 
     def refresh(
         self, min_round: int, holders: dict[str, list[str]], deadline: float, **kwargs

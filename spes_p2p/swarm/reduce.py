@@ -1,0 +1,250 @@
+"""Reduce-scatter: how a group averages a unit that all its members train (the dense part), in two hops.
+
+The group's members (``exchange.dense_group``, in its order) split the unit's flattened update into one
+contiguous part each (``codecs.part_bounds``); member ``i`` owns part ``i``:
+
+1. every member codes its update (with error feedback) as one piece per part, posts the pieces and announces
+   their SHA-256s, with its start-weights hash as in the all-to-all exchange;
+2. the owner of a part fetches that piece of every other member's update, exactly as the all-to-all
+   exchange fetches whole updates (same deadline, misses, checks and start-weights vote), combines the
+   pieces on its base with the swarm's rule (``aggregate.combine``), codes the result once and serves it,
+   naming the members it combined ("reduced");
+3. every member fetches the other parts' results from their owners and decodes them (an owner decodes its
+   own too), then applies the whole with the outer rule: members end with the same weights.
+
+A member sends and receives about two unit-sized messages per round whatever the group's size: G - 1 pieces
+of 1/G each way, then G - 1 combined parts each way.
+
+A part whose owner does not serve it in time (it crashed, re-synchronizes on other start weights, or
+serves a result that fails its checks) costs only that part: each member then fetches that part's pieces
+from the members and combines them itself, the same pieces by the same rule, so members still agree.
+
+A combined part is checked before use: it must decode, be finite, name only members of the group, lie
+within ``REJECT_FACTOR`` times the norm of our own piece of it, and not point against our piece when ours
+is among those it combined. An owner can still steer its part within those bounds (a mild sign-flip); a
+swarm that will not trust owners with that sets ``[sync] dense_exchange = "all_to_all"``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from spes_p2p.swarm.aggregate import REJECT_FACTOR, Combined, Contribution, OuterStep, combine, decide
+from spes_p2p.swarm.codecs import TensorSpec, part_bounds
+from spes_p2p.swarm.fetching import Got, Reduced, Refused
+from spes_p2p.swarm.payload import ErrorFeedback, decode, encode, flatten, unflatten
+from spes_p2p.swarm.serving import Posted, payload_meta
+from spes_p2p.swarm.waiting import Deadline, poll
+
+if TYPE_CHECKING:
+    from spes_p2p.swarm.exchange import Exchange, UnitRound
+
+POLL_SECONDS = 0.2  # between asks for the combined parts not served yet
+
+Tensors = dict[str, torch.Tensor]
+
+
+@dataclass
+class _Round:
+    """One member's view of a grouped unit's round."""
+
+    round: int
+    unit: str
+    group: list[str]
+    base: str  # the hash of our start weights
+    bounds: list[tuple[int, int]]  # each part's range of the flattened unit
+    tokens: int
+    pieces: list[torch.Tensor] | None = None  # our update's parts as they decode; None: ours does not count
+
+    def own(self, me: str, part: int) -> Contribution | None:
+        return (
+            None
+            if self.pieces is None
+            else Contribution(me, self.tokens, {"piece": self.pieces[part]}, self.round)
+        )
+
+
+class ReduceScatter:
+    """A grouped unit's round, on the exchange's state (fetcher, deadline, misses, outer steps, error
+    feedback). Sync thread only."""
+
+    def __init__(self, exchange: Exchange) -> None:
+        self.x = exchange
+        self.me = exchange.transport.peer_id
+
+    def run(
+        self,
+        round_: int,
+        unit: str,
+        start: Tensors,
+        end: Tensors,
+        tokens: int,
+        group: list[str],
+        counted: bool,
+    ) -> UnitRound:
+        from spes_p2p.swarm.exchange import UnitRound, tensors_hash
+
+        x, me = self.x, self.me
+        numel = sum(s.numel for s in x.specs[unit].values())
+        r = _Round(
+            round_,
+            unit,
+            group,
+            tensors_hash(start),
+            part_bounds(numel, len(group)),
+            x.fetcher.clamped(tokens),
+        )
+        mine = group.index(me)
+        update = {n: end[n] - start[n] for n in start}
+        diverged = not all(torch.isfinite(t).all() for t in update.values())
+        if counted and not diverged:
+            r.pieces = self._post_pieces(r, update, end)
+        x.participants[(round_, unit)] = set(group)
+        deadline = Deadline(x.deadline.seconds(), x.abort)
+        others = [p for p in group if p != me]
+        fetched, missing, rejected = x._gather(round_, unit, others, deadline, (mine, len(group)))
+        own = r.own(me, mine)
+        decision = decide(r.base, own, fetched, [])
+        result = UnitRound(unit, [me], missing, rejected, decision.resync, diverged)
+        if decision.resync or diverged:
+            x.feedback.pop(unit, None)
+        if decision.resync:  # we combine nothing this round: the others combine our part themselves
+            whole = None if own is None else Contribution(me, r.tokens, self._whole(unit, r.pieces), round_)
+            counting = x._resync(round_, unit, end, whole, decision, deadline, result)
+            leads = whole is not None and decision.ours_leads
+            peers = {c.peer_id for c in counting} | ({me} if leads else set())
+        else:
+            x.off_base[unit] = 0
+            combined = combine(decision.contributions, x.aggregate, me if own else None)
+            x._count_outliers(result, combined.rejected)
+            parts = self._collect(r, self._post_reduced(r, mine, combined))
+            peers = set().union(*(p.contributors for p in parts))
+            if peers:
+                rule = OuterStep(x.cfg.outer, x.cfg.outer_lr, x.cfg.outer_momentum)
+                result.new_weights = x.outer.setdefault(unit, rule).apply(
+                    start, self._whole(unit, [p.piece for p in parts])
+                )
+            else:  # nobody's update arrived anywhere, ours included
+                result.new_weights = {n: t.clone() for n, t in (start if diverged else end).items()}
+        result.participants = sorted(peers)
+        x.applied |= {(p, round_, unit) for p in peers}
+        return result
+
+    # ---------------------------------------------------------------------------------- our pieces
+
+    def _post_pieces(self, r: _Round, update: Tensors, end: Tensors) -> list[torch.Tensor]:
+        """Codes our update (plus what coding lost last round) as one piece per part, posts and announces
+        them; returns the pieces as they decode."""
+        x = self.x
+        feedback = x.feedback.setdefault(r.unit, ErrorFeedback(x.cfg.codec, x.cfg.topk_fraction))
+        full = feedback.carry(update, r.round)
+        flat = flatten(full)
+        payloads, decoded = [], []
+        for part, (a, b) in enumerate(r.bounds):
+            meta = payload_meta(r.unit, r.round, "piece", part, len(r.bounds))
+            payloads.append(self._encode(flat[a:b], meta))
+            decoded.append(self._decode(payloads[-1], b - a, meta))
+        feedback.keep(full, self._whole(r.unit, decoded), r.round)
+        x.post(r.round, r.unit, Posted(b"", end, r.tokens, r.base, tuple(payloads)))
+        return decoded
+
+    def _post_reduced(self, r: _Round, part: int, combined: Combined) -> Reduced:
+        """Serves our part's combined update (zeros when nothing arrived); returns it as it decodes."""
+        a, b = r.bounds[part]
+        piece = combined.update["piece"] if combined.used else torch.zeros(b - a)
+        contributors = sorted(c.peer_id for c in combined.used)
+        meta = {
+            **payload_meta(r.unit, r.round, "reduced", part, len(r.group)),
+            "peers": ",".join(contributors),
+        }
+        payload = self._encode(piece, meta)
+        self.x.outbox.post_reduced(r.round, r.unit, part, len(r.group), payload)
+        return Reduced(self._decode(payload, b - a, meta), contributors)
+
+    # ---------------------------------------------------------------------------------- the others
+
+    def _collect(self, r: _Round, ours: Reduced) -> list[Reduced]:
+        """Every part's combined update: from its owner, or combined here from its pieces."""
+        x, group, parts = self.x, r.group, len(r.group)
+        got: dict[int, Reduced] = {group.index(self.me): ours}
+        pending, fallback = set(range(parts)) - set(got), set()
+        deadline = Deadline(x.deadline.seconds(), x.abort)
+
+        def ask(j: int):
+            return x.fetcher.reduced(r.round, r.unit, group[j], j, parts, deadline)
+
+        def one_pass() -> bool | None:
+            announced = x.fetcher.announcements(r.round, r.unit)
+            live = x.live_peers() if x.live_peers is not None else set(group)
+            for j in sorted(pending):  # an owner on other start weights, or gone, combines nothing for us
+                if group[j] not in live or (group[j] in announced and announced[group[j]].base != r.base):
+                    fallback.add(j)
+            pending.difference_update(fallback)
+            todo = sorted(pending)
+            for j, outcome in zip(todo, x.fetcher.pool.map(ask, todo), strict=True):
+                if isinstance(outcome, Reduced):
+                    problem = self._problem(outcome, group, None if r.pieces is None else r.pieces[j])
+                    if not problem:
+                        got[j] = outcome
+                        pending.discard(j)
+                        continue
+                    outcome = x.fetcher.refuse(group[j], r.unit, problem)
+                if isinstance(outcome, Refused):
+                    pending.discard(j)
+                    fallback.add(j)
+            return True if not pending else None
+
+        poll(one_pass, deadline, POLL_SECONDS)
+        for j in sorted(fallback | pending):
+            got[j] = self._combine_here(r, j)
+        return [got[j] for j in range(parts)]
+
+    def _problem(self, reduced: Reduced, group: list[str], own: torch.Tensor | None) -> str:
+        """Why a combined part from its owner cannot be used ('' when it can)."""
+        if not set(reduced.contributors) <= set(group):
+            return "its combined part names peers outside the group"
+        if own is None or not float(own.norm()) > 0:
+            return ""
+        if float(reduced.piece.norm()) > REJECT_FACTOR * float(own.norm()):
+            return "its combined part lies far beyond our own piece of it"
+        if self.me in reduced.contributors and float(reduced.piece @ own) < 0:
+            return "its combined part points against our own piece, which it says it combined"
+        return ""
+
+    def _combine_here(self, r: _Round, part: int) -> Reduced:
+        """A part whose owner failed us: its pieces, fetched from the members on our base, combined here.
+        Every member that does this combines the same pieces, with no reference of its own, and agrees."""
+        x = self.x
+        announced = x.fetcher.announcements(r.round, r.unit)
+        todo = [
+            (r.round, p, a)
+            for p, a in sorted(announced.items())
+            if p in r.group and p != self.me and a.base == r.base
+        ]
+        outcomes = x.fetcher.updates(
+            r.unit, todo, Deadline(x.deadline.seconds(), x.abort), (part, len(r.group))
+        )
+        contributions = [o.fetched.contribution for o in outcomes if isinstance(o, Got)]
+        own = r.own(self.me, part)
+        combined = combine(contributions + ([own] if own else []), x.aggregate)
+        if not combined.used:
+            a, b = r.bounds[part]
+            return Reduced(torch.zeros(b - a), [])
+        return Reduced(combined.update["piece"], sorted(c.peer_id for c in combined.used))
+
+    # ---------------------------------------------------------------------------------- helpers
+
+    def _whole(self, unit: str, pieces: list[torch.Tensor]) -> Tensors:
+        return unflatten(torch.cat(pieces), self.x.specs[unit])
+
+    def _encode(self, piece: torch.Tensor, meta: dict[str, str]) -> bytes:
+        return encode({"piece": piece}, self.x.cfg.codec, meta=meta, topk_fraction=self.x.cfg.topk_fraction)
+
+    def _decode(self, payload: bytes, numel: int, meta: dict[str, str]) -> torch.Tensor:
+        spec = {"piece": TensorSpec((numel,))}
+        return decode(payload, spec, self.x.cfg.codec, meta=meta, topk_fraction=self.x.cfg.topk_fraction)[
+            "piece"
+        ]

@@ -1,0 +1,138 @@
+"""The dense part's reduce-scatter among a group of 4 peers on the memory backend: members end bit-identical
+on the token-weighted mean, move about half what the all-to-all exchange moves, and survive an owner that
+vanishes or lies."""
+
+import threading
+
+import pytest
+import torch
+
+from spes_p2p.sim.byzantine import rewrite
+from spes_p2p.swarm.codecs import TensorSpec
+from spes_p2p.swarm.config import SyncConfig
+from spes_p2p.swarm.memory import MemoryNetwork
+from spes_p2p.swarm.sync import SyncEngine
+
+UNIT = "dense/0"
+SPECS = {UNIT: {"embed": TensorSpec((256, 64)), "norm": TensorSpec((64,))}}
+GROUP = ["p2", "p0", "p3", "p1"]  # a group in its agreed (shuffled) order: p2 owns part 0
+TOKENS = {"p0": 100, "p1": 200, "p2": 300, "p3": 400}
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def swarm(dense_exchange="reduce_scatter", codec="int8", deadline=5.0, peers=GROUP):
+    net = MemoryNetwork(seed=0)
+    cfg = SyncConfig(
+        codec=codec,
+        deadline_min=0.2,
+        deadline_max=deadline,
+        dense_exchange=dense_exchange,
+        request_timeout=2.0,
+    )
+    return {p: SyncEngine(net.join(p), "t", cfg, SPECS, aggregate="mean") for p in peers}
+
+
+def weights(seed: int, scale: float = 1.0) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return {n: torch.randn(s.shape, generator=g) * scale for n, s in SPECS[UNIT].items()}
+
+
+START = weights(0)
+ENDS = {p: {n: START[n] + d for n, d in weights(i + 1, 0.01).items()} for i, p in enumerate(sorted(TOKENS))}
+
+
+def exchange(engines, peers=None, start=None, round_=0):
+    """The peers in ``peers`` (default: all) run the round at once; the group is always GROUP."""
+    out, errors = {}, []
+
+    def one(p):
+        try:
+            s = (start or {}).get(p, START)
+            out[p] = engines[p].exchange(round_, UNIT, s, ENDS[p], TOKENS[p], GROUP, grouped=True)
+        except Exception as exc:  # surfaced below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=one, args=(p,)) for p in peers or engines]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    assert not errors, errors
+    return out
+
+
+def mean_of(peers):
+    total = sum(TOKENS[p] for p in peers)
+    return {n: START[n] + sum(TOKENS[p] / total * (ENDS[p][n] - START[n]) for p in peers) for n in START}
+
+
+def assert_identical(results):
+    first = next(iter(results.values())).new_weights
+    for r in results.values():
+        for n in first:
+            assert torch.equal(r.new_weights[n], first[n]), n
+
+
+def gap(got, want):
+    return max(float((got[n] - want[n]).abs().max()) for n in want)
+
+
+def test_members_end_identical_on_the_token_weighted_mean():
+    results = exchange(swarm(codec="none"))
+    assert_identical(results)
+    assert gap(results["p0"].new_weights, mean_of(GROUP)) < 1e-6
+    assert all(r.participants == sorted(GROUP) and not r.missing for r in results.values())
+
+
+def test_int8_members_end_identical_within_the_codecs_error():
+    results = exchange(swarm(codec="int8"))
+    assert_identical(results)
+    assert gap(results["p0"].new_weights, mean_of(GROUP)) < 2e-3  # updates of 0.01: int8's step is ~1e-4
+
+
+def test_each_member_moves_about_half_of_what_all_to_all_moves():
+    moved = {}
+    for how in ("reduce_scatter", "all_to_all"):
+        engines = swarm(how)
+        exchange(engines)
+        stats = [engines[p].transport.stats for p in GROUP]
+        moved[how] = sorted(s.bytes_sent + s.bytes_received for s in stats)[len(stats) // 2]
+    unit_int8 = sum(s.numel for s in SPECS[UNIT].values())  # one byte per element
+    # all-to-all: 3 updates out and 3 in; reduce-scatter: 2 x 3/4 of one out and as much in
+    assert moved["all_to_all"] == pytest.approx(6 * unit_int8, rel=0.05)
+    assert moved["reduce_scatter"] == pytest.approx(3 * unit_int8, rel=0.1)
+
+
+def test_a_member_that_never_shows_up_costs_only_its_part_and_the_rest_agree():
+    engines = swarm(deadline=1.0)
+    results = exchange(engines, peers=["p0", "p1", "p2"])  # p3 owns part 2 and never comes
+    assert_identical(results)
+    assert gap(results["p0"].new_weights, mean_of(["p0", "p1", "p2"])) < 2e-3
+    assert all(r.missing == ["p3"] and r.participants == ["p0", "p1", "p2"] for r in results.values())
+
+
+@pytest.mark.parametrize("attack", ["scale", "signflip"])
+def test_an_owner_serving_a_false_combined_part_is_refused_and_the_others_agree(attack):
+    engines = swarm()
+    liar = engines["p3"]
+    post = liar.outbox.post_reduced
+    change = {"scale": lambda t: t * 1000, "signflip": lambda t: -t}[attack]
+    liar.outbox.post_reduced = lambda r, u, part, parts, payload: post(
+        r, u, part, parts, rewrite(payload, change)
+    )
+    results = exchange(engines)
+    honest = {p: r for p, r in results.items() if p != "p3"}
+    assert_identical(honest)
+    assert gap(honest["p0"].new_weights, mean_of(GROUP)) < 2e-3  # its part combined by each of them
+    assert all(engines[p].transport.guard.total() >= 1 for p in honest)
+
+
+def test_members_on_other_start_weights_resynchronize():
+    engines = swarm(codec="none")
+    other = {n: t + 1.0 for n, t in START.items()}
+    results = exchange(engines, start={"p3": other})
+    assert results["p3"].resynced and not results["p0"].resynced
+    on_base = {p: r for p, r in results.items() if p != "p3"}
+    assert_identical(on_base)
+    assert gap(on_base["p0"].new_weights, mean_of(["p0", "p1", "p2"])) < 1e-6
