@@ -29,9 +29,11 @@ SWARM = {
 # Deadlines are short next to a round's training, as in a real swarm: a peer held up for seconds here
 # would otherwise fall rounds behind and download the model instead of training.
 NOISE = 0.06
-# What the honest peers must have refused, per mode (the others are not refusals: a sign flip and a token
-# count look honest, the late updates are not even fetched, a silent or slow peer is only not waited for).
-REFUSED = {"garbage", "nan", "scale", "resync", "claimall"}
+# What the honest peers must have refused, per mode (the others are not refusals: a token count looks
+# honest, the late updates are not even fetched, a silent or slow peer is only not waited for). A sign flip
+# looks honest as an update, but not as the dense part the attacker combines for its group: that points
+# against the honest members' own pieces.
+REFUSED = {"garbage", "nan", "scale", "signflip", "resync", "claimall"}
 # claimall's fake holders keep one shard from being trained until its refreshes have failed 3 times and the
 # claims have moved: 3 of this run's 6 rounds, measured at +0.05 (a cost that a long run dilutes).
 CLAIMALL_COST = 0.1

@@ -136,3 +136,20 @@ def test_members_on_other_start_weights_resynchronize():
     on_base = {p: r for p, r in results.items() if p != "p3"}
     assert_identical(on_base)
     assert gap(on_base["p0"].new_weights, mean_of(["p0", "p1", "p2"])) < 1e-6
+
+
+def test_a_newcomer_outside_the_group_takes_its_result():
+    """A newcomer's first round does not count: it is no member of the group, and adopts its result."""
+    engines = swarm(codec="none", peers=[*GROUP, "p4"])
+    newcomer = engines.pop("p4")
+    out = {}
+    thread = threading.Thread(
+        target=lambda: out.update(
+            p4=newcomer.exchange(0, UNIT, START, weights(9), 50, GROUP, counted=False, grouped=True)
+        )
+    )
+    thread.start()
+    results = exchange(engines)
+    thread.join(timeout=60)
+    assert_identical({**results, **out})
+    assert gap(out["p4"].new_weights, mean_of(GROUP)) < 1e-6

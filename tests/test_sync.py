@@ -7,10 +7,12 @@ import torch
 
 from spes_p2p.swarm.codecs import TensorSpec, max_payload_bytes
 from spes_p2p.swarm.config import SyncConfig
-from spes_p2p.swarm.exchange import MISS_LIMIT, RESYNC_LIMIT
+from spes_p2p.swarm.exchange import RESYNC_LIMIT
 from spes_p2p.swarm.memory import MemoryNetwork
 from spes_p2p.swarm.messages import RPC_UPDATE, UpdateRequest
+from spes_p2p.swarm.outcome import MISS_LIMIT
 from spes_p2p.swarm.records import Announcement, updates_key
+from spes_p2p.swarm.refresh import Want
 from spes_p2p.swarm.sync import SyncEngine, dense_group
 
 SPECS = {
@@ -114,7 +116,11 @@ def test_holders_agree_on_the_token_weighted_mean_and_updates_reach_only_holders
     # non-holders refresh their frozen copies from the holders (int8, to its tolerance)
     frozen: dict = {}
     got = engines["p1"].refresh(
-        0, {"experts/0": ["p0", "p2"]}, deadline=5.0, codec="int8", on_unit=lambda u, r, w: frozen.update(w)
+        0,
+        {"experts/0": ["p0", "p2"]},
+        deadline=5.0,
+        want=Want("weights", "int8"),
+        on_unit=lambda u, fetched: frozen.update(fetched.tensors),
     )
     holder_weights = results[("p0", "experts/0")].new_weights["w1"]
     assert got == {"experts/0": 0}

@@ -40,6 +40,12 @@ class MethodConfig(Section):
     rotate_every_rounds: int = setting(
         10, "Dense blocks (B > 1): rounds between rotations; 0: never rotate.", flag="--rotate-every"
     )
+    refresh_every_rounds: int = setting(
+        1,
+        "k: frozen copies of other units are brought up to date every k rounds, by the change since the "
+        "copy's version (fewer bytes for staler copies; merges wait for such a round).",
+        flag="--refresh-every",
+    )
     block_order: str = setting(
         "cyclic",
         "At a rotation, holders of block b move to b+1 (cyclic) or a random block.",
@@ -49,6 +55,7 @@ class MethodConfig(Section):
     def validate(self) -> None:
         check(self.steps_per_round >= 1, "steps_per_round", "must be at least 1")
         check(self.rotate_every_rounds >= 0, "rotate_every_rounds", "must be at least 0")
+        check(self.refresh_every_rounds >= 1, "refresh_every_rounds", "must be at least 1")
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -16,6 +16,7 @@ from collections.abc import Callable
 import torch
 
 from spes_p2p.swarm.member import SwarmMember, SwarmView
+from spes_p2p.swarm.refresh import Want
 from spes_p2p.swarm.sync import SyncEngine
 from spes_p2p.swarm.waiting import Deadline, poll
 
@@ -89,8 +90,8 @@ def catch_up(view: SwarmView, me: str, sync: SyncEngine, write: Write, seconds: 
         max(landed, -1),
         holders,
         seconds,
-        codec="none",
-        on_unit=lambda unit, _, weights: write(unit, weights),
+        want=Want("weights", "none"),
+        on_unit=lambda unit, found: write(unit, found.tensors),
         fallback=furthest_first,  # a unit whose holders are newcomers too comes from any peer's copy
     )
     round_ = landed + 1
@@ -111,6 +112,6 @@ def fetch_exact(
         round_,
         {u: sorted(view.participants(u, round_) - {me}) for u in units},
         seconds,
-        codec="none",
-        on_unit=lambda unit, _, weights: write(unit, weights),
+        want=Want("weights", "none"),
+        on_unit=lambda unit, found: write(unit, found.tensors),
     )

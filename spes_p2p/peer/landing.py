@@ -12,6 +12,7 @@ from collections.abc import Callable
 import torch
 
 from spes_p2p.peer.rounds import RoundJob
+from spes_p2p.swarm.refresh import Fetched
 
 Tensors = dict[str, torch.Tensor]
 
@@ -30,8 +31,11 @@ class Landing:
         write: Callable[[str, Tensors], None],
         overlap: bool,
         reset_state: Callable[[str], None] = lambda unit: None,
+        on_copy: Callable[[str, Fetched, Tensors], None] = lambda unit, fetched, weights: None,
     ) -> None:
+        """``on_copy`` hears of every refreshed copy as it is written."""
         self.read, self.write, self.overlap, self.reset_state = read, write, overlap, reset_state
+        self.on_copy = on_copy
         self.round_start: dict[str, Tensors] = {}  # the units training now, as their round began
         self.synced_start: dict[str, Tensors] = {}  # overlap: synced weights the next update starts from
 
@@ -51,8 +55,13 @@ class Landing:
                     self.synced_start[unit] = result.new_weights
             else:
                 self._write(unit, result.new_weights, since=job.end[unit])
-        for unit, weights in job.refreshed.items():  # frozen in that round; maybe trained now
+        for unit, fetched in job.refreshed.items():  # frozen in that round; maybe trained now
+            weights = fetched.tensors
+            if fetched.want.kind == "change":  # what changed since the version our copy is
+                copy = self.read(unit)
+                weights = {n: copy[n] + weights[n] for n in copy}
             self._write(unit, weights, since=self.round_start.get(unit))
+            self.on_copy(unit, fetched, weights)
 
     def restart(self, units: list[str]) -> None:
         """After a download of the swarm's model: this round's updates are measured from it."""

@@ -49,7 +49,7 @@ class RoundMetrics:
             "participants": {u: r.participants for u, r in job.results.items()},
             "missing": {u: r.missing for u, r in job.results.items() if r.missing},
             "resynced": sorted(u for u, r in job.results.items() if r.resynced),
-            "refreshed": sorted(job.refreshed),
+            "refreshed": {u: f.want.kind for u, f in sorted(job.refreshed.items())},  # how each came
             "rejected_payloads": rejected,
             "rejected": self.guard.total(),  # everything refused: records, requests, payloads, outliers
             "banned": self.guard.banned(),

@@ -42,6 +42,7 @@ from spes_p2p.swarm.member import SwarmMember, SwarmMismatch, SwarmView
 from spes_p2p.swarm.payload import specs_of
 from spes_p2p.swarm.reachability import SelfCheck
 from spes_p2p.swarm.transport import Transport
+from spes_p2p.swarm.versions import is_version_round
 from spes_p2p.swarm.waiting import Deadline, poll
 from spes_p2p.train.checkpoint import Checkpoint
 
@@ -95,8 +96,11 @@ class Peer:
         specs = {u: specs_of(self.local.read(u)) for u in self.layout.units}
         self.sync = sync_engine(settings, transport, specs, self.local.read, self.member.live_peers)
         overlap = settings.method.overlap
-        self.pipeline = Pipeline(RoundSync(settings, self.member, self.sync, self.layout), overlap)
-        self.landing = Landing(self.local.read, self.local.write, overlap, self.local.reset_state)
+        round_sync = RoundSync(settings, self.member, self.sync, self.layout)
+        self.pipeline = Pipeline(round_sync, overlap)
+        self.landing = Landing(
+            self.local.read, self.local.write, overlap, self.local.reset_state, round_sync.landed
+        )
         self.metrics = RoundMetrics(transport)
         self.reachability = SelfCheck(transport, self.member, settings.network)
         self.heartbeat = Heartbeat(
@@ -133,6 +137,8 @@ class Peer:
         self.local.start(self.member.units_held, self.round, checkpoint)
         for unit in self.member.units_held:
             self.sync.serve_weights(self.round - 1, unit, self.local.read(unit))
+        if not training and not checkpoint:  # every peer has the initial model: its first version
+            self.sync.start_versions(-1, self.local.read, self.member.units_held)
         self.metrics = RoundMetrics(self.transport)  # traffic counts from here
         return self.status()
 
@@ -150,6 +156,7 @@ class Peer:
     def _catch_up(self, view: SwarmView) -> None:
         seconds = self.settings.sync.deadline_max
         round_ = joining.catch_up(view, self.me, self.sync, self.local.write, seconds)
+        self.sync.copies.forget()  # downloaded weights are no versions: the next refresh fetches those
         if round_ is not None:
             self.round = round_
 
@@ -211,7 +218,12 @@ class Peer:
         return True
 
     def _merge_due(self, round_: int) -> bool:
-        return self.settings.merge.due((round_ + 1) * self.settings.method.steps_per_round)
+        """Merges come due at steps; they run at the next version round (on that round's versions)."""
+        every, h = self.settings.method.refresh_every_rounds, self.settings.method.steps_per_round
+        since_last = range(round_ - every + 1, round_ + 1)
+        return is_version_round(round_, every) and any(
+            self.settings.merge.due((r + 1) * h) for r in since_last
+        )
 
     def _land_if_synced(self) -> None:
         if self.pipeline.finished():
@@ -266,6 +278,8 @@ class Peer:
             joining.fetch_exact(new, self.round - 1, view, self.me, self.sync, self.local.write, seconds)
         for unit in new:
             self.sync.serve_weights(self.round - 1, unit, self.local.read(unit))
+            self.sync.copies.forget(unit)
+        self.sync.versions.keep_only(set(held))
         self.local.retarget(held)  # units given up are still served for a few rounds, to their new holders
 
     def _write_outputs(self, row: dict) -> None:

@@ -22,7 +22,10 @@ from spes_p2p.errors import SpesError
 from spes_p2p.model.units import UnitLayout
 from spes_p2p.settings import Settings
 from spes_p2p.swarm.member import SwarmMember, SwarmView
+from spes_p2p.swarm.outcome import tensors_hash
+from spes_p2p.swarm.refresh import Fetched, Want
 from spes_p2p.swarm.sync import SyncEngine, UnitRound, dense_group
+from spes_p2p.swarm.versions import is_version_round
 from spes_p2p.train.merge import merge_experts
 
 logger = logging.getLogger(__name__)
@@ -42,7 +45,7 @@ class RoundJob:
     metrics: dict
     experts: Tensors | None = None  # when a merge is due: every expert weight this peer did not train
     results: dict[str, UnitRound] = field(default_factory=dict)  # trained units
-    refreshed: dict[str, Tensors] = field(default_factory=dict)  # frozen copies
+    refreshed: dict[str, Fetched] = field(default_factory=dict)  # frozen copies, and units trained next
     error: BaseException | None = None
     thread: threading.Thread | None = None
 
@@ -51,27 +54,33 @@ class RoundSync:
     def __init__(self, settings: Settings, member: SwarmMember, sync: SyncEngine, layout: UnitLayout) -> None:
         self.settings, self.member, self.sync, self.layout = settings, member, sync, layout
         self.me = member.transport.peer_id
+        self.every = settings.method.refresh_every_rounds
 
     def __call__(self, job: RoundJob) -> None:
         try:
             view = self.member.view()
             for unit in job.units:
                 job.results[unit] = self._exchange(job, unit, view)
+                self.sync.serve_weights(job.round, unit, job.results[unit].new_weights)
+            versions = is_version_round(job.round, self.every)
+            if versions:
+                self._publish_versions(job, view)
+            self._refresh(job, view, versions)
             if job.experts is not None:
                 self._merge(job)
-            for unit, result in job.results.items():
-                self.sync.serve_weights(job.round, unit, result.new_weights)
-            self._refresh(job, view)
+                for unit, result in job.results.items():
+                    self.sync.serve_weights(job.round, unit, result.new_weights)
         except BaseException as exc:  # re-raised on the training thread when the job lands
             job.error = exc
 
     def _exchange(self, job: RoundJob, unit: str, view: SwarmView) -> UnitRound:
+        counted = self.member.since_of(unit) <= job.round
         participants = sorted(view.participants(unit, job.round) | {self.me})
         grouped = unit.startswith("dense/") or self.settings.method.mode == "diloco"
-        if grouped:
+        if grouped:  # a newcomer that does not count yet follows a group it is not a member of
+            members = participants if counted else [p for p in participants if p != self.me]
             size = self.settings.sync.dense_group_size
-            participants = dense_group(participants, self.me, job.round, self.settings.swarm.run_id, size)
-        counted = self.member.since_of(unit) <= job.round
+            participants = dense_group(members, self.me, job.round, self.settings.swarm.run_id, size)
         result = self.sync.exchange(
             job.round, unit, job.start[unit], job.end[unit], job.tokens, participants, counted, grouped
         )
@@ -80,61 +89,120 @@ class RoundSync:
                 job.round,
                 {unit: [p for p in participants if p != self.me]},
                 self.sync.deadline.seconds(),
-                codec="none",
-                on_unit=lambda _, __, weights: result.new_weights.update(weights),
+                want=Want("weights", "none"),
+                on_unit=lambda _, fetched: result.new_weights.update(fetched.tensors),
             )
         return result
 
-    def _merge(self, job: RoundJob) -> None:
-        """The expert-merging warm-up on the round's new weights, before they are served. Neighbours in other
-        shards come from the job's snapshot of this peer's frozen copies, which every holder of a shard got
-        from the same payloads, so holders merge alike."""
-        step = (job.round + 1) * self.settings.method.steps_per_round
-        weights = dict(job.experts)
-        for result in job.results.values():
-            weights.update(result.new_weights)
-        n = self.layout.experts_per_shard
-        owned = {
-            int(u.split("/")[1]) * n + i for u in job.results if u.startswith("experts/") for i in range(n)
-        }
-        merged = merge_experts(
-            weights, self.settings.merge.alpha_at(step), self.settings.merge.neighbours, owned
-        )
-        for result in job.results.values():
-            result.new_weights.update({k: v for k, v in merged.items() if k in result.new_weights})
+    def _publish_versions(self, job: RoundJob, view: SwarmView) -> None:
+        """The next version of each unit we trained that others keep frozen copies of; a unit whose version
+        chain we lack (we just took it over) joins a co-holder's first."""
+        since = job.round - self.every
+        for unit, result in job.results.items():
+            if not self._versioned(unit):
+                continue
+            current = self.sync.versions.current(unit)
+            if current is None or current.round < since:
+                self.sync.refresh(
+                    since,
+                    {unit: sorted(view.participants(unit, job.round) - {self.me})},
+                    self.sync.deadline.seconds(),
+                    want=Want("version", "none"),
+                    on_unit=lambda u, fetched: self.sync.versions.start(u, fetched.round, fetched.tensors),
+                )
+                current = self.sync.versions.current(unit)
+            if current is None or current.round < job.round:
+                self.sync.versions.advance(unit, job.round, since, result.new_weights)
 
-    def _refresh(self, job: RoundJob, view: SwarmView) -> None:
+    def _versioned(self, unit: str) -> bool:
+        """Whether some peers keep a frozen copy of ``unit``: an expert shard, or a dense block of several."""
+        if self.settings.method.mode == "diloco":
+            return False
+        return unit.startswith("experts/") or len(self.layout.dense_units) > 1
+
+    def _refresh(self, job: RoundJob, view: SwarmView, versions: bool) -> None:
+        """The units we start training next (their weights, exactly), and at a version round our frozen
+        copies of every other unit."""
         frozen = {
             u: sorted(view.participants(u, job.round) - {self.me})
             for u in self.layout.units
-            if u not in job.units
+            if u not in job.units and (versions or u in self.member.units_held)
         }
         got = self.sync.refresh(
             job.round,
             frozen,
             self.sync.deadline.seconds(),
-            codec={u: self.refresh_codec(u) for u in frozen},
-            on_unit=lambda unit, _, weights: job.refreshed.__setitem__(unit, weights),
+            want={u: self._want(u, job) for u in frozen},
+            on_unit=lambda unit, fetched: job.refreshed.__setitem__(unit, fetched),
         )
         for unit, holders in frozen.items():
             if holders:
                 self.member.served(unit, unit in got)
 
+    def _want(self, unit: str, job: RoundJob) -> Want:
+        """Exact weights of a unit we are about to train; for a frozen copy, the change since its version
+        (or, when it is not one, the exact version); a frozen expert held quantized: the version in its own
+        format (exact when a merge needs every expert's version)."""
+        if unit in self.member.units_held:
+            return Want("weights", "none")
+        stored = self.settings.train.frozen_experts
+        if unit.startswith("experts/") and stored != "full":
+            return Want("version", "none" if job.experts is not None else stored)
+        copy = self.sync.copies.get(unit)
+        if copy is not None and copy[0] == job.round - self.every:
+            return Want("change", self.settings.sync.refresh_codec, copy)
+        return Want("version", "none")
+
+    def landed(self, unit: str, fetched: Fetched, weights: Tensors) -> None:
+        """A refreshed copy was written: it is a version exactly when it was one (or a change to ours) and
+        it is kept in full precision."""
+        exact = fetched.want.kind == "change" or fetched.want == Want("version", "none")
+        stored_exactly = not unit.startswith("experts/") or self.settings.train.frozen_experts == "full"
+        if exact and stored_exactly:
+            self.sync.copies.set(unit, fetched.round, tensors_hash(weights))
+        else:
+            self.sync.copies.forget(unit)
+
+    def _merge(self, job: RoundJob) -> None:
+        """The expert-merging warm-up, on every expert's version of this round (ours as we published it,
+        the others' as our refreshed copies have it): every peer computes the same correction, whatever
+        it stores its frozen experts as, and adds it to the experts it trained."""
+        versions: Tensors = {}
+        for unit in self.layout.expert_units:
+            weights = self._version_of(unit, job)
+            if weights is None:
+                logger.info("round %d: no version of %s this round; no merge", job.round, unit)
+                return
+            versions.update(weights)
+        step = (job.round + 1) * self.settings.method.steps_per_round
+        n = self.layout.experts_per_shard
+        owned = {
+            int(u.split("/")[1]) * n + i for u in job.results if u.startswith("experts/") for i in range(n)
+        }
+        merged = merge_experts(
+            versions, self.settings.merge.alpha_at(step), self.settings.merge.neighbours, owned
+        )
+        for result in job.results.values():
+            for name in set(merged) & set(result.new_weights):
+                result.new_weights[name] = result.new_weights[name] + (merged[name] - versions[name])
+
+    def _version_of(self, unit: str, job: RoundJob) -> Tensors | None:
+        if unit in job.results:
+            current = self.sync.versions.current(unit)
+            return current.weights if current is not None and current.round == job.round else None
+        fetched = job.refreshed.get(unit)
+        if fetched is None or fetched.round != job.round:
+            return None
+        if fetched.want.kind == "change":  # added to our copy, which was the version before
+            return {n: job.experts[n] + t for n, t in fetched.tensors.items()}
+        return fetched.tensors if fetched.want == Want("version", "none") else None
+
     def bound(self, job: RoundJob) -> float:
         """Seconds a job's sync can take when every wait runs to its limit (each unit's exchange, a download,
-        the refresh), with a margin: past it, the sync is broken, not slow."""
+        a version, the refresh), with a margin: past it, the sync is broken, not slow."""
         c = self.settings.sync
-        waits = 3 * len(job.units) + 1  # a reduce-scatter waits for pieces, combined parts and a fallback
+        waits = 4 * len(job.units) + 1  # a reduce-scatter waits for pieces, combined parts and a fallback
         return waits * (c.deadline_max + 2 * c.request_timeout) + SYNC_MARGIN_SECONDS
-
-    def refresh_codec(self, unit: str) -> str:
-        """Exact for a unit this peer is about to train; a frozen expert held quantized: in its own format."""
-        if unit in self.member.units_held:
-            return "none"
-        frozen = self.settings.train.frozen_experts
-        if unit.startswith("experts/") and frozen != "full":
-            return frozen
-        return self.settings.sync.refresh_codec
 
 
 class Pipeline:

@@ -87,7 +87,9 @@ class SyncConfig(Section):
     SCOPE = SWARM
 
     codec: str = setting("int8", "How updates travel.", choices=tuple(CODECS))
-    refresh_codec: str = setting("int8", "How frozen copies of other units travel.", choices=tuple(CODECS))
+    refresh_codec: str = setting(
+        "int8", "How the changes to frozen copies of other units travel.", choices=tuple(CODECS)
+    )
     topk_fraction: float = setting(TOPK_FRACTION, "topk codec: the share of entries sent.")
     outer: str = setting("fedavg", "Outer rule: fedavg (SPES) or nesterov (DiLoCo).", choices=OUTER_RULES)
     outer_lr: float = setting(1.0, "Outer learning rate.")

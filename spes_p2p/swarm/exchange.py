@@ -20,7 +20,7 @@ import random
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 
 import torch
 
@@ -36,6 +36,7 @@ from spes_p2p.swarm.aggregate import (
 from spes_p2p.swarm.codecs import TensorSpec
 from spes_p2p.swarm.config import SyncConfig
 from spes_p2p.swarm.fetching import Gone, Got, Refused, UpdateFetcher
+from spes_p2p.swarm.outcome import MISS_LIMIT, UnitRound, tensors_hash
 from spes_p2p.swarm.payload import ErrorFeedback
 from spes_p2p.swarm.records import Announcement, updates_key
 from spes_p2p.swarm.reduce import ReduceScatter
@@ -48,41 +49,24 @@ logger = logging.getLogger(__name__)
 POLL_SECONDS = 0.1  # between reads of a round's announcements
 LIVENESS_CHECK_SECONDS = 1.0  # between checks that the participants we wait for are still in the swarm
 ANNOUNCE_TTL = 120.0  # seconds an announcement lives in the DHT
-MISS_LIMIT = 3  # rounds in a row a participant may miss before the rounds stop waiting for it
 RESYNC_LIMIT = 3  # rounds in a row a unit may stay off the swarm's base before it is downloaded
 
 Tensors = dict[str, torch.Tensor]
 
 
-@dataclass
-class UnitRound:
-    """What one unit's exchange did in one round."""
-
-    unit: str
-    participants: list[str]  # peers whose updates were aggregated (this one included)
-    missing: list[str]  # expected participants that did not answer in time
-    rejected: list[str]  # peers whose payloads failed validation, or whose updates were outliers
-    resynced: bool = False  # start weights differed, so end weights were averaged instead
-    diverged: bool = False  # our update was not finite: not sent; we took the others' result
-    download: bool = False  # we kept off the swarm's base for RESYNC_LIMIT rounds: download the unit
-    new_weights: Tensors = field(default_factory=dict)
-
-
-def tensors_hash(tensors: Tensors) -> str:
-    h = hashlib.sha256()
-    for name in sorted(tensors):
-        h.update(name.encode())
-        h.update(tensors[name].detach().float().contiguous().numpy().tobytes())
-    return h.hexdigest()[:16]
-
-
 def dense_group(peers: list[str], me: str, round_: int, run_id: str, size: int) -> list[str]:
-    """This round's random group (at most ``size`` peers) that ``me`` averages the dense part with."""
+    """This round's random group (at most ``size`` peers, in an order every member computes alike) that
+    ``me`` averages the dense part with. A peer that is not among ``peers`` (a newcomer whose first round
+    does not count) gets the group it follows."""
     order = sorted(peers)
     random.Random(f"{run_id}:{round_}").shuffle(order)
     n_groups = max(1, -(-len(order) // size))
     groups = [order[i::n_groups] for i in range(n_groups)]
-    return next((g for g in groups if me in g), [me])
+    if not order:
+        return [me]
+    return next(
+        (g for g in groups if me in g), groups[int(hashlib.sha256(me.encode()).hexdigest(), 16) % n_groups]
+    )
 
 
 class Exchange:
@@ -132,8 +116,8 @@ class Exchange:
     ) -> UnitRound:
         """The unit's new weights and who took part. With ``counted`` False (a newcomer's first round, which
         the others do not wait for) our update is neither announced nor aggregated. A ``grouped`` unit (the
-        dense part: ``participants`` is a group in its agreed order) goes by reduce-scatter when the swarm
-        says so and the group has three members or more."""
+        dense part: ``participants`` is a group in its agreed order, without us when we do not count) goes
+        by reduce-scatter when the swarm says so and the group has three members or more."""
         if grouped and self.cfg.dense_exchange == "reduce_scatter" and len(participants) >= 3:
             return self.reduce_scatter.run(round_, unit, start, end, tokens, participants, counted)
         me = self.transport.peer_id

@@ -5,7 +5,8 @@ Answers are payloads (``spes_p2p.swarm.payload``): safetensors whose metadata na
     spes/update   UpdateRequest  -> our coded update of that round ("delta"), its end weights ("end"), part
                                   ``part`` of ``parts`` of it ("piece"), or the group's combined update of
                                   that part, when we own it ("reduced"; see ``swarm/reduce.py``)
-    spes/weights  WeightsRequest -> our weights of a unit, as of ``round`` when we still have it
+    spes/weights  WeightsRequest -> our weights of a unit, as of ``round`` when we still have it; or its
+                                  current version, or the change that made version ``round``
 
 A request that is too large, not msgpack, of the wrong schema (a missing or unknown field, a wrong type, an
 unknown unit or codec) is a ``BadRequest``: the server answers with a failure, never an exception of its own.
@@ -55,3 +56,4 @@ class WeightsRequest(Message):
     codec: Codec
     round: Annotated[int, msgspec.Meta(ge=-1)] = -1  # -1: the newest
     any_copy: bool = False  # newcomers: a unit we do not hold is answered from our own copy
+    kind: Literal["weights", "version", "change"] = "weights"  # see swarm/versions.py

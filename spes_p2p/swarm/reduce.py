@@ -32,16 +32,24 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from spes_p2p.swarm.aggregate import REJECT_FACTOR, Combined, Contribution, OuterStep, combine, decide
+from spes_p2p.swarm.aggregate import (
+    REJECT_FACTOR,
+    Combined,
+    Contribution,
+    Fetched,
+    OuterStep,
+    combine,
+    decide,
+)
 from spes_p2p.swarm.codecs import TensorSpec, part_bounds
 from spes_p2p.swarm.fetching import Got, Reduced, Refused
+from spes_p2p.swarm.outcome import MISS_LIMIT, UnitRound, tensors_hash
 from spes_p2p.swarm.payload import ErrorFeedback, decode, encode, flatten, unflatten
 from spes_p2p.swarm.serving import Posted, payload_meta
 from spes_p2p.swarm.waiting import Deadline, poll
 
 if TYPE_CHECKING:
-    from spes_p2p.swarm.exchange import Exchange, UnitRound
-
+    from spes_p2p.swarm.exchange import Exchange
 POLL_SECONDS = 0.2  # between asks for the combined parts not served yet
 
 Tensors = dict[str, torch.Tensor]
@@ -85,24 +93,18 @@ class ReduceScatter:
         group: list[str],
         counted: bool,
     ) -> UnitRound:
-        from spes_p2p.swarm.exchange import UnitRound, tensors_hash
-
         x, me = self.x, self.me
         numel = sum(s.numel for s in x.specs[unit].values())
-        r = _Round(
-            round_,
-            unit,
-            group,
-            tensors_hash(start),
-            part_bounds(numel, len(group)),
-            x.fetcher.clamped(tokens),
-        )
-        mine = group.index(me)
+        bounds = part_bounds(numel, len(group))
+        r = _Round(round_, unit, group, tensors_hash(start), bounds, x.fetcher.clamped(tokens))
+        x.participants[(round_, unit)] = set(group)
         update = {n: end[n] - start[n] for n in start}
         diverged = not all(torch.isfinite(t).all() for t in update.values())
+        if me not in group:  # a newcomer's first round: it takes the group's result
+            return self._follow(r, start, end, UnitRound(unit, [], [], [], diverged=diverged))
+        mine = group.index(me)
         if counted and not diverged:
             r.pieces = self._post_pieces(r, update, end)
-        x.participants[(round_, unit)] = set(group)
         deadline = Deadline(x.deadline.seconds(), x.abort)
         others = [p for p in group if p != me]
         fetched, missing, rejected = x._gather(round_, unit, others, deadline, (mine, len(group)))
@@ -115,22 +117,53 @@ class ReduceScatter:
             whole = None if own is None else Contribution(me, r.tokens, self._whole(unit, r.pieces), round_)
             counting = x._resync(round_, unit, end, whole, decision, deadline, result)
             leads = whole is not None and decision.ours_leads
-            peers = {c.peer_id for c in counting} | ({me} if leads else set())
+            return self._close(r, result, {c.peer_id for c in counting} | ({me} if leads else set()))
+        x.off_base[unit] = 0
+        combined = combine(decision.contributions, x.aggregate, me if own else None)
+        x._count_outliers(result, combined.rejected)
+        parts = self._collect(r, {mine: self._post_reduced(r, mine, combined)})
+        return self._apply(r, start, start if diverged else end, parts, result)
+
+    def _follow(self, r: _Round, start: Tensors, end: Tensors, result: UnitRound) -> UnitRound:
+        """Not a member: the group's combined parts applied to our start weights when they are the group's,
+        or (they are not) the members' end weights averaged."""
+        x = self.x
+        deadline = Deadline(x.deadline.seconds(), x.abort)
+
+        def bases() -> dict | None:
+            announced = x.fetcher.announcements(r.round, r.unit)
+            return announced if set(r.group) <= set(announced) else None
+
+        announced = poll(bases, deadline, POLL_SECONDS) or x.fetcher.announcements(r.round, r.unit)
+        members = [
+            Fetched(Contribution(p, x.fetcher.clamped(a.tokens), {}, r.round), a.base)
+            for p, a in sorted(announced.items())
+            if p in r.group
+        ]
+        decision = decide(r.base, None, members, [])
+        if decision.resync or not members:
+            result.resynced = decision.resync
+            counting = x._resync(r.round, r.unit, end, None, decision, deadline, result)
+            return self._close(r, result, {c.peer_id for c in counting})
+        return self._apply(r, start, start, self._collect(r, {}), result)
+
+    def _apply(
+        self, r: _Round, start: Tensors, fallback: Tensors, parts: list[Reduced], result: UnitRound
+    ) -> UnitRound:
+        """The parts' combined updates applied to ``start`` with the outer rule (``fallback`` when nobody's
+        update arrived anywhere)."""
+        x = self.x
+        peers = set().union(*(p.contributors for p in parts))
+        if peers:
+            rule = x.outer.setdefault(r.unit, OuterStep(x.cfg.outer, x.cfg.outer_lr, x.cfg.outer_momentum))
+            result.new_weights = rule.apply(start, self._whole(r.unit, [p.piece for p in parts]))
         else:
-            x.off_base[unit] = 0
-            combined = combine(decision.contributions, x.aggregate, me if own else None)
-            x._count_outliers(result, combined.rejected)
-            parts = self._collect(r, self._post_reduced(r, mine, combined))
-            peers = set().union(*(p.contributors for p in parts))
-            if peers:
-                rule = OuterStep(x.cfg.outer, x.cfg.outer_lr, x.cfg.outer_momentum)
-                result.new_weights = x.outer.setdefault(unit, rule).apply(
-                    start, self._whole(unit, [p.piece for p in parts])
-                )
-            else:  # nobody's update arrived anywhere, ours included
-                result.new_weights = {n: t.clone() for n, t in (start if diverged else end).items()}
+            result.new_weights = {n: t.clone() for n, t in fallback.items()}
+        return self._close(r, result, peers)
+
+    def _close(self, r: _Round, result: UnitRound, peers: set[str]) -> UnitRound:
         result.participants = sorted(peers)
-        x.applied |= {(p, round_, unit) for p in peers}
+        self.x.applied |= {(p, r.round, r.unit) for p in peers}
         return result
 
     # ---------------------------------------------------------------------------------- our pieces
@@ -166,11 +199,12 @@ class ReduceScatter:
 
     # ---------------------------------------------------------------------------------- the others
 
-    def _collect(self, r: _Round, ours: Reduced) -> list[Reduced]:
-        """Every part's combined update: from its owner, or combined here from its pieces."""
+    def _collect(self, r: _Round, got: dict[int, Reduced]) -> list[Reduced]:
+        """Every part's combined update (``got``: those we have): from its owner, or combined here from its
+        pieces. An owner that missed ``MISS_LIMIT`` rounds in a row is not waited for."""
         x, group, parts = self.x, r.group, len(r.group)
-        got: dict[int, Reduced] = {group.index(self.me): ours}
-        pending, fallback = set(range(parts)) - set(got), set()
+        pending = set(range(parts)) - set(got)
+        fallback = {j for j in pending if x.misses.get(group[j], 0) >= MISS_LIMIT}
         deadline = Deadline(x.deadline.seconds(), x.abort)
 
         def ask(j: int):

@@ -1,10 +1,12 @@
-"""Frozen copies: a peer fetches the units it does not train from their holders, units in parallel.
+"""Fetching units from their holders, units in parallel: frozen copies, and the units a peer starts training
+or downloads.
 
 For each unit it asks the holders (in an order shuffled per peer, to spread the load, those that failed to
-serve lately last) for their weights of round ``min_round`` or later, until one answers or the deadline
-passes; holders whose records vanished are skipped. A unit that no holder can serve may come from a
-``fallback`` peer's own copy (newcomers). Every answer is a checked payload; a bad one is counted and the
-next holder is asked.
+serve lately last) for what it ``Want``s of round ``min_round`` or later: their weights, their current
+version, or the change that made that version (``swarm/versions.py``), until one answers or the deadline
+passes; holders whose records vanished are skipped. When no holder serves the change our copy needs, the
+exact version is asked for instead. A unit that no holder can serve may come from a ``fallback`` peer's own
+copy (newcomers). Every answer is a checked payload; a bad one is counted and the next holder is asked.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from collections import Counter
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
+from dataclasses import dataclass
 
 import torch
 
@@ -32,8 +35,29 @@ POLL_SECONDS = 0.1
 MIN_REQUEST_SECONDS = 0.5
 
 Tensors = dict[str, torch.Tensor]
-Found = tuple[int, Tensors]  # (the round of the weights, the weights)
-NOBODY: Found = (-2, {})  # every holder left and there is no fallback: stop asking
+
+
+@dataclass(frozen=True)
+class Want:
+    """What to fetch of a unit: ``weights`` (as of a round), its ``version``, or the ``change`` to a version
+    from the one we have (``since``: its round and hash), in ``codec``."""
+
+    kind: str = "weights"
+    codec: str = "none"
+    since: tuple[int, str] | None = None
+
+
+@dataclass(frozen=True)
+class Fetched:
+    """What came: the round it is of, its tensors (a change: what to add), and what it was."""
+
+    round: int
+    tensors: Tensors
+    want: Want
+
+
+NOBODY = Fetched(-2, {}, Want())  # every holder left and there is no fallback: stop asking
+ELSEWHERE = Fetched(-3, {}, Want())  # a change to another version than ours: that holder's chain differs
 
 
 class Refresh:
@@ -59,17 +83,18 @@ class Refresh:
         min_round: int,
         holders: dict[str, list[str]],
         seconds: float,
-        codec: str | dict[str, str] | None = None,
-        on_unit: Callable[[str, int, Tensors], None] | None = None,
+        want: Want | dict[str, Want] | None = None,
+        on_unit: Callable[[str, Fetched], None] | None = None,
         fallback: list[str] = (),
     ) -> dict[str, int]:
         """Fetches each unit in ``holders`` (unit -> live holders) from one of them; returns unit -> round
-        fetched, for the units obtained. ``codec``: one for every unit, or unit -> codec (default: the
-        refresh codec)."""
-        codecs = codec if isinstance(codec, dict) else {u: codec or self.cfg.refresh_codec for u in holders}
-        deadline = Deadline(seconds, self.abort)
+        fetched, for the units obtained. ``want``: one for every unit, or unit -> what (default: weights in
+        the refresh codec)."""
+        default = Want("weights", self.cfg.refresh_codec)
+        wants = want if isinstance(want, dict) else {u: want or default for u in holders}
+        deadline, patience = Deadline(seconds, self.abort), Deadline(seconds / 2, self.abort)
         futures = {
-            u: self.pool.submit(self._unit, u, h, list(fallback), min_round, codecs[u], deadline)
+            u: self.pool.submit(self._unit, u, h, list(fallback), min_round, wants[u], deadline, patience)
             for u, h in holders.items()
             if h or fallback
         }
@@ -81,9 +106,9 @@ class Refresh:
                 logger.warning("refreshing %s outlived its deadline; keeping the old copy", unit)
                 continue
             if found is not None:
-                got[unit] = found[0]
+                got[unit] = found.round
                 if on_unit:
-                    on_unit(unit, *found)
+                    on_unit(unit, found)
         return got
 
     def _unit(
@@ -92,27 +117,33 @@ class Refresh:
         holders: list[str],
         fallback: list[str],
         min_round: int,
-        codec: str,
+        want: Want,
         deadline: Deadline,
-    ) -> Found | None:
+        patience: Deadline,
+    ) -> Fetched | None:
+        """``patience``: how long to wait for a change before asking for the exact version instead."""
         order = list(holders)
         random.Random(f"{self.transport.peer_id}:{unit}:{min_round}").shuffle(order)
         order.sort(key=lambda p: self.failed[p])  # (stable) holders that served lately first
 
-        def one_pass() -> Found | None:
-            nonlocal order
+        def one_pass() -> Fetched | None:
+            nonlocal order, want
             if self.live_peers is not None:
                 order = [p for p in order if p in self.live_peers()]
                 if not order and not fallback:
                     return NOBODY
+            elsewhere = False
             for peer in order:
-                found = self._fetch(peer, unit, codec, min_round, False, deadline)
-                if found is not None:
+                found = self._fetch(peer, unit, want, min_round, False, deadline)
+                elsewhere |= found is ELSEWHERE
+                if found is not None and found is not ELSEWHERE:
                     return found
+            if want.kind == "change" and (elsewhere or patience.passed()):  # the exact version instead
+                want = Want("version", "none")
             if order and not deadline.passed():
                 return None  # holders first, while they may still catch up
             for peer in fallback:
-                found = self._fetch(peer, unit, codec, -1, True, deadline)
+                found = self._fetch(peer, unit, want, -1, True, deadline)
                 if found is not None:
                     return found
             return None
@@ -125,19 +156,21 @@ class Refresh:
         return None if found is NOBODY else found
 
     def _fetch(
-        self, peer: str, unit: str, codec: str, min_round: int, any_copy: bool, deadline: Deadline
-    ) -> Found | None:
-        """(round, weights) from ``peer``, or None when it cannot serve them (yet)."""
+        self, peer: str, unit: str, want: Want, min_round: int, any_copy: bool, deadline: Deadline
+    ) -> Fetched | None:
+        """What we want of ``unit`` from ``peer``, or None when it cannot serve it (yet)."""
         # the round to match (refreshes: every peer then gets the same version), or the newest (catch-up)
-        request = WeightsRequest(unit=unit, codec=codec, round=max(min_round, -1), any_copy=any_copy).encode()
+        request = WeightsRequest(
+            unit=unit, codec=want.codec, round=max(min_round, -1), any_copy=any_copy, kind=want.kind
+        ).encode()
         timeout = min(self.cfg.request_timeout, max(deadline.remaining(), MIN_REQUEST_SECONDS))
-        limit = max_payload_bytes(self.specs[unit], codec, self.cfg.topk_fraction)
+        limit = max_payload_bytes(self.specs[unit], want.codec, self.cfg.topk_fraction)
         try:
             payload = self.transport.request(
                 peer, RPC_WEIGHTS, request, timeout=timeout, max_response_bytes=limit
             )
         except TransportError as exc:
-            logger.debug("weights of %s from %s: %s", unit, peer, exc)
+            logger.debug("%s of %s from %s: %s", want.kind, unit, peer, exc)
             with self._lock:
                 self.failed[peer] += 1
             return None
@@ -145,20 +178,23 @@ class Refresh:
             tensors = decode(
                 payload,
                 self.specs[unit],
-                codec,
-                meta={"unit": unit, "kind": "weights"},
+                want.codec,
+                meta={"unit": unit, "kind": want.kind},
                 topk_fraction=self.cfg.topk_fraction,
             )
             round_ = _round_of(payload)
+            since = metadata_of(payload).get("since") if want.kind == "change" else None
         except PayloadError as exc:
-            self.transport.guard.reject(peer, f"weights of {unit}", str(exc))
+            self.transport.guard.reject(peer, f"{want.kind} of {unit}", str(exc))
             with self._lock:
                 self.rejected += 1
             return None
         self.transport.guard.accept(peer)
         with self._lock:
             self.failed.pop(peer, None)
-        return (round_, tensors) if round_ >= min_round else None
+        if want.kind == "change" and (since != ":".join(map(str, want.since)) or round_ != min_round):
+            return ELSEWHERE
+        return Fetched(round_, tensors, want) if round_ >= min_round else None
 
 
 def _round_of(payload: bytes) -> int:

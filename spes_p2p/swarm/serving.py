@@ -3,8 +3,10 @@
 - its coded update of each unit it trained, per round (``spes/update``, kind "delta"; or in parts, kind
   "piece", for a reduce-scatter), the end weights behind it (kind "end", uncompressed, for
   re-synchronization), and the group's combined update of each part it owns (kind "reduced");
-- its weights of each unit it holds, per round version (``spes/weights``), so that every peer refreshing a
-  frozen copy gets the same version of a round; newcomers may ask for its own copy of any unit.
+- its weights of each unit it holds, per round (``spes/weights``), so that every peer that starts training
+  a unit gets the same weights of a round; newcomers may ask for its own copy of any unit;
+- the current version of each unit it holds, and the change that made it (``swarm/versions.py``), for the
+  peers that keep frozen copies.
 
 Everything is kept for ``KEEP_ROUNDS`` rounds. Threads: the sync and training threads post and forget;
 the transport's handler threads read; one lock guards the maps, and payloads are encoded outside it.
@@ -31,6 +33,7 @@ from spes_p2p.swarm.messages import (
 )
 from spes_p2p.swarm.payload import encode
 from spes_p2p.swarm.transport import Transport, Unavailable
+from spes_p2p.swarm.versions import Versions
 
 KEEP_ROUNDS = 3
 M = TypeVar("M", bound=Message)
@@ -63,8 +66,10 @@ class Outbox:
         specs: dict[str, dict[str, TensorSpec]],
         topk_fraction: float,
         local_copy: Callable[[str], Tensors] | None = None,
+        versions: Versions | None = None,
     ) -> None:
         self.specs, self.topk_fraction = specs, topk_fraction
+        self.versions = versions or Versions("int8", topk_fraction)  # of the units we hold
         self.local_copy = local_copy  # our copy of any unit, for newcomers that find no holder ready
         self.guard = transport.guard
         self._lock = threading.Lock()
@@ -135,6 +140,16 @@ class Outbox:
 
     def rpc_weights(self, caller: str, request: bytes) -> bytes:
         req = self._parse(WeightsRequest, caller, request)
+        if req.kind == "change":
+            change = self.versions.change(req.unit, req.round)
+            if change is None:
+                raise Unavailable(f"no change of {req.unit} to version {req.round} here")
+            return change.payload
+        if req.kind == "version":
+            version = self.versions.current(req.unit)
+            if version is None or version.round < req.round:
+                raise Unavailable(f"no version {req.round} of {req.unit} here")
+            return self._encoded_once((version.round, req.unit, "version", req.codec), version.weights)
         with self._lock:
             versions = dict(self._weights.get(req.unit, {}))
         if versions:

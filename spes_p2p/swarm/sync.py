@@ -16,10 +16,12 @@ import torch
 
 from spes_p2p.swarm.codecs import TensorSpec
 from spes_p2p.swarm.config import SyncConfig
-from spes_p2p.swarm.exchange import Exchange, UnitRound, dense_group
+from spes_p2p.swarm.exchange import Exchange, dense_group
+from spes_p2p.swarm.outcome import UnitRound, tensors_hash
 from spes_p2p.swarm.refresh import Refresh
 from spes_p2p.swarm.serving import KEEP_ROUNDS, Outbox
 from spes_p2p.swarm.transport import Transport
+from spes_p2p.swarm.versions import Copies, Versions
 
 PARALLEL_FETCHES = 4
 
@@ -42,7 +44,9 @@ class SyncEngine:
         self.transport = transport
         self.abort = threading.Event()  # set when the peer stops: waits end at once, with what has arrived
         self._pool = ThreadPoolExecutor(PARALLEL_FETCHES, thread_name_prefix="spes-fetch")
-        self.outbox = Outbox(transport, specs, cfg.topk_fraction, local_copy)
+        self.versions = Versions(cfg.refresh_codec, cfg.topk_fraction)  # of the units we hold
+        self.copies = Copies()  # which of our frozen copies are versions
+        self.outbox = Outbox(transport, specs, cfg.topk_fraction, local_copy, self.versions)
         self._exchange = Exchange(
             transport,
             run_id,
@@ -82,6 +86,16 @@ class SyncEngine:
         self, min_round: int, holders: dict[str, list[str]], deadline: float, **kwargs
     ) -> dict[str, int]:
         return self._refresh.run(min_round, holders, deadline, **kwargs)
+
+    def start_versions(self, round_: int, read: Callable[[str], Tensors], held: list[str]) -> None:
+        """From the swarm's initial model (version ``round_``): every unit we hold starts its version chain,
+        and every frozen copy is that version."""
+        for unit in self.outbox.specs:
+            weights = read(unit)
+            if unit in held:
+                self.versions.start(unit, round_, weights)
+            else:
+                self.copies.set(unit, round_, tensors_hash(weights))
 
     def serve_weights(self, round_: int, unit: str, weights: Tensors) -> None:
         self.outbox.serve_weights(round_, unit, weights)

@@ -1,0 +1,136 @@
+"""Versions: what the peers that keep a frozen copy of a unit have, so that they receive only what changed.
+
+Every ``refresh_every_rounds`` rounds (a **version round** ``r``), the holders of a unit publish its next
+version, from their weights ``W`` of that round (after the exchange, before any merge):
+
+    change(r) = code(W(r) - V(r - k))          V(r) = V(r - k) + decode(change(r))
+
+in the refresh codec, where ``V(r - k)`` is the version before. Holders end a round with the same weights
+and share the version before, so they publish the same change, bit for bit. A peer whose frozen copy is
+version ``r - k`` exactly adds the change and has version ``r`` exactly: what the codec drops in one version
+is in the next one's change, so a copy never drifts further from the holders' weights than one change's
+rounding, however many rounds pass.
+
+A copy that is not a version (a newcomer's, one that missed a version round, or one whose check failed)
+is replaced by the holders' exact version (``none`` codec) once, and follows the changes from then on.
+Peers that hold frozen experts quantized fetch each version in their own codec instead.
+
+Holders keep the current version of each unit they hold (``Versions``); peers keep, for each frozen copy
+that is a version, its round and hash (``Copies``). A change names the version it applies to (``since``:
+round and hash); a copy whose hash is not that one has drifted, and is replaced by the exact version.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+
+import torch
+
+from spes_p2p.swarm.codecs import TensorSpec
+from spes_p2p.swarm.outcome import tensors_hash
+from spes_p2p.swarm.payload import decode, encode
+
+Tensors = dict[str, torch.Tensor]
+
+
+def is_version_round(round_: int, every: int) -> bool:
+    return (round_ + 1) % every == 0
+
+
+@dataclass(frozen=True)
+class Version:
+    round: int
+    weights: Tensors
+    hash: str
+
+
+@dataclass(frozen=True)
+class Change:
+    """A version's change, as served (its payload names the version it applies to), and the one it makes."""
+
+    payload: bytes
+    version: Version
+
+
+def change_meta(unit: str, round_: int, since: int, since_hash: str) -> dict[str, str]:
+    """A change's metadata: the version it applies to, by round and hash (its receiver checks both)."""
+    return {"unit": unit, "round": str(round_), "kind": "change", "since": f"{since}:{since_hash}"}
+
+
+class Versions:
+    """The current version of each unit this peer holds, and the change that made it. Thread-safe: the
+    sync thread advances; handler threads serve."""
+
+    def __init__(self, codec: str, topk_fraction: float) -> None:
+        self.codec, self.topk_fraction = codec, topk_fraction
+        self._lock = threading.Lock()
+        self._current: dict[str, Version] = {}
+        self._changes: dict[str, Change] = {}  # unit -> the change that made its current version
+
+    def start(self, unit: str, round_: int, weights: Tensors) -> Version:
+        """This peer's version ``round_`` of ``unit`` (the initial model, or a co-holder's exact version)."""
+        version = Version(round_, {n: t.detach().clone() for n, t in weights.items()}, tensors_hash(weights))
+        with self._lock:
+            self._current[unit] = version
+            self._changes.pop(unit, None)
+        return version
+
+    def current(self, unit: str) -> Version | None:
+        with self._lock:
+            return self._current.get(unit)
+
+    def change(self, unit: str, round_: int) -> Change | None:
+        with self._lock:
+            change = self._changes.get(unit)
+        return change if change is not None and change.version.round == round_ else None
+
+    def advance(self, unit: str, round_: int, since: int, weights: Tensors) -> Version:
+        """Version ``round_`` from ``weights``: a change on version ``since`` when we have it, else (a chain
+        we do not have) the weights themselves, with no change to serve this time."""
+        before = self.current(unit)
+        if before is None or before.round != since:
+            return self.start(unit, round_, weights)
+        meta = change_meta(unit, round_, since, before.hash)
+        delta = {n: weights[n] - before.weights[n] for n in weights}
+        payload = encode(delta, self.codec, meta=meta, topk_fraction=self.topk_fraction)
+        specs = {n: TensorSpec(tuple(t.shape)) for n, t in weights.items()}
+        sent = decode(payload, specs, self.codec, meta=meta, topk_fraction=self.topk_fraction)
+        after = {n: before.weights[n] + sent[n] for n in weights}
+        version = Version(round_, after, tensors_hash(after))
+        with self._lock:
+            self._current[unit] = version
+            self._changes[unit] = Change(payload, version)
+        return version
+
+    def keep_only(self, units: set[str]) -> None:
+        """Forgets the versions of units this peer no longer holds."""
+        with self._lock:
+            for unit in set(self._current) - units:
+                self._current.pop(unit, None)
+                self._changes.pop(unit, None)
+
+
+class Copies:
+    """For each frozen copy that is a version exactly: its round and hash. Written when a refresh lands
+    (training thread), read when the next refresh starts (sync thread)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._known: dict[str, tuple[int, str]] = {}
+
+    def get(self, unit: str) -> tuple[int, str] | None:
+        with self._lock:
+            return self._known.get(unit)
+
+    def set(self, unit: str, round_: int, hash_: str) -> None:
+        with self._lock:
+            self._known[unit] = (round_, hash_)
+
+    def forget(self, unit: str | None = None) -> None:
+        """A copy that stopped being a version (every copy: ``unit`` None, after a download)."""
+        with self._lock:
+            if unit is None:
+                self._known.clear()
+            else:
+                self._known.pop(unit, None)
