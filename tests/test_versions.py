@@ -1,0 +1,132 @@
+"""Frozen copies by version changes: a copy that follows the changes stays bit-identical to the holders'
+version and within one change's rounding of their weights over 60 rounds; a copy off the chain is
+replaced by the exact version; merges give holders the same weights whatever they store frozen experts as."""
+
+import pytest
+import torch
+
+from spes_p2p.sim import run, simulation
+from spes_p2p.sim.runner import MemoryFleet
+from spes_p2p.swarm.codecs import TensorSpec
+from spes_p2p.swarm.config import SyncConfig
+from spes_p2p.swarm.memory import MemoryNetwork
+from spes_p2p.swarm.outcome import tensors_hash
+from spes_p2p.swarm.refresh import Want
+from spes_p2p.swarm.sync import SyncEngine
+from spes_p2p.swarm.versions import is_version_round
+
+UNIT = "experts/0"
+SPECS = {UNIT: {"w1": TensorSpec((64, 128))}}
+
+
+def pair(codec="int8"):
+    net = MemoryNetwork(seed=0)
+    cfg = SyncConfig(refresh_codec=codec, deadline_min=0.2, deadline_max=2.0, request_timeout=1.0)
+    return SyncEngine(net.join("holder"), "t", cfg, SPECS), SyncEngine(net.join("peer"), "t", cfg, SPECS)
+
+
+def refresh(peer: SyncEngine, round_: int, want: Want):
+    got = []
+    peer.refresh(round_, {UNIT: ["holder"]}, 2.0, want=want, on_unit=lambda _, fetched: got.append(fetched))
+    assert got, f"round {round_}: nothing came"
+    return got[0]
+
+
+@pytest.mark.parametrize(("codec", "every"), [("int8", 1), ("nf4", 1), ("int8", 3)])
+def test_a_copy_that_follows_the_changes_never_drifts(codec, every):
+    holder, peer = pair(codec)
+    g = torch.Generator().manual_seed(0)
+    weights = {"w1": torch.randn(64, 128, generator=g)}
+    drift = torch.randn(64, 128, generator=g) * 1e-3  # a steady direction, as training has
+    holder.versions.start(UNIT, -1, weights)
+    copy = dict(weights)
+    peer.copies.set(UNIT, -1, tensors_hash(copy))
+    errors, kinds = [], []
+    for round_ in range(60):
+        weights = {"w1": weights["w1"] + drift + torch.randn(64, 128, generator=g) * 1e-4}
+        if not is_version_round(round_, every):
+            continue
+        version = holder.versions.advance(UNIT, round_, round_ - every, weights)
+        fetched = refresh(peer, round_, Want("change", codec, peer.copies.get(UNIT)))
+        kinds.append(fetched.want.kind)
+        copy = {"w1": copy["w1"] + fetched.tensors["w1"]}
+        peer.copies.set(UNIT, round_, tensors_hash(copy))
+        assert tensors_hash(copy) == version.hash, round_  # the copy is the holders' version, bit for bit
+        errors.append(float((copy["w1"] - weights["w1"]).abs().max()))
+    assert set(kinds) == {"change"}  # no exact copy was ever needed
+    assert max(errors[-5:]) < 3 * max(errors[:5])  # bounded: one change's rounding, however many rounds
+
+
+def test_the_changes_carry_what_the_codec_dropped():
+    """Coding each round's difference alone accumulates the codec's rounding; the version chain does not."""
+    holder, peer = pair("nf4")
+    g = torch.Generator().manual_seed(1)
+    weights = {"w1": torch.randn(64, 128, generator=g)}
+    drift = torch.randn(64, 128, generator=g) * 1e-3
+    holder.versions.start(UNIT, -1, weights)
+    peer.copies.set(UNIT, -1, tensors_hash(weights))
+    copy = naive = weights["w1"].clone()
+    for round_ in range(60):
+        new = {"w1": weights["w1"] + drift}
+        holder.versions.advance(UNIT, round_, round_ - 1, new)
+        copy = copy + refresh(peer, round_, Want("change", "nf4", peer.copies.get(UNIT))).tensors["w1"]
+        peer.copies.set(UNIT, round_, tensors_hash({"w1": copy}))
+        other, _ = pair("nf4")
+        other.versions.start(UNIT, 0, weights)  # a chain restarted every round: no memory of what dropped
+        naive = naive + (other.versions.advance(UNIT, 1, 0, new).weights["w1"] - weights["w1"])
+        weights = new
+    chained, alone = (copy - weights["w1"]).abs().max(), (naive - weights["w1"]).abs().max()
+    assert chained < 0.1 * alone, (chained, alone)
+
+
+def test_a_copy_off_the_holders_chain_gets_the_exact_version():
+    holder, peer = pair()
+    weights = {"w1": torch.randn(64, 128)}
+    holder.versions.start(UNIT, 4, {"w1": weights["w1"] + 1})  # the holder's chain is not ours
+    holder.versions.advance(UNIT, 5, 4, weights)
+    fetched = refresh(peer, 5, Want("change", "int8", (4, tensors_hash(weights))))
+    assert fetched.want == Want("version", "none")
+    assert tensors_hash(fetched.tensors) == holder.versions.current(UNIT).hash
+
+
+def test_a_holder_without_the_version_before_serves_its_weights_as_the_next_version():
+    holder, peer = pair()
+    weights = {"w1": torch.randn(64, 128)}
+    version = holder.versions.advance(UNIT, 3, 2, weights)  # it never had version 2
+    assert torch.equal(version.weights["w1"], weights["w1"]) and holder.versions.change(UNIT, 3) is None
+    fetched = refresh(peer, 3, Want("change", "int8", (2, "0" * 16)))
+    assert fetched.want.kind == "version" and torch.equal(fetched.tensors["w1"], weights["w1"])
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_holders_that_store_frozen_experts_differently_merge_alike(tmp_path, monkeypatch):
+    """4 peers, 2 shards, a merge every round with a large alpha: the two holders of each shard keep their
+    frozen experts as full, int8, nf4 and full, and still end bit-identical."""
+    stored = ["full", "int8", "nf4", "full"]
+    peer_settings = MemoryFleet.peer_settings
+
+    def mixed(self, index, join_round, **changes):
+        return peer_settings(self, index, join_round, train__frozen_experts=stored[index], **changes)
+
+    monkeypatch.setattr(MemoryFleet, "peer_settings", mixed)
+    summary = run(
+        simulation(
+            run__out=str(tmp_path),
+            sim__peers=4,
+            sim__backend="memory",
+            model__shards=2,
+            run__rounds=5,
+            method__steps_per_round=5,
+            merge__interval=5,
+            merge__alpha=0.5,
+            merge__horizon=1000,
+            train__batch_size=4,
+            train__seq_len=64,
+            data__max_corpus_mb=1.0,
+        )
+    )
+    assert not summary["failures"]
+    for unit in ("experts/0", "experts/1"):
+        info = summary["units"][unit]
+        assert len(info["holders"]["4"]) == 2 and info["max_holder_difference"] == 0.0, (unit, info)
