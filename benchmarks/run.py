@@ -6,7 +6,8 @@
 Sections (each a function below; all figures are measured in this run):
   memory    allocated tensor bytes per peer (weights, gradients, optimizer state, outer-step state) and peak
             process memory, for centralized, DiLoCo, SPES, SPES+BCD and SPES with quantized frozen experts
-  bytes     bytes sent and received per peer per round: DiLoCo fp32, and SPES with each codec
+  bytes     bytes sent and received per peer per round: DiLoCo fp32, and SPES with each codec, the dense
+            part by all-to-all or reduce-scatter, frozen copies by weights or by changes
   sync      share of a peer's wall time spent waiting on the sync, with and without overlap (real processes)
   loss      validation loss against tokens: centralized, DiLoCo, SPES (merging on and off), SPES+BCD;
             4 peers, equal total tokens
@@ -99,7 +100,17 @@ def bench_memory(preset: str) -> dict:
 # ----------------------------------------------------------------------------------------------- bytes
 
 
-def swarm_bytes(preset: str, codec: str, mode: str, rounds: int = 4) -> dict:
+EXCHANGES = {  # the columns of the bytes table: how the dense part and the frozen copies travel
+    "all-to-all, weights": {"sync__dense_exchange": "all_to_all", "sync__frozen_refresh": "weights"},
+    "reduce-scatter, weights": {"sync__frozen_refresh": "weights"},
+    "all-to-all, changes": {"sync__dense_exchange": "all_to_all"},
+    "reduce-scatter, changes": {},  # the defaults
+    "reduce-scatter, changes every 2": {"method__refresh_every_rounds": 2},
+}
+DEFAULT_EXCHANGE = "reduce-scatter, changes"
+
+
+def swarm_bytes(preset: str, codec: str, mode: str, exchange: str, rounds: int = 4) -> dict:
     """Bytes per round of 4 in-process peers (2 shards): each peer's total over the run divided by the rounds,
     median over peers (one round's window is noisy: a peer's bytes land in whichever round it was in when
     another peer fetched from it)."""
@@ -119,6 +130,7 @@ def swarm_bytes(preset: str, codec: str, mode: str, rounds: int = 4) -> dict:
         train__batch_size=2,
         train__seq_len=64,
         sync__deadline_min=0.5,
+        **EXCHANGES[exchange],
     )
     net = MemoryNetwork(seed=0)
     swarm = [Peer(s, net.join(f"p{i}")) for i in range(4)]
@@ -139,6 +151,7 @@ def swarm_bytes(preset: str, codec: str, mode: str, rounds: int = 4) -> dict:
         "preset": preset,
         "mode": mode,
         "codec": codec,
+        "exchange": exchange,
         "sent": sent,
         "received": received,
         "model_fp32_bytes": model_bytes,
@@ -146,17 +159,26 @@ def swarm_bytes(preset: str, codec: str, mode: str, rounds: int = 4) -> dict:
 
 
 def bench_bytes(presets: list[str]) -> list[dict]:
+    """DiLoCo in fp32 (all-to-all, as before, and reduce-scatter), then SPES with each codec: on the largest
+    preset in every exchange, on the others in the default one."""
     rows = []
     for preset in presets:
-        rows.append(swarm_bytes(preset, "none", "diloco"))
-        for codec in CODECS:
-            rows.append(swarm_bytes(preset, codec, "spes"))
-        diloco = rows[-1 - len(CODECS)]
-        for r in rows[-1 - len(CODECS) :]:
+        baselines = [
+            swarm_bytes(preset, "none", "diloco", e) for e in ("all-to-all, weights", DEFAULT_EXCHANGE)
+        ]
+        exchanges = list(EXCHANGES) if preset == presets[-1] else [DEFAULT_EXCHANGE]
+        spes = [swarm_bytes(preset, codec, "spes", e) for codec in CODECS for e in exchanges]
+        before, after = (b["sent"] + b["received"] for b in baselines)
+        for r in baselines + spes:
             total = r["sent"] + r["received"]
-            r["ratio_vs_diloco_fp32"] = total / (diloco["sent"] + diloco["received"])
+            r["ratio_vs_diloco_fp32"] = total / before  # DiLoCo as this project ran it before: all-to-all
+            r["ratio_vs_diloco_rs_fp32"] = total / after
             r["ratio_vs_allreduce_fp32"] = total / (2 * r["model_fp32_bytes"])
-            print(f"bytes {preset} {r['mode']} {r['codec']}: {total / 2**20:.2f} MiB", flush=True)
+            print(
+                f"bytes {preset} {r['mode']} {r['codec']} {r['exchange']}: {total / 2**20:.2f} MiB",
+                flush=True,
+            )
+        rows += baselines + spes
     return rows
 
 
@@ -212,6 +234,7 @@ def bench_sync(out: Path, rounds: int, steps: int) -> dict:
 LOSS_METHODS = {  # settings changes, section__field
     "diloco": {"method__mode": "diloco"},  # Nesterov outer step (lr 0.7, momentum 0.9), no merging
     "spes": {},
+    "spes, all-to-all, weights": EXCHANGES["all-to-all, weights"],  # the exchange before reduce-scatter
     "spes-no-merge": {"merge__enabled": False},
     "spes+bcd": {"model__dense_blocks": 4, "peer__active_blocks": 1, "method__rotate_every_rounds": 2},
 }
@@ -278,7 +301,9 @@ def headline(results: dict) -> dict:
     memory, bytes_rows, loss = results["memory"], results["bytes"], results["loss"]
     preset = bytes_rows[-1]["preset"]
     spes_int8 = next(
-        r for r in bytes_rows if r["preset"] == preset and r["mode"] == "spes" and r["codec"] == "int8"
+        r
+        for r in bytes_rows
+        if (r["preset"], r["mode"], r["codec"], r["exchange"]) == (preset, "spes", "int8", DEFAULT_EXCHANGE)
     )
     final = {name: curve[-1][1] for name, curve in loss.items()}
     return {
@@ -288,6 +313,7 @@ def headline(results: dict) -> dict:
         )
         / memory["diloco"]["total_bytes"],
         "bytes_ratio_vs_diloco_fp32": spes_int8["ratio_vs_diloco_fp32"],
+        "bytes_ratio_vs_diloco_rs_fp32": spes_int8["ratio_vs_diloco_rs_fp32"],
         "bytes_ratio_vs_allreduce_fp32": spes_int8["ratio_vs_allreduce_fp32"],
         "val_loss_ratio_vs_centralized": final["spes"] / final["centralized"],
         "val_loss_ratio_vs_diloco": final["spes"] / final["diloco"],
@@ -311,14 +337,7 @@ def tables(results: dict) -> str:
         out.append(
             row(name, *(mib(r[k]) for k in parts), f"**{mib(r['total_bytes'])}**", mib(r["peak_rss_bytes"]))
         )
-    out += [
-        "",
-        row("preset", "method", "codec", "sent MiB", "received MiB", "vs DiLoCo fp32", "vs fp32 all-reduce"),
-        row(*["---"] * 7),
-    ]
-    for r in results["bytes"]:
-        ratios = (f"{r['ratio_vs_diloco_fp32']:.3f}", f"{r['ratio_vs_allreduce_fp32']:.3f}")
-        out.append(row(r["preset"], r["mode"], r["codec"], mib(r["sent"]), mib(r["received"]), *ratios))
+    out += bytes_tables(results["bytes"], row, mib)
     out += ["", row("sync", "share of wall time waiting", "seconds waited per round"), row(*["---"] * 3)]
     for name, r in results["sync"].items():
         out.append(row(name, f"{r['sync_wait_fraction']:.3f}", f"{r['wait_seconds_per_round']:.2f}"))
@@ -330,6 +349,40 @@ def tables(results: dict) -> str:
         times = (f"{r[k]:.2f}" for k in ("round_seconds", "compute_seconds", "sync_wait_seconds"))
         out.append(row(r["peers"], *times, f"{r['dht_ms']:.1f}"))
     return "\n".join(out)
+
+
+def bytes_tables(rows: list[dict], row, mib) -> list[str]:
+    """Every run (MiB sent and received, ratios), then per preset and codec: the ratio against DiLoCo's fp32
+    all-to-all in each exchange, a column per change."""
+    heads = (
+        "sent MiB",
+        "received MiB",
+        "vs DiLoCo fp32",
+        "vs DiLoCo fp32 reduce-scatter",
+        "vs fp32 all-reduce",
+    )
+    out = ["", row("preset", "method", "codec", "exchange", *heads), row(*["---"] * 8)]
+    for r in rows:
+        ratios = (
+            f"{r[k]:.3f}"
+            for k in ("ratio_vs_diloco_fp32", "ratio_vs_diloco_rs_fp32", "ratio_vs_allreduce_fp32")
+        )
+        out.append(
+            row(
+                r["preset"], r["mode"], r["codec"], r["exchange"], mib(r["sent"]), mib(r["received"]), *ratios
+            )
+        )
+    spes = [r for r in rows if r["mode"] == "spes"]
+    exchanges = [e for e in EXCHANGES if any(r["exchange"] == e for r in spes)]
+    out += ["", row("preset", "codec", *exchanges), row(*["---"] * (2 + len(exchanges)))]
+    for preset, codec in dict.fromkeys((r["preset"], r["codec"]) for r in spes):
+        cells = {
+            r["exchange"]: f"{r['ratio_vs_diloco_fp32']:.3f}"
+            for r in spes
+            if (r["preset"], r["codec"]) == (preset, codec)
+        }
+        out.append(row(preset, codec, *(cells.get(e, "") for e in exchanges)))
+    return out
 
 
 def plots(results: dict, out: Path) -> None:

@@ -63,7 +63,7 @@ class RoundSync:
                 job.results[unit] = self._exchange(job, unit, view)
                 self.sync.serve_weights(job.round, unit, job.results[unit].new_weights)
             versions = is_version_round(job.round, self.every)
-            if versions:
+            if versions and self.settings.sync.frozen_refresh == "changes":
                 self._publish_versions(job, view)
             self._refresh(job, view, versions)
             if job.experts is not None:
@@ -140,17 +140,20 @@ class RoundSync:
                 self.member.served(unit, unit in got)
 
     def _want(self, unit: str, job: RoundJob) -> Want:
-        """Exact weights of a unit we are about to train; for a frozen copy, the change since its version
-        (or, when it is not one, the exact version); a frozen expert held quantized: the version in its own
-        format (exact when a merge needs every expert's version)."""
+        """Exact weights of a unit we are about to train. For a frozen copy: the change since its version
+        (or, when it is not one, the exact version); held quantized, the version in its own format. At a
+        merge, every peer needs this round's version of every expert alike: exact ones."""
         if unit in self.member.units_held:
             return Want("weights", "none")
-        stored = self.settings.train.frozen_experts
-        if unit.startswith("experts/") and stored != "full":
+        sync, stored = self.settings.sync, self.settings.train.frozen_experts
+        quantized = unit.startswith("experts/") and stored != "full"
+        if sync.frozen_refresh == "weights":  # (a merge: every peer in the same codec)
+            return Want("weights", stored if quantized and job.experts is None else sync.refresh_codec)
+        if quantized:
             return Want("version", "none" if job.experts is not None else stored)
         copy = self.sync.copies.get(unit)
         if copy is not None and copy[0] == job.round - self.every:
-            return Want("change", self.settings.sync.refresh_codec, copy)
+            return Want("change", sync.refresh_codec, copy)
         return Want("version", "none")
 
     def landed(self, unit: str, fetched: Fetched, weights: Tensors) -> None:
@@ -187,15 +190,21 @@ class RoundSync:
                 result.new_weights[name] = result.new_weights[name] + (merged[name] - versions[name])
 
     def _version_of(self, unit: str, job: RoundJob) -> Tensors | None:
+        """``unit`` as every peer has it this round: its version (refreshed by weights: the weights as its
+        holders served them, and ours as we trained them)."""
+        by_weights = self.settings.sync.frozen_refresh == "weights"
         if unit in job.results:
             current = self.sync.versions.current(unit)
+            if by_weights:
+                return job.results[unit].new_weights
             return current.weights if current is not None and current.round == job.round else None
         fetched = job.refreshed.get(unit)
         if fetched is None or fetched.round != job.round:
             return None
         if fetched.want.kind == "change":  # added to our copy, which was the version before
             return {n: job.experts[n] + t for n, t in fetched.tensors.items()}
-        return fetched.tensors if fetched.want == Want("version", "none") else None
+        exact = fetched.want == Want("version", "none") or fetched.want.kind == "weights"
+        return fetched.tensors if exact else None
 
     def bound(self, job: RoundJob) -> float:
         """Seconds a job's sync can take when every wait runs to its limit (each unit's exchange, a download,

@@ -13,6 +13,7 @@ from spes_p2p.swarm.transport import MAX_EXPIRY_AHEAD
 OUTER_RULES = ("fedavg", "nesterov")
 AGGREGATES = ("mean", "clipped_mean", "trimmed_mean", "median")
 DENSE_EXCHANGES = ("reduce_scatter", "all_to_all")
+FROZEN_REFRESHES = ("changes", "weights")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -88,7 +89,13 @@ class SyncConfig(Section):
 
     codec: str = setting("int8", "How updates travel.", choices=tuple(CODECS))
     refresh_codec: str = setting(
-        "int8", "How the changes to frozen copies of other units travel.", choices=tuple(CODECS)
+        "int8", "How frozen copies of other units travel (their changes, or weights).", choices=tuple(CODECS)
+    )
+    frozen_refresh: str = setting(
+        "changes",
+        "How frozen copies are brought up to date: changes (what changed since the copy's version, in "
+        "refresh_codec) or weights (the holders' weights in full, every time).",
+        choices=FROZEN_REFRESHES,
     )
     topk_fraction: float = setting(TOPK_FRACTION, "topk codec: the share of entries sent.")
     outer: str = setting("fedavg", "Outer rule: fedavg (SPES) or nesterov (DiLoCo).", choices=OUTER_RULES)
