@@ -76,6 +76,13 @@ def test_a_peer_record_must_name_the_peer_that_wrote_it():
         (msgspec.msgpack.encode({"round": 0, "unit": "../etc/passwd"}), "malformed"),
         (msgspec.msgpack.encode({"round": 0, "unit": "experts/0", "sudo": 1}), "malformed"),
         (msgspec.msgpack.encode({"unit": "experts/0", "codec": "pickle"}), "malformed"),
+        (
+            msgspec.msgpack.encode({"round": 0, "unit": "dense/0", "kind": "piece", "part": 4, "parts": 4}),
+            "malformed",
+        ),
+        (msgspec.msgpack.encode({"round": 0, "unit": "dense/0", "kind": "delta", "parts": 4}), "malformed"),
+        (msgspec.msgpack.encode({"round": 0, "unit": "dense/0", "kind": "reduced", "part": 99}), "malformed"),
+        (msgspec.msgpack.encode({"unit": "experts/0", "codec": "none", "kind": "everything"}), "malformed"),
     ],
 )
 def test_a_server_answers_malformed_requests_with_a_failure(request_bytes, problem):

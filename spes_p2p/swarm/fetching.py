@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from spes_p2p.swarm.aggregate import Contribution, Fetched
-from spes_p2p.swarm.codecs import HEADER_ALLOWANCE, MAX_PARTS, TensorSpec, max_payload_bytes, piece_spec
+from spes_p2p.swarm.codecs import HEADER_ALLOWANCE, TensorSpec, max_payload_bytes, piece_spec
 from spes_p2p.swarm.config import SyncConfig
 from spes_p2p.swarm.messages import RPC_UPDATE, UpdateRequest
 from spes_p2p.swarm.payload import PayloadError, decode, metadata_of
@@ -148,7 +148,10 @@ class UpdateFetcher:
     ):
         full = self.specs[unit]
         limit = max_payload_bytes(full, self.cfg.codec, self.cfg.topk_fraction)
-        if announced.codec != self.cfg.codec or announced.bytes > limit + MAX_PARTS * HEADER_ALLOWANCE:
+        if (
+            announced.codec != self.cfg.codec
+            or announced.bytes > limit + len(announced.pieces) * HEADER_ALLOWANCE
+        ):
             return self.refuse(peer, unit, f"announced {announced.bytes} bytes of {announced.codec!r}")
         if (part is None and announced.pieces) or (part is not None and len(announced.pieces) != part[1]):
             # split otherwise than we asked: it saw another group (a disagreement, not an attack)
