@@ -133,7 +133,7 @@ class Exchange:
         self.participants[(round_, unit)] = set(participants)
         others = sorted(set(participants) - {me})
         deadline = Deadline(self.deadline.seconds(), self.abort)
-        fetched, missing, rejected = self._gather(round_, unit, others, deadline)
+        fetched, missing, rejected = self.gather(round_, unit, others, deadline)
         late = self._late_updates(round_, unit, deadline)
         decision = decide(base, own, fetched, late)
         result = UnitRound(unit, [me], missing, rejected, decision.resync, diverged)
@@ -142,7 +142,7 @@ class Exchange:
         if decision.resync or diverged:  # our weights are replaced: what our coding lost is moot
             self.feedback.pop(unit, None)
         if decision.resync:
-            counting = self._resync(round_, unit, end, own, decision, deadline, result)
+            counting = self.resync(round_, unit, end, own, decision, deadline, result)
         else:
             outer = self.outer.setdefault(
                 unit, OuterStep(self.cfg.outer, self.cfg.outer_lr, self.cfg.outer_momentum)
@@ -151,7 +151,7 @@ class Exchange:
             result.new_weights, outliers = averaged(
                 start, fallback, decision.contributions, outer, self.aggregate, me if own else None
             )
-            self._count_outliers(result, outliers)
+            self.count_outliers(result, outliers)
             counting = [c for c in decision.contributions if c.peer_id not in outliers]
             self.off_base[unit] = 0
         own_counts = own is not None and me in {c.peer_id for c in counting}  # (an outlier's does not)
@@ -159,7 +159,7 @@ class Exchange:
         self.applied |= {(c.peer_id, c.round, unit) for c in counting}
         return result
 
-    def _resync(self, round_, unit, end, own, decision, deadline, result: UnitRound) -> list[Contribution]:
+    def resync(self, round_, unit, end, own, decision, deadline, result: UnitRound) -> list[Contribution]:
         """Our new weights from the leading participants' end weights, each within reach of ours: a peer that
         sends far-off weights is not averaged in, and one that stays outnumbered downloads the unit."""
         me = self.transport.peer_id
@@ -167,7 +167,7 @@ class Exchange:
         ends += self.fetcher.ends(round_, unit, decision.resync_from, deadline)
         reach = math.inf if own is None else RESYNC_FACTOR * norm_of(own.tensors)
         result.new_weights, far = resynchronized(end, ends, reach)
-        self._count_outliers(result, far)
+        self.count_outliers(result, far)
         self.outer.pop(unit, None)
         kept_off = not decision.ours_leads and len(far) == len(ends)  # outnumbered, and nobody in reach
         self.off_base[unit] = self.off_base.get(unit, 0) + 1 if kept_off else 0
@@ -176,7 +176,7 @@ class Exchange:
             result.download, self.off_base[unit] = True, 0
         return [e for e in ends if e.peer_id not in far]
 
-    def _count_outliers(self, result: UnitRound, peers: list[str]) -> None:
+    def count_outliers(self, result: UnitRound, peers: list[str]) -> None:
         others = sorted(set(peers) - {self.transport.peer_id})  # our own, when an outlier, is only left out
         for peer in others:
             self.fetcher.refuse(peer, result.unit, "its update lies far beyond the round's others")
@@ -220,7 +220,7 @@ class Exchange:
 
     # ----------------------------------------------------------------------------------- the others
 
-    def _gather(self, round_: int, unit: str, others: list[str], deadline: Deadline, part=None):
+    def gather(self, round_: int, unit: str, others: list[str], deadline: Deadline, part=None):
         """Fetches the others' updates of this round (with ``part``, that part of them) until all that are
         waited for answered, left, or the deadline passed. The deadline adapts to when the last answer came,
         whoever is still missing."""

@@ -50,6 +50,7 @@ from spes_p2p.swarm.waiting import Deadline, poll
 
 if TYPE_CHECKING:
     from spes_p2p.swarm.exchange import Exchange
+
 POLL_SECONDS = 0.2  # between asks for the combined parts not served yet
 
 Tensors = dict[str, torch.Tensor]
@@ -68,11 +69,9 @@ class _Round:
     pieces: list[torch.Tensor] | None = None  # our update's parts as they decode; None: ours does not count
 
     def own(self, me: str, part: int) -> Contribution | None:
-        return (
-            None
-            if self.pieces is None
-            else Contribution(me, self.tokens, {"piece": self.pieces[part]}, self.round)
-        )
+        if self.pieces is None:
+            return None
+        return Contribution(me, self.tokens, {"piece": self.pieces[part]}, self.round)
 
 
 class ReduceScatter:
@@ -107,7 +106,7 @@ class ReduceScatter:
             r.pieces = self._post_pieces(r, update, end)
         deadline = Deadline(x.deadline.seconds(), x.abort)
         others = [p for p in group if p != me]
-        fetched, missing, rejected = x._gather(round_, unit, others, deadline, (mine, len(group)))
+        fetched, missing, rejected = x.gather(round_, unit, others, deadline, (mine, len(group)))
         own = r.own(me, mine)
         decision = decide(r.base, own, fetched, [])
         result = UnitRound(unit, [me], missing, rejected, decision.resync, diverged)
@@ -115,12 +114,12 @@ class ReduceScatter:
             x.feedback.pop(unit, None)
         if decision.resync:  # we combine nothing this round: the others combine our part themselves
             whole = None if own is None else Contribution(me, r.tokens, self._whole(unit, r.pieces), round_)
-            counting = x._resync(round_, unit, end, whole, decision, deadline, result)
+            counting = x.resync(round_, unit, end, whole, decision, deadline, result)
             leads = whole is not None and decision.ours_leads
             return self._close(r, result, {c.peer_id for c in counting} | ({me} if leads else set()))
         x.off_base[unit] = 0
         combined = combine(decision.contributions, x.aggregate, me if own else None)
-        x._count_outliers(result, combined.rejected)
+        x.count_outliers(result, combined.rejected)
         parts = self._collect(r, {mine: self._post_reduced(r, mine, combined)})
         return self._apply(r, start, start if diverged else end, parts, result)
 
@@ -143,7 +142,7 @@ class ReduceScatter:
         decision = decide(r.base, None, members, [])
         if decision.resync or not members:
             result.resynced = decision.resync
-            counting = x._resync(r.round, r.unit, end, None, decision, deadline, result)
+            counting = x.resync(r.round, r.unit, end, None, decision, deadline, result)
             return self._close(r, result, {c.peer_id for c in counting})
         return self._apply(r, start, start, self._collect(r, {}), result)
 
