@@ -51,7 +51,7 @@ from spes_p2p.swarm.waiting import Deadline, poll
 if TYPE_CHECKING:
     from spes_p2p.swarm.exchange import Exchange
 
-POLL_SECONDS = 0.2  # between asks for the combined parts not served yet
+POLL_SECONDS = 0.1  # between asks for the combined parts not served yet
 
 Tensors = dict[str, torch.Tensor]
 
