@@ -42,7 +42,6 @@ from spes_p2p.swarm.member import SwarmMember, SwarmMismatch, SwarmView
 from spes_p2p.swarm.payload import specs_of
 from spes_p2p.swarm.reachability import SelfCheck
 from spes_p2p.swarm.transport import Transport
-from spes_p2p.swarm.versions import is_version_round
 from spes_p2p.swarm.waiting import Deadline, poll
 from spes_p2p.train.checkpoint import Checkpoint
 
@@ -97,9 +96,9 @@ class Peer:
         self.sync = sync_engine(settings, transport, specs, self.local.read, self.member.live_peers)
         overlap = settings.method.overlap
         round_sync = RoundSync(settings, self.member, self.sync, self.layout)
-        self.pipeline = Pipeline(round_sync, overlap)
+        self.pipeline, self.frozen = Pipeline(round_sync, overlap), round_sync.frozen
         self.landing = Landing(
-            self.local.read, self.local.write, overlap, self.local.reset_state, round_sync.landed
+            self.local.read, self.local.write, overlap, self.local.reset_state, self.frozen.landed
         )
         self.metrics = RoundMetrics(transport)
         self.reachability = SelfCheck(transport, self.member, settings.network)
@@ -212,18 +211,10 @@ class Peer:
                 "lr": self.local.trainer.lr(),
                 "sync_started": time.perf_counter(),
             },
-            experts=self.local.frozen_experts(units) if self._merge_due(self.round) else None,
+            experts=self.local.frozen_experts(units) if self.frozen.merge_due(self.round) else None,
         )
         self._land(self.pipeline.submit(job))
         return True
-
-    def _merge_due(self, round_: int) -> bool:
-        """Merges come due at steps; they run at the next version round (on that round's versions)."""
-        every, h = self.settings.method.refresh_every_rounds, self.settings.method.steps_per_round
-        since_last = range(round_ - every + 1, round_ + 1)
-        return is_version_round(round_, every) and any(
-            self.settings.merge.due((r + 1) * h) for r in since_last
-        )
 
     def _land_if_synced(self) -> None:
         if self.pipeline.finished():

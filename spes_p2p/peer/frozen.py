@@ -1,0 +1,157 @@
+"""Frozen copies: a peer's copies of the units it does not train, brought up to date by versions
+(``swarm/versions.py``), and the expert-merging warm-up, which runs on every expert's version of a round.
+
+Runs on the sync thread, as part of a round's sync (``rounds.RoundSync``); ``landed`` on the training
+thread, as each refreshed copy is written into the model.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING
+
+import torch
+
+from spes_p2p.model.units import UnitLayout
+from spes_p2p.settings import Settings
+from spes_p2p.swarm.member import SwarmMember, SwarmView
+from spes_p2p.swarm.outcome import tensors_hash
+from spes_p2p.swarm.refresh import Fetched, Want
+from spes_p2p.swarm.sync import SyncEngine
+from spes_p2p.swarm.versions import is_version_round
+from spes_p2p.train.merge import merge_experts
+
+if TYPE_CHECKING:
+    from spes_p2p.peer.rounds import RoundJob
+
+logger = logging.getLogger(__name__)
+
+Tensors = dict[str, torch.Tensor]
+
+
+class FrozenCopies:
+    def __init__(self, settings: Settings, member: SwarmMember, sync: SyncEngine, layout: UnitLayout) -> None:
+        self.settings, self.member, self.sync, self.layout = settings, member, sync, layout
+        self.me = member.transport.peer_id
+        self.every = settings.method.refresh_every_rounds
+
+    def merge_due(self, round_: int) -> bool:
+        """Merges come due at steps; they run at the next version round (on that round's versions)."""
+        h = self.settings.method.steps_per_round
+        due = any(self.settings.merge.due((r + 1) * h) for r in range(round_ - self.every + 1, round_ + 1))
+        return due and is_version_round(round_, self.every)
+
+    def publish(self, job: RoundJob, view: SwarmView) -> None:
+        """The next version of each unit we trained that others keep frozen copies of; a unit whose version
+        chain we lack (we just took it over) joins a co-holder's first."""
+        if not is_version_round(job.round, self.every) or self.settings.sync.frozen_refresh != "changes":
+            return
+        since = job.round - self.every
+        for unit, result in job.results.items():
+            if not self._versioned(unit):
+                continue
+            current = self.sync.versions.current(unit)
+            if current is None or current.round < since:
+                self.sync.refresh(
+                    since,
+                    {unit: sorted(view.participants(unit, job.round) - {self.me})},
+                    self.sync.deadline.seconds(),
+                    want=Want("version", "none"),
+                    on_unit=lambda u, fetched: self.sync.versions.start(u, fetched.round, fetched.tensors),
+                )
+                current = self.sync.versions.current(unit)
+            if current is None or current.round < job.round:
+                self.sync.versions.advance(unit, job.round, since, result.new_weights)
+
+    def _versioned(self, unit: str) -> bool:
+        """Whether some peers keep a frozen copy of ``unit``: an expert shard, or a dense block of several."""
+        if self.settings.method.mode == "diloco":
+            return False
+        return unit.startswith("experts/") or len(self.layout.dense_units) > 1
+
+    def refresh(self, job: RoundJob, view: SwarmView) -> None:
+        """The units we start training next (their weights, exactly), and at a version round our frozen
+        copies of every other unit."""
+        versions = is_version_round(job.round, self.every)
+        frozen = {
+            u: sorted(view.participants(u, job.round) - {self.me})
+            for u in self.layout.units
+            if u not in job.units and (versions or u in self.member.units_held)
+        }
+        got = self.sync.refresh(
+            job.round,
+            frozen,
+            self.sync.deadline.seconds(),
+            want={u: self._want(u, job) for u in frozen},
+            on_unit=lambda unit, fetched: job.refreshed.__setitem__(unit, fetched),
+        )
+        for unit, holders in frozen.items():
+            if holders:
+                self.member.served(unit, unit in got)
+
+    def _want(self, unit: str, job: RoundJob) -> Want:
+        """Exact weights of a unit we are about to train. For a frozen copy: the change since its version
+        (or, when it is not one, the exact version); held quantized, the version in its own format. At a
+        merge, every peer needs this round's version of every expert alike: exact ones."""
+        if unit in self.member.units_held:
+            return Want("weights", "none")
+        sync, stored = self.settings.sync, self.settings.train.frozen_experts
+        quantized = unit.startswith("experts/") and stored != "full"
+        if sync.frozen_refresh == "weights":  # (a merge: every peer in the same codec)
+            return Want("weights", stored if quantized and job.experts is None else sync.refresh_codec)
+        if quantized:
+            return Want("version", "none" if job.experts is not None else stored)
+        copy = self.sync.copies.get(unit)
+        if copy is not None and copy[0] == job.round - self.every:
+            return Want("change", sync.refresh_codec, copy)
+        return Want("version", "none")
+
+    def landed(self, unit: str, fetched: Fetched, weights: Tensors) -> None:
+        """A refreshed copy was written: it is a version exactly when it was one (or a change to ours) and
+        it is kept in full precision."""
+        exact = fetched.want.kind == "change" or fetched.want == Want("version", "none")
+        stored_exactly = not unit.startswith("experts/") or self.settings.train.frozen_experts == "full"
+        if exact and stored_exactly:
+            self.sync.copies.set(unit, fetched.round, tensors_hash(weights))
+        else:
+            self.sync.copies.forget(unit)
+
+    def merge(self, job: RoundJob) -> None:
+        """The expert-merging warm-up, on every expert's version of this round (ours as we published it,
+        the others' as our refreshed copies have it): every peer computes the same correction, whatever
+        it stores its frozen experts as, and adds it to the experts it trained."""
+        versions: Tensors = {}
+        for unit in self.layout.expert_units:
+            weights = self._version_of(unit, job)
+            if weights is None:
+                logger.info("round %d: no version of %s this round; no merge", job.round, unit)
+                return
+            versions.update(weights)
+        step = (job.round + 1) * self.settings.method.steps_per_round
+        n = self.layout.experts_per_shard
+        owned = {
+            int(u.split("/")[1]) * n + i for u in job.results if u.startswith("experts/") for i in range(n)
+        }
+        merged = merge_experts(
+            versions, self.settings.merge.alpha_at(step), self.settings.merge.neighbours, owned
+        )
+        for result in job.results.values():
+            for name in set(merged) & set(result.new_weights):
+                result.new_weights[name] = result.new_weights[name] + (merged[name] - versions[name])
+
+    def _version_of(self, unit: str, job: RoundJob) -> Tensors | None:
+        """``unit`` as every peer has it this round: its version (refreshed by weights: the weights as its
+        holders served them, and ours as we trained them)."""
+        by_weights = self.settings.sync.frozen_refresh == "weights"
+        if unit in job.results:
+            current = self.sync.versions.current(unit)
+            if by_weights:
+                return job.results[unit].new_weights
+            return current.weights if current is not None and current.round == job.round else None
+        fetched = job.refreshed.get(unit)
+        if fetched is None or fetched.round != job.round:
+            return None
+        if fetched.want.kind == "change":  # added to our copy, which was the version before
+            return {n: job.experts[n] + t for n, t in fetched.tensors.items()}
+        exact = fetched.want == Want("version", "none") or fetched.want.kind == "weights"
+        return fetched.tensors if exact else None
