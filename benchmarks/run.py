@@ -53,7 +53,9 @@ CODECS = ["none", "fp16", "int8", "nf4", "topk"]
 
 # ---------------------------------------------------------------------------------------------- memory
 
-MEMORY_CONFIGS = {  # name -> (units trained, dense blocks, frozen experts, outer state per trained weight)
+# name -> (units trained, dense blocks, frozen experts, outer state per trained weight); SPES holders also
+# keep the last version of the units they train that others hold frozen copies of (swarm/versions.py)
+MEMORY_CONFIGS = {
     "centralized": ("all", 1, "full", 0),
     "diloco": ("all", 1, "full", 2),  # the round's start weights, and Nesterov momentum
     "spes": ("1 shard", 1, "full", 1),  # the round's start weights (FedAvg: no momentum)
@@ -75,12 +77,24 @@ def memory_child(preset: str, name: str) -> dict:
     trained = layout.units if units == "all" else [*layout.dense_units[-1:], "experts/0"]
     train = TrainConfig(frozen_experts=frozen, batch_size=4)
     report = measure(model.architecture(), layout, trained, train)
-    report["outer_bytes"] = outer_copies * 4 * report["trainable_params"]
+    # a holder keeps the last version of each unit it trains that others keep frozen copies of
+    versioned = [u for u in trained if u.startswith("experts/") or blocks > 1] if units != "all" else []
+    report["version_bytes"] = 4 * unit_params(model, versioned)
+    report["outer_bytes"] = outer_copies * 4 * report["trainable_params"] + report["version_bytes"]
     outer = [torch.empty(report["trainable_params"]) for _ in range(outer_copies)]  # held, as a peer does
     report["total_bytes"] += report["outer_bytes"]
     report["peak_rss_bytes"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     del outer
     return report
+
+
+def unit_params(model, units: list[str]) -> int:
+    from spes_p2p.model import MoETransformer
+
+    layout = model.layout()
+    with torch.device("meta"):
+        named = MoETransformer(model.architecture()).named_parameters()
+        return sum(p.numel() for n, p in named if layout.unit_of(n) in units)
 
 
 def bench_memory(preset: str) -> dict:
