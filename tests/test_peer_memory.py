@@ -54,7 +54,10 @@ def run_swarm(s: Settings, rounds: int, tmp_path, n: int = 4) -> list[Peer]:
     return peers
 
 
-def assert_holders_agree(peers: list[Peer], exact: bool = True) -> None:
+def assert_holders_agree(peers: list[Peer], merged: bool = False) -> None:
+    """Holders of a unit agree bit for bit (merges too: every holder merges on the same versions); a frozen
+    copy is within 3% of the block maximum of the holders' weights (int8 changes), and after a merge in the
+    last round within 10% (copies receive that merge's correction with the next version)."""
     layout = peers[0].layout
     for unit in layout.units:
         holders = [p for p in peers if unit in p.member.units_held]
@@ -63,12 +66,11 @@ def assert_holders_agree(peers: list[Peer], exact: bool = True) -> None:
         for p in peers:
             weights = read_unit(p.local.model, layout, unit)
             for name, ref in reference.items():
-                if p in holders and (exact or unit == "dense/0"):
+                if p in holders:
                     assert torch.equal(weights[name], ref), f"holders of {unit} differ on {name}"
-                elif p in holders:  # merging reads frozen copies; one refreshed late makes a merge differ
-                    assert (weights[name] - ref).abs().max() <= 0.03 * ref.abs().max(), (unit, name)
-                else:  # a frozen copy through the int8 codec: within 3% of the block maximum
-                    assert (weights[name] - ref).abs().max() <= 0.03 * ref.abs().max(), (unit, name)
+                else:
+                    bound = 0.10 if merged else 0.03
+                    assert (weights[name] - ref).abs().max() <= bound * ref.abs().max(), (unit, name)
 
 
 @pytest.mark.parametrize(
@@ -82,7 +84,7 @@ def assert_holders_agree(peers: list[Peer], exact: bool = True) -> None:
 )
 def test_peers_train_and_agree(tmp_path, changes):
     peers = run_swarm(settings(**changes), rounds=3, tmp_path=tmp_path)
-    assert_holders_agree(peers, exact=not changes.get("merge__enabled"))
+    assert_holders_agree(peers, merged=changes.get("merge__enabled", False))
     assert sorted(
         len([p for p in peers if u in p.member.units_held]) for u in ("experts/0", "experts/1")
     ) == [2, 2]
