@@ -375,7 +375,7 @@ def bytes_tables(rows: list[dict], row, mib) -> list[str]:
         "vs DiLoCo fp32 reduce-scatter",
         "vs fp32 all-reduce",
     )
-    out = ["", row("preset", "method", "codec", "exchange", *heads), row(*["---"] * 8)]
+    out = ["", row("preset", "method", "codec", "exchange", *heads), row(*["---"] * (4 + len(heads)))]
     for r in rows:
         ratios = (
             f"{r[k]:.3f}"

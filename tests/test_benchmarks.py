@@ -6,6 +6,7 @@ from pathlib import Path
 import pytest
 
 from spes_p2p.model import MoETransformer, get_preset
+from spes_p2p.model.config import ModelSettings
 
 SCRIPT = Path(__file__).parents[1] / "benchmarks" / "run.py"
 SPEC = importlib.util.spec_from_file_location("bench_run", SCRIPT)
@@ -19,7 +20,10 @@ def test_memory_accounting_of_diloco_and_spes_peers():
     diloco, spes = bench.memory_child("tiny", "diloco"), bench.memory_child("tiny", "spes")
     assert diloco["trainable_params"] == params
     assert diloco["outer_bytes"] == 2 * 4 * params  # start weights and Nesterov momentum, fp32
-    assert spes["outer_bytes"] == 4 * spes["trainable_params"] < 4 * params
+    # the start weights of what it trains, and the last version of its expert shard (others' frozen copies)
+    shard = bench.unit_params(ModelSettings(preset="tiny", shards=4), ["experts/0"])
+    assert 0 < spes["version_bytes"] == 4 * shard
+    assert spes["outer_bytes"] == 4 * spes["trainable_params"] + 4 * shard < 4 * params
     parts = ("weights_bytes", "grads_bytes", "optimizer_bytes", "outer_bytes")
     assert spes["total_bytes"] == sum(spes[k] for k in parts)
     assert spes["total_bytes"] < diloco["total_bytes"]

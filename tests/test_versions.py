@@ -2,11 +2,14 @@
 version and within one change's rounding of their weights over 60 rounds; a copy off the chain is
 replaced by the exact version; merges give holders the same weights whatever they store frozen experts as."""
 
+from itertools import pairwise
+
 import pytest
 import torch
 
 from spes_p2p.sim import run, simulation
 from spes_p2p.sim.runner import MemoryFleet
+from spes_p2p.sim.summary import read_rows
 from spes_p2p.swarm.codecs import TensorSpec
 from spes_p2p.swarm.config import SyncConfig
 from spes_p2p.swarm.memory import MemoryNetwork
@@ -130,3 +133,34 @@ def test_holders_that_store_frozen_experts_differently_merge_alike(tmp_path, mon
     for unit in ("experts/0", "experts/1"):
         info = summary["units"][unit]
         assert len(info["holders"]["4"]) == 2 and info["max_holder_difference"] == 0.0, (unit, info)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_dense_block_changing_hands_keeps_its_version_chain(tmp_path):
+    """4 dense blocks, each trained by one peer, rotating every 2 rounds: the block's next holder continues
+    its version chain, so the others keep receiving changes; only a block a peer just gave up (its copy is
+    its own trained weights, no version) comes as the exact version."""
+    run(
+        simulation(
+            run__out=str(tmp_path),
+            sim__peers=4,
+            sim__backend="memory",
+            model__shards=2,
+            model__dense_blocks=4,
+            peer__active_blocks=1,
+            method__rotate_every_rounds=2,
+            run__rounds=6,
+            method__steps_per_round=5,
+            train__batch_size=4,
+            train__seq_len=64,
+            data__max_corpus_mb=1.0,
+        )
+    )
+    for folder in sorted((tmp_path / "peers").iterdir()):
+        rows = [r for r in read_rows(folder) if "refreshed" in r]
+        for before, row in pairwise(rows):
+            released = set(before["units"]) - set(row["units"])
+            for unit, kind in row["refreshed"].items():
+                if unit.startswith("dense/") and unit not in released and unit not in row["units"]:
+                    assert kind in ("change", "weights"), (folder.name, row["round"], unit, kind)

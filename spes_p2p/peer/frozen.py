@@ -51,10 +51,11 @@ class FrozenCopies:
             if not self._versioned(unit):
                 continue
             current = self.sync.versions.current(unit)
-            if current is None or current.round < since:
+            if current is None or current.round < since:  # from its holders then, or now
+                holders = view.participants(unit, since) | view.participants(unit, job.round)
                 self.sync.refresh(
                     since,
-                    {unit: sorted(view.participants(unit, job.round) - {self.me})},
+                    {unit: sorted(holders - {self.me})},
                     self.sync.deadline.seconds(),
                     want=Want("version", "none"),
                     on_unit=lambda u, fetched: self.sync.versions.start(u, fetched.round, fetched.tensors),
@@ -106,12 +107,12 @@ class FrozenCopies:
             return Want("change", sync.refresh_codec, copy)
         return Want("version", "none")
 
-    def landed(self, unit: str, fetched: Fetched, weights: Tensors) -> None:
-        """A refreshed copy was written: it is a version exactly when it was one (or a change to ours) and
-        it is kept in full precision."""
+    def landed(self, unit: str, fetched: Fetched, weights: Tensors | None) -> None:
+        """A refreshed copy was written (``weights``; None: the unit is trained now, and moves on): it is a
+        version exactly when it was one (or a change to ours) and it is kept in full precision."""
         exact = fetched.want.kind == "change" or fetched.want == Want("version", "none")
         stored_exactly = not unit.startswith("experts/") or self.settings.train.frozen_experts == "full"
-        if exact and stored_exactly:
+        if weights is not None and exact and stored_exactly:
             self.sync.copies.set(unit, fetched.round, tensors_hash(weights))
         else:
             self.sync.copies.forget(unit)

@@ -31,9 +31,10 @@ class Landing:
         write: Callable[[str, Tensors], None],
         overlap: bool,
         reset_state: Callable[[str], None] = lambda unit: None,
-        on_copy: Callable[[str, Fetched, Tensors], None] = lambda unit, fetched, weights: None,
+        on_copy: Callable[[str, Fetched, Tensors | None], None] = lambda unit, fetched, weights: None,
     ) -> None:
-        """``on_copy`` hears of every refreshed copy as it is written."""
+        """``on_copy`` hears of every refreshed copy as it is written (None: of a unit trained now, which is
+        no frozen copy any more)."""
         self.read, self.write, self.overlap, self.reset_state = read, write, overlap, reset_state
         self.on_copy = on_copy
         self.round_start: dict[str, Tensors] = {}  # the units training now, as their round began
@@ -56,12 +57,13 @@ class Landing:
             else:
                 self._write(unit, result.new_weights, since=job.end[unit])
         for unit, fetched in job.refreshed.items():  # frozen in that round; maybe trained now
+            trained_now = unit in self.round_start
             weights = fetched.tensors
-            if fetched.want.kind == "change":  # what changed since the version our copy is
-                copy = self.read(unit)
+            if fetched.want.kind == "change":  # what changed since the version our copy was
+                copy = self.round_start[unit] if trained_now else self.read(unit)
                 weights = {n: copy[n] + weights[n] for n in copy}
             self._write(unit, weights, since=self.round_start.get(unit))
-            self.on_copy(unit, fetched, weights)
+            self.on_copy(unit, fetched, None if trained_now else weights)
 
     def restart(self, units: list[str]) -> None:
         """After a download of the swarm's model: this round's updates are measured from it."""

@@ -239,7 +239,7 @@ class Peer:
         # newcomer's, its first round is not counted (it adopts the others' result)
         first = self.round + 1 if self.settings.method.overlap else self.round
         self.member.rebalance(first_round=first, count_from=self.round + 1)
-        self.sync.forget_before(self.round)
+        self.sync.forget_before(self.round, self.member.units_held)
         self._last_row = row
         self._write_outputs(row)
 
@@ -270,7 +270,6 @@ class Peer:
         for unit in new:
             self.sync.serve_weights(self.round - 1, unit, self.local.read(unit))
             self.sync.copies.forget(unit)
-        self.sync.versions.keep_only(set(held))
         self.local.retarget(held)  # units given up are still served for a few rounds, to their new holders
 
     def _write_outputs(self, row: dict) -> None:

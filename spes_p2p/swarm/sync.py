@@ -100,8 +100,11 @@ class SyncEngine:
     def serve_weights(self, round_: int, unit: str, weights: Tensors) -> None:
         self.outbox.serve_weights(round_, unit, weights)
 
-    def forget_before(self, round_: int) -> None:
+    def forget_before(self, round_: int, held: list[str] = ()) -> None:
+        """Drops what was kept for rounds older than ``KEEP_ROUNDS`` before ``round_`` (versions of units
+        not ``held`` too)."""
         self.outbox.forget_before(round_)
+        self.versions.forget(set(held), round_ - KEEP_ROUNDS)
         self._exchange.forget_before(round_, KEEP_ROUNDS)
 
     def close(self) -> None:

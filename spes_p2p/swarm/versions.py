@@ -103,10 +103,11 @@ class Versions:
             self._changes[unit] = Change(payload, version)
         return version
 
-    def keep_only(self, units: set[str]) -> None:
-        """Forgets the versions of units this peer no longer holds."""
+    def forget(self, held: set[str], before: int) -> None:
+        """Forgets the versions of units this peer no longer holds, once older than round ``before`` (until
+        then it serves them, so that the unit's next holder continues its chain)."""
         with self._lock:
-            for unit in set(self._current) - units:
+            for unit in [u for u, v in self._current.items() if u not in held and v.round < before]:
                 self._current.pop(unit, None)
                 self._changes.pop(unit, None)
 
