@@ -65,11 +65,11 @@ class Outbox:
         transport: Transport,
         specs: dict[str, dict[str, TensorSpec]],
         topk_fraction: float,
+        versions: Versions,
         local_copy: Callable[[str], Tensors] | None = None,
-        versions: Versions | None = None,
     ) -> None:
         self.specs, self.topk_fraction = specs, topk_fraction
-        self.versions = versions or Versions("int8", topk_fraction)  # of the units we hold
+        self.versions = versions  # of the units we hold
         self.local_copy = local_copy  # our copy of any unit, for newcomers that find no holder ready
         self.guard = transport.guard
         self._lock = threading.Lock()

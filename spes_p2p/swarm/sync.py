@@ -46,7 +46,7 @@ class SyncEngine:
         self._pool = ThreadPoolExecutor(PARALLEL_FETCHES, thread_name_prefix="spes-fetch")
         self.versions = Versions(cfg.refresh_codec, cfg.topk_fraction)  # of the units we hold
         self.copies = Copies()  # which of our frozen copies are versions
-        self.outbox = Outbox(transport, specs, cfg.topk_fraction, local_copy, self.versions)
+        self.outbox = Outbox(transport, specs, cfg.topk_fraction, self.versions, local_copy)
         self._exchange = Exchange(
             transport,
             run_id,
