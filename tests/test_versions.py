@@ -19,6 +19,15 @@ from spes_p2p.swarm.sync import SyncEngine
 from spes_p2p.swarm.versions import is_version_round
 
 UNIT = "experts/0"
+SWARM = {  # a small swarm of 4 peers in one process, 2 shards, rounds of 5 steps
+    "sim__peers": 4,
+    "sim__backend": "memory",
+    "model__shards": 2,
+    "method__steps_per_round": 5,
+    "train__batch_size": 4,
+    "train__seq_len": 64,
+    "data__max_corpus_mb": 1.0,
+}
 SPECS = {UNIT: {"w1": TensorSpec((64, 128))}}
 
 
@@ -116,17 +125,11 @@ def test_holders_that_store_frozen_experts_differently_merge_alike(tmp_path, mon
     summary = run(
         simulation(
             run__out=str(tmp_path),
-            sim__peers=4,
-            sim__backend="memory",
-            model__shards=2,
             run__rounds=5,
-            method__steps_per_round=5,
             merge__interval=5,
             merge__alpha=0.5,
             merge__horizon=1000,
-            train__batch_size=4,
-            train__seq_len=64,
-            data__max_corpus_mb=1.0,
+            **SWARM,
         )
     )
     assert not summary["failures"]
@@ -144,17 +147,11 @@ def test_a_dense_block_changing_hands_keeps_its_version_chain(tmp_path):
     run(
         simulation(
             run__out=str(tmp_path),
-            sim__peers=4,
-            sim__backend="memory",
-            model__shards=2,
+            run__rounds=6,
             model__dense_blocks=4,
             peer__active_blocks=1,
             method__rotate_every_rounds=2,
-            run__rounds=6,
-            method__steps_per_round=5,
-            train__batch_size=4,
-            train__seq_len=64,
-            data__max_corpus_mb=1.0,
+            **SWARM,
         )
     )
     for folder in sorted((tmp_path / "peers").iterdir()):
