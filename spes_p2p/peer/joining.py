@@ -94,6 +94,7 @@ def catch_up(view: SwarmView, me: str, sync: SyncEngine, write: Write, seconds: 
         on_unit=lambda unit, found: write(unit, found.tensors),
         fallback=furthest_first,  # a unit whose holders are newcomers too comes from any peer's copy
     )
+    sync.copies.forget()  # downloaded weights are no versions: the next refresh fetches those
     round_ = landed + 1
     logger.info("caught up at round %d: downloaded %s (unit: its round; -1: a peer's own copy)", round_, got)
     return round_

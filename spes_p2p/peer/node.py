@@ -155,7 +155,6 @@ class Peer:
     def _catch_up(self, view: SwarmView) -> None:
         seconds = self.settings.sync.deadline_max
         round_ = joining.catch_up(view, self.me, self.sync, self.local.write, seconds)
-        self.sync.copies.forget()  # downloaded weights are no versions: the next refresh fetches those
         if round_ is not None:
             self.round = round_
 
@@ -269,7 +268,6 @@ class Peer:
             joining.fetch_exact(new, self.round - 1, view, self.me, self.sync, self.local.write, seconds)
         for unit in new:
             self.sync.serve_weights(self.round - 1, unit, self.local.read(unit))
-            self.sync.copies.forget(unit)
         self.local.retarget(held)  # units given up are still served for a few rounds, to their new holders
 
     def _write_outputs(self, row: dict) -> None:

@@ -98,7 +98,9 @@ class SyncEngine:
                 self.copies.set(unit, round_, tensors_hash(weights))
 
     def serve_weights(self, round_: int, unit: str, weights: Tensors) -> None:
+        """Serves our weights of a unit we hold (so our copy of it is no frozen copy any more)."""
         self.outbox.serve_weights(round_, unit, weights)
+        self.copies.forget(unit)
 
     def forget_before(self, round_: int, held: list[str] = ()) -> None:
         """Drops what was kept for rounds older than ``KEEP_ROUNDS`` before ``round_`` (versions of units
