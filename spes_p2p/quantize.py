@@ -1,6 +1,6 @@
 """Blockwise 8-bit and 4-bit quantization of flat float32 tensors, shared by the codecs that move tensors
-between peers and the frozen experts a peer holds quantized. The layouts (block sizes, buffer sizes) are in
-``spes_p2p.blockwise``; the tables are bitsandbytes' (its signed dynamic map, and NF4).
+between peers and the frozen copies (experts, dense blocks) a peer holds quantized. The layouts (block sizes,
+buffer sizes) are in ``spes_p2p.blockwise``; the tables are bitsandbytes' (its signed dynamic map, and NF4).
 
 A value is divided by its block's absmax and takes the code of the nearest table entry (ties to the lower
 one, as bitsandbytes rounds); NF4 packs two codes per byte, the first in the high nibble.
@@ -43,6 +43,18 @@ def quantize_nf4(flat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def dequantize_nf4(codes: torch.Tensor, absmax: torch.Tensor, numel: int) -> torch.Tensor:
     pairs = torch.stack([codes.long() >> 4, codes.long() & 0x0F], dim=1).flatten()[:numel]
     return _scaled(_nf4_table(codes.device)[pairs], absmax, NF4_BLOCK)
+
+
+def dequantize_int8_at(codes: torch.Tensor, absmax: torch.Tensor, at: torch.Tensor) -> torch.Tensor:
+    """``dequantize_int8(codes, absmax)[at]`` for flat positions ``at`` (any shape), decoding only those."""
+    return _dynamic_map(codes.device)[codes[at].long()] * absmax[at // INT8_BLOCK]
+
+
+def dequantize_nf4_at(codes: torch.Tensor, absmax: torch.Tensor, at: torch.Tensor) -> torch.Tensor:
+    """``dequantize_nf4(codes, absmax, n)[at]`` for flat positions ``at`` (any shape), decoding only those."""
+    pairs = codes[at // 2].long()
+    nibbles = torch.where(at % 2 == 0, pairs >> 4, pairs & 0x0F)
+    return _nf4_table(codes.device)[nibbles] * absmax[at // NF4_BLOCK]
 
 
 def _normalized(flat: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -1,6 +1,8 @@
 """Block coordinate descent over the dense part: the partition into blocks, the claims and their rotation,
 and the optimizer across switches."""
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 from hypothesis import example, given, settings
@@ -9,6 +11,7 @@ from hypothesis import strategies as st
 from spes_p2p.errors import ConfigError
 from spes_p2p.model import MoETransformer, UnitLayout, get_preset
 from spes_p2p.model.units import balanced_starts, dense_partition, read_unit
+from spes_p2p.peer.frozen import FrozenCopies
 from spes_p2p.peer.setup import member_config
 from spes_p2p.settings import Settings
 from spes_p2p.sim import run, simulation
@@ -16,6 +19,7 @@ from spes_p2p.sim.summary import read_rows
 from spes_p2p.swarm.claims import block_permutation, carry_block, holders_at_epoch
 from spes_p2p.swarm.member import SwarmMember
 from spes_p2p.swarm.memory import FakeClock, MemoryNetwork
+from spes_p2p.swarm.refresh import Fetched, Want
 from spes_p2p.train.config import TrainConfig
 from spes_p2p.train.optim import tensor_bytes
 from spes_p2p.train.trainer import Trainer
@@ -205,6 +209,44 @@ def test_switch_state_cpu_parks_and_restores_the_state_of_a_block():
     one_step(trainer)  # and it trains on from there
 
 
+# ------------------------------------------------------------------------ frozen copies held quantized
+
+
+class FakeCopies:
+    """The sync's record of which frozen copies are exact versions: here every copy is the version before."""
+
+    def __init__(self, round_: int) -> None:
+        self.round, self.forgotten = round_, []
+
+    def get(self, unit):
+        return (self.round, "hash")
+
+    def set(self, unit, round_, digest):
+        raise AssertionError(f"{unit} is held quantized: not an exact version")
+
+    def forget(self, unit):
+        self.forgotten.append(unit)
+
+
+@pytest.mark.parametrize("refresh", ["changes", "weights"])
+def test_a_dense_block_held_quantized_is_fetched_in_its_own_codec(refresh):
+    s = blocks_settings().override(train__frozen_dense="nf4", sync__frozen_refresh=refresh)
+    member = SimpleNamespace(transport=SimpleNamespace(peer_id="me"), units_held=["dense/1", "experts/0"])
+    every = s.method.refresh_every_rounds
+    copies = FakeCopies(10 - every)
+    frozen = FrozenCopies(s, member, SimpleNamespace(copies=copies), s.model.layout())
+    for experts in (None, {}):  # an ordinary version round, and a merge (which reads experts only)
+        job = SimpleNamespace(round=10, experts=experts)
+        kind = "version" if refresh == "changes" else "weights"
+        assert frozen._want("dense/2", job) == Want(kind, "nf4")
+        assert frozen._want("dense/1", job) == Want("weights", "none")  # ours: exact
+    job = SimpleNamespace(round=10, experts=None)
+    if refresh == "changes":  # experts stay in full precision: the change since our copy's version
+        assert frozen._want("experts/1", job) == Want("change", s.sync.refresh_codec, (10 - every, "hash"))
+    frozen.landed("dense/2", Fetched(10, {}, Want("version", "none")), {"w": torch.zeros(1)})  # stored lossy
+    assert copies.forgotten == ["dense/2"]
+
+
 # ----------------------------------------------------------------------------------- simulated swarms
 
 SIM = {"sim__peers": 4, "model__shards": 2, "run__rounds": 6, "sim__backend": "memory"}
@@ -253,6 +295,25 @@ def test_quantized_frozen_experts_in_a_simulated_swarm(tmp_path, kind):
     assert not summary["failures"]
     assert summary["final_loss"] < summary["initial_loss"]
     for unit, info in summary["units"].items():  # holders still agree exactly; frozen copies are lossy
+        assert info["max_holder_difference"] in (0.0, None), unit
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_quantized_frozen_dense_blocks_in_a_simulated_swarm(tmp_path):
+    summary = run(
+        simulation(
+            model__dense_blocks=4,
+            peer__active_blocks=1,
+            method__rotate_every_rounds=2,
+            train__frozen_dense="nf4",
+            run__out=str(tmp_path),
+            **SIM,
+        )
+    )
+    assert not summary["failures"] and summary["uncovered_unit_rounds"] == 0
+    assert summary["final_loss"] < summary["initial_loss"]
+    for unit, info in summary["units"].items():  # holders agree exactly, rotation included
         assert info["max_holder_difference"] in (0.0, None), unit
 
 

@@ -13,6 +13,8 @@ _EXPORTS = {
     "LMOutput": "transformer",
     "MoETransformer": "transformer",
     "UnitLayout": "units",
+    "hold_frozen": "units",
+    "quantized_bytes": "quant",
     "read_unit": "units",
     "set_trainable": "units",
     "unit_parameters": "units",

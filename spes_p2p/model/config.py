@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from spes_p2p.errors import ConfigError
 from spes_p2p.fields import SWARM, Section, check, setting
 
-FROZEN_FORMATS = ("full", "int8", "nf4")  # how a peer may hold the experts it does not train
+FROZEN_FORMATS = ("full", "int8", "nf4")  # how a peer may hold the units it does not train
 
 
 @dataclass(frozen=True, kw_only=True)

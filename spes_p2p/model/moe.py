@@ -15,16 +15,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from spes_p2p.model.config import ModelConfig
-from spes_p2p.model.quant import QuantizedTensor, frozen_matmul
+from spes_p2p.model.quant import QuantizedWeights
 
 
-class SwiGLUExpert(nn.Module):
-    """One expert: w2(silu(x w1) * (x w3)).
-
-    A frozen expert can be held quantized (``quantize_``): its weights then leave the module's parameters and
-    live in ``self.quantized``, under the same names; ``state_dict`` and ``load_state_dict`` still read and
-    write them in full precision, so checkpoints do not depend on how a peer holds its frozen copies.
-    """
+class SwiGLUExpert(QuantizedWeights):
+    """One expert: w2(silu(x w1) * (x w3)). A frozen expert can be held quantized (``quantize_``)."""
 
     WEIGHTS = ("w1", "w3", "w2")
 
@@ -33,71 +28,14 @@ class SwiGLUExpert(nn.Module):
         self.w1 = nn.Parameter(torch.empty(d_model, expert_dim))  # gate, (D, F)
         self.w3 = nn.Parameter(torch.empty(d_model, expert_dim))  # up, (D, F)
         self.w2 = nn.Parameter(torch.empty(expert_dim, d_model))  # down, (F, D)
-        self.quantized: dict[str, QuantizedTensor] = {}
 
     def forward(self, x_ND: torch.Tensor) -> torch.Tensor:
-        return self._matmul(F.silu(self._matmul(x_ND, "w1")) * self._matmul(x_ND, "w3"), "w2")
-
-    def _matmul(self, x: torch.Tensor, name: str) -> torch.Tensor:
-        q = self.quantized.get(name)
-        return x @ getattr(self, name) if q is None else frozen_matmul(x, q)
-
-    # ------------------------------------------------------------------------ quantized frozen copies
-
-    def quantize_(self, kind: str) -> None:
-        """Holds the weights as ``kind`` (int8 or nf4) codes; they stop being parameters."""
-        if self.quantized and next(iter(self.quantized.values())).kind == kind:
-            return
-        weights = {name: self.get_weight(name) for name in self.WEIGHTS}
-        for name in self.WEIGHTS:
-            if name in self._parameters:
-                delattr(self, name)
-            self.quantized[name] = QuantizedTensor.quantize(weights[name], kind)
-
-    def dequantize_(self) -> None:
-        """Back to full-precision (frozen) parameters, e.g. when this peer starts training the expert."""
-        for name, q in list(self.quantized.items()):
-            self.register_parameter(name, nn.Parameter(q.dequantize(), requires_grad=False))
-        self.quantized.clear()
-
-    def get_weight(self, name: str) -> torch.Tensor:
-        q = self.quantized.get(name)
-        return getattr(self, name).detach() if q is None else q.dequantize()
-
-    @torch.no_grad()
-    def set_weight(self, name: str, value: torch.Tensor) -> None:
-        q = self.quantized.get(name)
-        if q is None:
-            getattr(self, name).copy_(value)
-        else:
-            self.quantized[name] = QuantizedTensor.quantize(value, q.kind)
-
-    def weight_shape(self, name: str) -> torch.Size:
-        q = self.quantized.get(name)
-        return getattr(self, name).shape if q is None else q.shape
-
-    def _save_to_state_dict(self, destination, prefix, keep_vars) -> None:
-        super()._save_to_state_dict(destination, prefix, keep_vars)
-        for name, q in self.quantized.items():
-            destination[prefix + name] = q.dequantize()
-
-    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing, unexpected, errors):
-        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing, unexpected, errors)
-        for name in self.quantized:
-            key = prefix + name
-            if key not in state_dict:
-                missing.append(key)
-                continue
-            if key in unexpected:
-                unexpected.remove(key)
-            if tuple(state_dict[key].shape) != tuple(self.quantized[name].shape):
-                errors.append(f"size mismatch for {key}: {tuple(state_dict[key].shape)}")
-                continue
-            self.set_weight(name, state_dict[key])
+        return self.matmul(F.silu(self.matmul(x_ND, "w1")) * self.matmul(x_ND, "w3"), "w2")
 
 
-class Router(nn.Module):
-    """Softmax over expert logits, then the top-k experts per token."""
+class Router(QuantizedWeights):
+    """Softmax over expert logits, then the top-k experts per token. In a frozen dense block its weight may
+    be held quantized (``quantize_``) when it is large enough."""
 
     def __init__(self, d_model: int, n_experts: int, top_k: int, renormalize: bool) -> None:
         super().__init__()
@@ -107,7 +45,7 @@ class Router(nn.Module):
 
     def forward(self, x_TD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """Returns (weights_TK, experts_TK, probs_TE, logits_TE); probabilities are computed in fp32."""
-        logits_TE = (x_TD @ self.weight.t()).float()
+        logits_TE = self.matmul(x_TD, "weight", transposed=True).float()
         probs_TE = logits_TE.softmax(dim=-1)
         weights_TK, experts_TK = probs_TE.topk(self.top_k, dim=-1)
         if self.renormalize:

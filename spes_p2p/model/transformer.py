@@ -1,7 +1,9 @@
 """An OLMoE-style decoder-only transformer in plain single-device torch.
 
 RMSNorm (pre-norm), rotary position embeddings, QK-norm, causal attention through
-``scaled_dot_product_attention``, an MoE feed-forward in every layer, untied embedding and lm_head.
+``scaled_dot_product_attention``, an MoE feed-forward in every layer, untied embedding and lm_head. The large
+weights of a frozen copy (an expert, a dense block this peer does not train) may be held quantized
+(``quant.py``).
 
 Shape letters: B batch, S sequence, D model dim, H heads, G kv heads, Hd head dim, V vocabulary.
 """
@@ -16,7 +18,28 @@ import torch.nn.functional as F
 from torch import nn
 
 from spes_p2p.model.config import ModelConfig
-from spes_p2p.model.moe import MoE, SwiGLUExpert
+from spes_p2p.model.moe import MoE
+from spes_p2p.model.quant import QuantizedWeights, frozen_matmul, quantized_numel
+
+
+class Linear(QuantizedWeights, nn.Linear):
+    """A bias-free linear layer whose weight may be held quantized in a frozen dense block."""
+
+    def __init__(self, d_in: int, d_out: int) -> None:
+        super().__init__(d_in, d_out, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q = self.quantized.get("weight")
+        return super().forward(x) if q is None else frozen_matmul(x, q, transposed=True)
+
+
+class Embedding(QuantizedWeights, nn.Embedding):
+    """A token embedding whose table may be held quantized in a frozen dense block: a lookup then decodes
+    only the rows it reads."""
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        q = self.quantized.get("weight")
+        return super().forward(tokens) if q is None else q.rows(tokens)
 
 
 class RMSNorm(nn.Module):
@@ -47,10 +70,10 @@ class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.n_heads, self.n_kv, self.head_dim = cfg.n_heads, cfg.kv_heads, cfg.head_dim
-        self.q_proj = nn.Linear(cfg.d_model, cfg.n_heads * cfg.head_dim, bias=False)
-        self.k_proj = nn.Linear(cfg.d_model, cfg.kv_heads * cfg.head_dim, bias=False)
-        self.v_proj = nn.Linear(cfg.d_model, cfg.kv_heads * cfg.head_dim, bias=False)
-        self.o_proj = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.d_model, bias=False)
+        self.q_proj = Linear(cfg.d_model, cfg.n_heads * cfg.head_dim)
+        self.k_proj = Linear(cfg.d_model, cfg.kv_heads * cfg.head_dim)
+        self.v_proj = Linear(cfg.d_model, cfg.kv_heads * cfg.head_dim)
+        self.o_proj = Linear(cfg.n_heads * cfg.head_dim, cfg.d_model)
         # QK-norm keeps attention logits bounded, which OLMoE found stabilizes MoE training
         self.q_norm = RMSNorm(cfg.head_dim, cfg.norm_eps)
         self.k_norm = RMSNorm(cfg.head_dim, cfg.norm_eps)
@@ -92,10 +115,10 @@ class MoETransformer(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.cfg = cfg
-        self.embed = nn.Embedding(cfg.vocab_size, cfg.d_model)
+        self.embed = Embedding(cfg.vocab_size, cfg.d_model)
         self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
         self.norm = RMSNorm(cfg.d_model, cfg.norm_eps)
-        self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+        self.lm_head = Linear(cfg.d_model, cfg.vocab_size)
         cos, sin = rope_tables(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
@@ -141,11 +164,8 @@ class MoETransformer(nn.Module):
         return LMOutput(logits_BSV, loss, parts)
 
     def num_params(self) -> int:
-        """Every weight, quantized frozen experts included."""
-        quantized = sum(
-            q.numel() for m in self.modules() if isinstance(m, SwiGLUExpert) for q in m.quantized.values()
-        )
-        return sum(p.numel() for p in self.parameters()) + quantized
+        """Every weight, quantized frozen copies included."""
+        return sum(p.numel() for p in self.parameters()) + quantized_numel(self)
 
     def num_active_params(self) -> int:
         """Parameters used per token: everything but the experts a token is not routed to."""

@@ -6,7 +6,8 @@ blocks of "atoms" (the embedding; each transformer layer's attention, norms and 
 the lm_head), balanced by parameter count. B = 1 (``dense/0`` is the whole dense part) is SPES as published.
 
 A unit's tensors are a flat ``name -> tensor`` dict keyed by parameter names; this is what the swarm moves.
-Frozen experts held quantized keep their names: ``read_unit`` dequantizes them, ``write_unit`` re-quantizes.
+Frozen copies held quantized (``hold_frozen``) keep their names: ``read_unit`` dequantizes them,
+``write_unit`` re-quantizes.
 """
 
 from __future__ import annotations
@@ -21,11 +22,12 @@ from torch import nn
 
 from spes_p2p.errors import ConfigError
 from spes_p2p.model.config import ModelConfig
-from spes_p2p.model.moe import SwiGLUExpert
+from spes_p2p.model.quant import QuantizedWeights
 
 _EXPERT_PARAM = re.compile(r"^layers\.\d+\.moe\.experts\.(\d+)\.")
 _LAYER_PARAM = re.compile(r"^layers\.(\d+)\.")
 _UNIT = re.compile(r"^(experts|dense)/(\d+)$")
+MIN_QUANTIZED = 4096  # elements: smaller dense weights (a small router) stay fp32, as norms do
 
 
 @dataclass(frozen=True)
@@ -147,9 +149,9 @@ def balanced_starts(sizes: list[int], blocks: int) -> tuple[int, ...]:
 
 
 def named_weights(model: nn.Module) -> Iterator[tuple[str, nn.Module, str]]:
-    """(name, module, attribute) of every weight in parameter order, quantized experts included."""
+    """(name, module, attribute) of every weight in parameter order, quantized ones included."""
     for prefix, module in model.named_modules():
-        if isinstance(module, SwiGLUExpert):
+        if isinstance(module, QuantizedWeights):
             attrs = list(module.WEIGHTS)
         else:
             attrs = [name for name, _ in module.named_parameters(recurse=False)]
@@ -158,7 +160,7 @@ def named_weights(model: nn.Module) -> Iterator[tuple[str, nn.Module, str]]:
 
 
 def unit_parameters(model: nn.Module, layout: UnitLayout, unit: str) -> dict[str, nn.Parameter]:
-    """The parameters that make up ``unit``, by name, in the model's order (quantized experts are none)."""
+    """The parameters that make up ``unit``, by name, in the model's order (quantized weights are none)."""
     layout.check_unit(unit)
     return {name: p for name, p in model.named_parameters() if layout.unit_of(name) == unit}
 
@@ -188,29 +190,43 @@ def write_unit(model: nn.Module, layout: UnitLayout, unit: str, tensors: dict[st
         if t.shape != shape or t.dtype != torch.float32:
             raise ValueError(f"{name}: expected float32 {tuple(shape)}, got {t.dtype} {tuple(t.shape)}")
     for name, (m, attr) in weights.items():
-        if isinstance(m, SwiGLUExpert):
+        if isinstance(m, QuantizedWeights):
             m.set_weight(attr, tensors[name])
         else:
             getattr(m, attr).copy_(tensors[name])
 
 
 def _get(module: nn.Module, attr: str) -> torch.Tensor:
-    return module.get_weight(attr) if isinstance(module, SwiGLUExpert) else getattr(module, attr).detach()
+    return module.get_weight(attr) if isinstance(module, QuantizedWeights) else getattr(module, attr).detach()
 
 
 def _shape(module: nn.Module, attr: str) -> torch.Size:
-    return module.weight_shape(attr) if isinstance(module, SwiGLUExpert) else getattr(module, attr).shape
+    return module.weight_shape(attr) if isinstance(module, QuantizedWeights) else getattr(module, attr).shape
 
 
-def hold_frozen_experts(model: nn.Module, layout: UnitLayout, trained: list[str], kind: str) -> None:
-    """Experts outside ``trained`` are held as ``kind`` (full, int8 or nf4); trained ones in full."""
+def hold_frozen(
+    model: nn.Module, layout: UnitLayout, trained: list[str], *, experts: str = "full", dense: str = "full"
+) -> None:
+    """Units outside ``trained`` are held as ``experts`` (expert shards) or ``dense`` (dense blocks): full,
+    int8 or nf4; trained units as full-precision parameters. Of a dense block only the weights of 2 or more
+    dims and at least ``MIN_QUANTIZED`` elements are quantized (embedding, attention, lm_head, a large
+    router); norms and small routers stay fp32 parameters, frozen."""
     trained_set = set(trained)
     for name, module in model.named_modules():
-        if isinstance(module, SwiGLUExpert):
-            if kind == "full" or layout.unit_of(f"{name}.w1") in trained_set:
-                module.dequantize_()
-            else:
-                module.quantize_(kind)
+        if not isinstance(module, QuantizedWeights):
+            continue
+        unit = layout.unit_of(f"{name}.{module.WEIGHTS[0]}")
+        is_expert = unit.startswith("experts/")
+        kind = experts if is_expert else dense
+        if kind == "full" or unit in trained_set or not (is_expert or _worth_quantizing(module)):
+            module.dequantize_()
+        else:
+            module.quantize_(kind)
+
+
+def _worth_quantizing(module: QuantizedWeights) -> bool:
+    shapes = [module.weight_shape(w) for w in module.WEIGHTS]
+    return all(len(shape) >= 2 and shape.numel() >= MIN_QUANTIZED for shape in shapes)
 
 
 def set_trainable(model: nn.Module, layout: UnitLayout, units: list[str]) -> list[nn.Parameter]:

@@ -48,7 +48,7 @@ class FrozenCopies:
             return
         since = job.round - self.every
         for unit, result in job.results.items():
-            if not self._versioned(unit):
+            if not self.versioned(unit):
                 continue
             current = self.sync.versions.current(unit)
             if current is None or current.round < since:  # from its holders then, or now
@@ -64,7 +64,7 @@ class FrozenCopies:
             if current is None or current.round < job.round:
                 self.sync.versions.advance(unit, job.round, since, result.new_weights)
 
-    def _versioned(self, unit: str) -> bool:
+    def versioned(self, unit: str) -> bool:
         """Whether some peers keep a frozen copy of ``unit``: an expert shard, or a dense block of several."""
         if self.settings.method.mode == "diloco":
             return False
@@ -96,23 +96,28 @@ class FrozenCopies:
         merge, every peer needs this round's version of every expert alike: exact ones."""
         if unit in self.member.units_held:
             return Want("weights", "none")
-        sync, stored = self.settings.sync, self.settings.train.frozen_experts
-        quantized = unit.startswith("experts/") and stored != "full"
+        sync, stored = self.settings.sync, self._stored(unit)
+        quantized = stored != "full"
+        merging = job.experts is not None and unit.startswith("experts/")
         if sync.frozen_refresh == "weights":  # (a merge: every peer in the same codec)
-            return Want("weights", stored if quantized and job.experts is None else sync.refresh_codec)
+            return Want("weights", stored if quantized and not merging else sync.refresh_codec)
         if quantized:
-            return Want("version", "none" if job.experts is not None else stored)
+            return Want("version", "none" if merging else stored)
         copy = self.sync.copies.get(unit)
         if copy is not None and copy[0] == job.round - self.every:
             return Want("change", sync.refresh_codec, copy)
         return Want("version", "none")
 
+    def _stored(self, unit: str) -> str:
+        """How we hold our frozen copy of ``unit``: full, int8 or nf4."""
+        train = self.settings.train
+        return train.frozen_experts if unit.startswith("experts/") else train.frozen_dense
+
     def landed(self, unit: str, fetched: Fetched, weights: Tensors | None) -> None:
         """A refreshed copy was written (``weights``; None: the unit is trained now, and moves on): it is a
         version exactly when it was one (or a change to ours) and it is kept in full precision."""
         exact = fetched.want.kind == "change" or fetched.want == Want("version", "none")
-        stored_exactly = not unit.startswith("experts/") or self.settings.train.frozen_experts == "full"
-        if weights is not None and exact and stored_exactly:
+        if weights is not None and exact and self._stored(unit) == "full":
             self.sync.copies.set(unit, fetched.round, tensors_hash(weights))
         else:
             self.sync.copies.forget(unit)

@@ -40,6 +40,11 @@ class TrainConfig(Section):
     frozen_experts: str = setting(
         "full", "How experts this peer does not train are held in memory.", choices=FROZEN_FORMATS
     )
+    frozen_dense: str = setting(
+        "full",
+        "How dense blocks this peer does not train are held in memory (with dense_blocks > 1).",
+        choices=FROZEN_FORMATS,
+    )
     switch_state: str = setting(
         "reset",
         "Optimizer state of a unit given up: reset (freed) or cpu (kept there for its return).",

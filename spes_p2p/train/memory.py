@@ -14,7 +14,7 @@ import torch
 from spes_p2p.errors import ConfigError
 from spes_p2p.model import ModelConfig, MoETransformer, UnitLayout
 from spes_p2p.model.config import PRESETS, ModelSettings
-from spes_p2p.model.moe import SwiGLUExpert
+from spes_p2p.model.quant import quantized_bytes
 from spes_p2p.train.config import TrainConfig
 from spes_p2p.train.optim import optimizer_step, tensor_bytes
 from spes_p2p.train.trainer import Trainer
@@ -52,11 +52,8 @@ def measure(
 
 
 def weights_bytes(model: MoETransformer) -> int:
-    """Parameters plus the codes and scales of experts held quantized."""
-    quantized = sum(
-        q.nbytes for m in model.modules() if isinstance(m, SwiGLUExpert) for q in m.quantized.values()
-    )
-    return sum(tensor_bytes(p) for p in model.parameters()) + quantized
+    """Parameters plus the codes and scales of every weight held quantized (frozen experts, dense blocks)."""
+    return sum(tensor_bytes(p) for p in model.parameters()) + quantized_bytes(model)
 
 
 def compare(model: ModelSettings, capacity: int, active_blocks: int, train: TrainConfig) -> dict:

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from spes_p2p.model import MoETransformer, UnitLayout, set_trainable
-from spes_p2p.model.units import hold_frozen_experts, unit_parameters
+from spes_p2p.model.units import hold_frozen, unit_parameters
 from spes_p2p.train.config import TrainConfig
 from spes_p2p.train.optim import build_optimizer, lr_at, optimizer_step, tensor_bytes
 
@@ -47,7 +47,9 @@ class Trainer:
         keep their optimizer state, the others' state is freed or parked (``switch_state``)."""
         old, old_names = self.optimizer, getattr(self, "_names", {})
         self.units = sorted(set(units))
-        hold_frozen_experts(self.model, self.layout, self.units, self.cfg.frozen_experts)
+        hold_frozen(
+            self.model, self.layout, self.units, experts=self.cfg.frozen_experts, dense=self.cfg.frozen_dense
+        )
         self.trainable = set_trainable(self.model, self.layout, self.units)
         named = [(n, p) for n, p in self.model.named_parameters() if p.requires_grad]
         c = self.cfg
