@@ -47,7 +47,7 @@ def train(settings) -> None:
         )
     console.print(
         f"[bold]{s.model.preset}[/]: {run.model.num_params() / 1e6:.2f}M parameters, "
-        f"training {', '.join(run.trainer.units)} with {s.train.optimizer}; "
+        f"training {', '.join(run.trainer.units)} with {s.train.optimizer} on {run.device.type}; "
         f"{len(run.data.train_ids) / 1e6:.2f}M training tokens"
     )
     with TrainProgress(console, total=s.train.total_steps, start=run.trainer.step) as progress:
@@ -92,23 +92,43 @@ def eval_(checkpoint, corpus, batches, as_json) -> None:
 
 @spes.command()
 @settings_options(
-    "model", "peer", "train.optimizer", "train.frozen_experts", "train.batch_size", "train.seq_len"
+    "model",
+    "peer",
+    "train.device",
+    "train.optimizer",
+    "train.frozen_experts",
+    "train.batch_size",
+    "train.seq_len",
 )
 @JSON
 def memory(settings, as_json) -> None:
     """Allocated bytes of a peer training --capacity expert shards (and --active-blocks of the dense part),
-    next to a peer that trains everything."""
+    next to a peer that trains everything; and whether such a peer fits --device's free memory."""
     from spes_cli.render import memory_table
 
+    from spes_p2p.train.device import resolve_device
+    from spes_p2p.train.fit import estimate_bytes, fit_problem, free_bytes, peer_plan
     from spes_p2p.train.memory import compare
 
     s = settings
+    device = resolve_device(s.train.device)
     with console.status(f"Measuring {s.model.preset} with {s.train.optimizer}..."):
         report = compare(s.model, s.peer.capacity, s.peer.active_blocks, s.train)
+    cfg, plan, free = s.model.architecture(), peer_plan(s), free_bytes(device)
+    problem = fit_problem(s.model.preset, cfg, plan, device, free=free)
+    need = estimate_bytes(cfg, plan)
+    report["preflight"] = {"device": device.type, "needs_bytes": need, "free_bytes": free}
+    report["preflight"]["fits"] = problem is None
     if as_json:
         click.echo(json.dumps(report))
-    else:
-        console.print(memory_table(report))
+        return
+    console.print(memory_table(report))
+    console.print(
+        problem
+        or f"Pre-flight on {device.type}: needs about {need / 2**30:.2f} GiB (weights as held, gradients, "
+        f"optimizer state, plus 25%) of {free / 2**30:.1f} GiB free: fits",
+        highlight=False,
+    )
 
 
 @spes.command()

@@ -60,6 +60,14 @@ class QuantizedTensor:
     def nbytes(self) -> int:
         return self.codes.numel() + 4 * self.absmax.numel()
 
+    @property
+    def device(self) -> torch.device:
+        """Where the codes live, and where ``dequantize`` computes."""
+        return self.codes.device
+
+    def to(self, device: torch.device) -> QuantizedTensor:
+        return QuantizedTensor(self.kind, self.shape, self.codes.to(device), self.absmax.to(device))
+
     def numel(self) -> int:
         return self.shape.numel()
 
@@ -132,7 +140,7 @@ class QuantizedWeights(nn.Module):
         if q is None:
             getattr(self, name).copy_(value)
         else:
-            self.quantized[name] = QuantizedTensor.quantize(value, q.kind)
+            self.quantized[name] = QuantizedTensor.quantize(value.to(q.device), q.kind)
 
     def weight_shape(self, name: str) -> torch.Size:
         q = self.quantized.get(name)

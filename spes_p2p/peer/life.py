@@ -29,7 +29,8 @@ from spes_p2p.peer.summary import live_addresses, write_invite
 from spes_p2p.settings import Settings
 from spes_p2p.swarm.reachability import Reachability
 from spes_p2p.swarm.transport import Transport
-from spes_p2p.train.memory import check_fits
+from spes_p2p.train.device import resolve_device
+from spes_p2p.train.fit import KNOBS, check_fits, peer_plan
 
 logger = logging.getLogger(__name__)
 
@@ -154,17 +155,17 @@ def _join(peer: Peer, stop: threading.Event, ui: Frontend, startup: Startup) -> 
 
 def preflight(settings: Settings, identity: bool = True) -> None:
     """What can be checked before anything starts: the run folder and the identity's can be written, and the
-    model fits this machine's memory (with the units this peer may train at most)."""
+    model fits the memory of the device it trains on (with the units this peer may train at most)."""
     if settings.run.out:
         writable_folder(Path(settings.run.out), "--out")
     key = Path(settings.network.identity).expanduser()
     if identity and not key.exists():
         writable_folder(key.parent, "the folder of --identity")
-    layout, peer = settings.model.layout(), settings.peer
-    units = [*layout.dense_units[: peer.active_blocks], *layout.expert_units[: peer.capacity]]
-    if settings.method.mode == "diloco":
-        units = layout.units
-    check_fits(settings.model.architecture(), layout, units, settings.train.optimizer, settings.model.preset)
+    model = settings.model
+    # a newcomer adopts the swarm's shards and dense blocks: only its founder may choose them
+    knobs = KNOBS if settings.run.new_swarm else ("frozen_experts",)
+    device = resolve_device(settings.train.device)
+    check_fits(model.preset, model.architecture(), peer_plan(settings), device, knobs=knobs)
 
 
 def stop_on_signals() -> threading.Event:

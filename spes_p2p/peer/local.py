@@ -3,6 +3,10 @@
 The training thread steps, writes synced weights and switches the trained units; the transport's handler
 threads read a unit (newcomers may ask for a peer's own copy of any unit). Every touch of the model goes
 through ``step``, ``read``, ``write`` or ``retarget``, which hold the lock.
+
+The model trains on ``[train] device``; the sync sees CPU tensors only: ``read`` copies a unit to the CPU and
+``write`` copies one back. So the sync's arithmetic (updates, aggregation, versions and their hashes) is
+the same on a GPU peer as on a CPU peer, and the device's memory holds nothing but the model and its training.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ from spes_p2p.model.units import UnitLayout
 from spes_p2p.settings import Settings
 from spes_p2p.train.checkpoint import Checkpoint
 from spes_p2p.train.dataset import BatchSampler, DataShard, prepare_data, validation_batches
+from spes_p2p.train.device import place, resolve_device
 from spes_p2p.train.trainer import Trainer, evaluate
 
 Tensors = dict[str, torch.Tensor]
@@ -39,9 +44,11 @@ class LocalTraining:
     def __init__(self, settings: Settings, layout: UnitLayout, seed: int, peer_id: str) -> None:
         self.settings, self.layout = settings, layout
         arch = settings.model.architecture()
+        self.device = resolve_device(settings.train.device)
         with _SEEDING:  # every peer of a swarm starts from one model: the seed derives from the swarm
             torch.manual_seed(seed)
-            self.model = MoETransformer(arch)
+            model = MoETransformer(arch)  # built on the CPU, so the seed gives it on every device
+        self.model = place(model, self.device)
         self.data = prepare_data(settings.data, arch.vocab_size)
         t = settings.train
         shard = DataShard.for_peer_id(peer_id)
@@ -51,8 +58,9 @@ class LocalTraining:
         self._lock = threading.RLock()
 
     def read(self, unit: str) -> Tensors:
+        """A CPU copy of the unit's weights."""
         with self._lock:
-            return read_unit(self.model, self.layout, unit)
+            return {name: t.cpu() for name, t in read_unit(self.model, self.layout, unit).items()}
 
     def write(self, unit: str, tensors: Tensors) -> None:
         with self._lock:

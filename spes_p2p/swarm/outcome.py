@@ -31,5 +31,5 @@ def tensors_hash(tensors: Tensors) -> str:
     h = hashlib.sha256()
     for name in sorted(tensors):
         h.update(name.encode())
-        h.update(tensors[name].detach().float().contiguous().numpy().tobytes())
+        h.update(tensors[name].detach().float().contiguous().cpu().numpy().tobytes())
     return h.hexdigest()[:16]

@@ -11,6 +11,9 @@ shapes and offsets), then ``decode`` checks it against what the receiver expects
 5. the values: finite, block scales included; top-k indices in range and distinct.
 
 Anything else is a ``PayloadError``, which the caller counts as a rejected payload.
+
+Tensors may live on any device: ``encode`` codes them where they are and moves only the coded buffers to the
+CPU; ``decode`` parses and checks on the CPU, then decodes on ``device`` (the CPU by default).
 """
 
 from __future__ import annotations
@@ -72,6 +75,7 @@ def unflatten(flat: torch.Tensor, specs: dict[str, TensorSpec]) -> Tensors:
 def encode(
     tensors: Tensors, codec: str, *, meta: dict[str, str] | None = None, topk_fraction: float = TOPK_FRACTION
 ) -> bytes:
+    """The payload of ``tensors`` under ``codec``, coded on the tensors' device."""
     buffers: Tensors = {}
     for name, tensor in tensors.items():
         flat = tensor.detach().float().contiguous().flatten()
@@ -79,7 +83,8 @@ def encode(
         for suffix, part in zip(
             layout(codec, TensorSpec(tuple(tensor.shape)), topk_fraction), parts, strict=True
         ):
-            buffers[buffer_name(name, suffix)] = part.contiguous() if suffix else part.view(tensor.shape)
+            buffer = part.contiguous() if suffix else part.view(tensor.shape)
+            buffers[buffer_name(name, suffix)] = buffer.cpu()
     return save(
         buffers,
         metadata={**(meta or {}), "format": FORMAT, "codec": codec, "sha256": buffers_digest(buffers)},
@@ -93,9 +98,10 @@ def decode(
     *,
     meta: dict[str, str] | None = None,
     topk_fraction: float = TOPK_FRACTION,
+    device: torch.device | str | None = None,
 ) -> Tensors:
-    """The tensors of a checked payload; ``expected`` names every tensor it must hold and nothing else, and
-    ``meta`` the metadata values it must carry."""
+    """The tensors of a checked payload, on ``device`` (default: the CPU); ``expected`` names every tensor it
+    must hold and nothing else, and ``meta`` the metadata values it must carry."""
     limit = max_payload_bytes(expected, codec, topk_fraction)
     if len(payload) > limit:
         raise PayloadError(f"payload of {len(payload)} bytes, over the {limit}-byte bound for its unit")
@@ -118,7 +124,7 @@ def decode(
     _check_metadata(payload, {"sha256": buffers_digest(buffers)})
     out = {}
     for name, spec in expected.items():
-        parts = [buffers[buffer_name(name, s)] for s in layout(codec, spec, topk_fraction)]
+        parts = [buffers[buffer_name(name, s)].to(device) for s in layout(codec, spec, topk_fraction)]
         values = _DECODE[codec](parts, spec.numel)
         if not torch.isfinite(values).all():
             raise PayloadError(f"{name}: values are not finite")
@@ -147,7 +153,7 @@ def buffers_digest(buffers: Tensors) -> str:
     h = hashlib.sha256()
     for name in sorted(buffers):
         h.update(name.encode() + b"\0")
-        h.update(buffers[name].contiguous().view(torch.uint8).numpy())
+        h.update(buffers[name].detach().contiguous().view(torch.uint8).cpu().numpy())
     return h.hexdigest()
 
 
@@ -169,7 +175,7 @@ def _dec_topk(parts: list[torch.Tensor], numel: int) -> torch.Tensor:
     indices, values = parts[0].long(), parts[1].float()
     if len(indices) and (indices.min() < 0 or indices.max() >= numel or (indices[1:] <= indices[:-1]).any()):
         raise PayloadError("top-k indices out of range or not strictly increasing")
-    return torch.zeros(numel).index_put_((indices,), values)
+    return torch.zeros(numel, device=values.device).index_put_((indices,), values)
 
 
 def _dec_quantized(dequantize):
@@ -214,8 +220,10 @@ class ErrorFeedback:
         """The payload of ``update`` plus the carried residual, and what it decodes to; ``round_`` (when
         given) drops a residual that is not from the round before."""
         full = self.carry(update, round_)
+        device = next((t.device for t in full.values()), None)
         payload = encode(full, self.codec, meta=meta, topk_fraction=self.fraction)
-        sent = decode(payload, specs_of(full), self.codec, meta=meta, topk_fraction=self.fraction)
+        specs = specs_of(full)
+        sent = decode(payload, specs, self.codec, meta=meta, topk_fraction=self.fraction, device=device)
         self.keep(full, sent, round_)
         return payload, sent
 

@@ -11,6 +11,7 @@ from spes_p2p.fields import SWARM, Section, check, setting
 from spes_p2p.model.config import FROZEN_FORMATS
 
 OPTIMIZERS = ("adamw8bit", "adamw")
+DEVICES = ("auto", "cpu", "cuda")
 SWITCH_STATES = ("reset", "cpu")
 
 
@@ -18,6 +19,9 @@ SWITCH_STATES = ("reset", "cpu")
 class TrainConfig(Section):
     """[train]: the local trainer, its 8-bit optimizer and schedule, evaluation and checkpoints."""
 
+    device: str = setting(
+        "auto", "Where the model trains: auto (cuda when available, else cpu), cpu or cuda.", choices=DEVICES
+    )
     optimizer: str = setting(
         "adamw8bit", "Optimizer: 8-bit AdamW (bitsandbytes) or torch's.", choices=OPTIMIZERS
     )

@@ -13,7 +13,7 @@ import torch
 
 from spes_p2p.errors import ConfigError
 from spes_p2p.model import ModelConfig, MoETransformer, UnitLayout
-from spes_p2p.model.config import PRESETS, ModelSettings
+from spes_p2p.model.config import ModelSettings
 from spes_p2p.model.quant import quantized_bytes
 from spes_p2p.train.config import TrainConfig
 from spes_p2p.train.optim import optimizer_step, tensor_bytes
@@ -89,40 +89,6 @@ def _largest_blocks(model_cfg: ModelConfig, layout: UnitLayout, count: int) -> l
             if unit in sizes:
                 sizes[unit] += p.numel()
     return sorted(sorted(sizes, key=lambda u: -sizes[u])[:count])
-
-
-def estimate_bytes(model_cfg: ModelConfig, layout: UnitLayout, units: list[str], optimizer: str) -> int:
-    """What a trainer of ``units`` needs at least, before anything is allocated: fp32 weights of the whole
-    model, gradients of what it trains, and the optimizer state (2 bytes an element for 8-bit AdamW, 8 for
-    torch's), plus a quarter on top for activations and the runtime."""
-    with torch.device("meta"):
-        named = list(MoETransformer(model_cfg).named_parameters())
-    total = sum(p.numel() for _, p in named)
-    trained = sum(p.numel() for n, p in named if layout.unit_of(n) in set(units))
-    state = 2 if optimizer == "adamw8bit" else 8
-    return int(1.25 * (4 * total + 4 * trained + state * trained))
-
-
-def check_fits(
-    model_cfg: ModelConfig, layout: UnitLayout, units: list[str], optimizer: str, preset: str
-) -> None:
-    """Refuses, before allocating, a model that does not fit this machine's free memory, saying how much it
-    needs and which presets fit."""
-    import psutil
-
-    need, free = estimate_bytes(model_cfg, layout, units, optimizer), psutil.virtual_memory().available
-    if need <= free:
-        return
-    fit = [
-        name
-        for name, cfg in PRESETS.items()
-        if estimate_bytes(cfg, UnitLayout(cfg.n_experts, 1), [], optimizer) < free
-    ]
-    raise ConfigError(
-        f"{preset} needs about {need / 2**30:.1f} GiB of memory to train {', '.join(units)}, but this "
-        f"machine has {free / 2**30:.1f} GiB free. Presets that fit: {', '.join(fit) or 'none'}; or train "
-        "less of it (spes memory shows what a peer of one shard needs)"
-    )
 
 
 def _check_fits(model_cfg: ModelConfig) -> None:

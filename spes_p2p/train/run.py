@@ -20,7 +20,8 @@ from spes_p2p.model.config import ModelSettings
 from spes_p2p.train.checkpoint import list_checkpoints, load_checkpoint, recover, save_checkpoint
 from spes_p2p.train.config import DataConfig, TrainConfig
 from spes_p2p.train.dataset import BatchSampler, DataShard, prepare_data, validation_batches
-from spes_p2p.train.memory import check_fits
+from spes_p2p.train.device import place, resolve_device
+from spes_p2p.train.fit import Plan, check_fits
 from spes_p2p.train.trainer import StepResult, Trainer, evaluate
 
 
@@ -61,11 +62,19 @@ class TrainingRun:
             if owned_shards is None
             else [*layout.dense_units, *layout.shard_units(list(owned_shards))]
         )
-        check_fits(model_cfg, layout, units, train.optimizer, model.preset)
+        self.device = resolve_device(train.device)
+        check_fits(
+            model.preset,
+            model_cfg,
+            _plan(model, train, owned_shards),
+            self.device,
+            knobs=("frozen_experts", "shards"),  # spes train has no --dense-blocks
+            capacity_flag="--owned-shards 0",
+        )
         writable_folder(self.out_dir, "--out")
         self.data = prepare_data(data, model_cfg.vocab_size)
         torch.manual_seed(train.seed)
-        self.model = MoETransformer(model_cfg)
+        self.model = place(MoETransformer(model_cfg), self.device)  # built on the CPU: same seed, same model
         self.trainer = Trainer(self.model, layout, units, train)
         self.sampler = BatchSampler(
             self.data.train_ids, train.seq_len, train.batch_size, train.seed, data_shard or DataShard()
@@ -185,6 +194,20 @@ class TrainingRun:
             f.write(json.dumps(record) + "\n")
 
 
+def _plan(model: ModelSettings, train: TrainConfig, owned_shards: tuple[int, ...] | None) -> Plan:
+    """What ``spes train`` trains: every unit, or the dense part and ``owned_shards``."""
+    return Plan(
+        shards=model.shards,
+        dense_blocks=model.dense_blocks,
+        active_blocks=model.dense_blocks,
+        capacity=len(set(owned_shards or ())),
+        frozen_experts=train.frozen_experts,
+        frozen_dense=train.frozen_dense,
+        optimizer=train.optimizer,
+        everything=owned_shards is None,
+    )
+
+
 def evaluate_checkpoint(path: Path, corpus: str | None = None, eval_batches: int | None = None) -> dict:
     """Validation loss and perplexity of a checkpoint on its run's validation split (or another corpus)."""
     ckpt = load_checkpoint(path)
@@ -196,7 +219,7 @@ def evaluate_checkpoint(path: Path, corpus: str | None = None, eval_batches: int
     )
     tok_file = ckpt.path / "tokenizer.json"
     data = prepare_data(dataclasses.replace(data_cfg, tokenizer=str(tok_file)), model_cfg.vocab_size)
-    model = MoETransformer(model_cfg)
+    model = place(MoETransformer(model_cfg), resolve_device("auto"))
     model.load_state_dict(ckpt.model)
     batches = validation_batches(
         data.val_ids, train_cfg.seq_len, train_cfg.batch_size, train_cfg.eval_batches

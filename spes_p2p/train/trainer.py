@@ -5,6 +5,9 @@ the router and attention; they simply get no gradient buffers and no optimizer s
 held quantized (``frozen_experts``). When the trained units change (a claim moved, a dense block rotated), the
 optimizer is rebuilt for the new set; the state of a unit given up is freed, or parked in CPU memory until the
 unit comes back (``switch_state``).
+
+A trainer trains wherever its model lives (``device.place``); each batch is moved there, and on CUDA the
+forward pass runs under bf16 autocast (``device.autocast``).
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ import torch
 from spes_p2p.model import MoETransformer, UnitLayout, set_trainable
 from spes_p2p.model.units import hold_frozen, unit_parameters
 from spes_p2p.train.config import TrainConfig
+from spes_p2p.train.device import autocast, model_device
 from spes_p2p.train.optim import build_optimizer, lr_at, optimizer_step, tensor_bytes
 
 
@@ -92,7 +96,10 @@ class Trainer:
         lr = self.lr()
         for group in self.optimizer.param_groups:
             group["lr"] = lr
-        out = self.model(inputs_BS, targets_BS)
+        device = model_device(self.model)
+        inputs_BS, targets_BS = inputs_BS.to(device), targets_BS.to(device)
+        with autocast(device):
+            out = self.model(inputs_BS, targets_BS)
         out.loss.backward()
         grad_norm = torch.nn.utils.clip_grad_norm_(self.trainable, self.cfg.grad_clip)
         optimizer_step(self.optimizer)
@@ -120,8 +127,10 @@ def _moved(state: dict, device: torch.device) -> dict:
 def evaluate(model: MoETransformer, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> float:
     """Mean cross-entropy over the given batches, weighted by tokens."""
     model.eval()
-    total, count = 0.0, 0
+    total, count, device = 0.0, 0, model_device(model)
     for inputs_BS, targets_BS in batches:
-        total += model(inputs_BS, targets_BS).parts["ce"].item() * targets_BS.numel()
+        with autocast(device):
+            ce = model(inputs_BS.to(device), targets_BS.to(device)).parts["ce"]
+        total += ce.item() * targets_BS.numel()
         count += targets_BS.numel()
     return total / count
