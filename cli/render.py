@@ -52,26 +52,56 @@ class TrainProgress:
         )
 
 
+def print_memory(console: Console, report: dict) -> None:
+    """``spes memory``: after one step, the pre-flight line, and the running measurement when made."""
+    console.print(memory_table(report))
+    pre = report["preflight"]
+    console.print(
+        pre["problem"]
+        or f"pre-flight on {pre['device']}: needs about {_mib(pre['needs_bytes'])} (weights as held, "
+        f"gradients, optimizer state, plus 25%) of {_mib(pre['free_bytes'])} free: fits",
+        highlight=False,
+    )
+    if "running" in report:
+        console.print(running_table(report["running"]))
+
+
 def memory_table(report: dict) -> Table:
     table = Table(
         title=f"{report['preset']}: {report['optimizer']}, {report['shards']} shards, "
-        f"owning {', '.join(report['owned_units'])}"
+        f"owning {', '.join(report['owned_units'])}; after one step"
+    )
+    table.add_column("")
+    for column in ("this peer", "DiLoCo peer", "centralized"):
+        table.add_column(column, justify="right")
+    rows = (report, report["diloco"], report["full"])
+    for key, label in (("total_params", "parameters"), ("trainable_params", "trainable parameters")):
+        table.add_row(label, *(f"{r[key] / 1e6:,.2f}M" for r in rows))
+    for key in ("weights_bytes", "grads_bytes", "optimizer_bytes", "outer_bytes", "total_bytes"):
+        label = key.replace("_bytes", "").replace("grads", "gradients").replace("outer", "outer state")
+        table.add_row(label, *(_mib(r[key]) for r in rows), style="bold" if key == "total_bytes" else None)
+    table.caption = (
+        f"this peer: {report['ratio_vs_diloco']:.2f}x a DiLoCo peer, {report['ratio_vs_full']:.2f}x a "
+        "centralized trainer"
+    )
+    return table
+
+
+def running_table(running: dict) -> Table:
+    diloco = running["diloco"]
+    table = Table(
+        title=f"while training: {running['peers']} peers, {running['rounds']} rounds of "
+        f"{running['steps_per_round']} steps; the median peer's steady-state peak"
     )
     table.add_column("")
     table.add_column("this peer", justify="right")
-    table.add_column("trains everything", justify="right")
-    full = report["full"]
-    for key, label in (("total_params", "parameters"), ("trainable_params", "trainable parameters")):
-        table.add_row(label, f"{report[key] / 1e6:,.2f}M", f"{full[key] / 1e6:,.2f}M")
-    for key in ("weights_bytes", "grads_bytes", "optimizer_bytes", "total_bytes"):
-        table.add_row(
-            key.replace("_bytes", "").replace("grads", "gradients"),
-            _mib(report[key]),
-            _mib(full[key]),
-            style="bold" if key == "total_bytes" else None,
-        )
+    table.add_column("DiLoCo peer", justify="right")
+    for kind, held in running["memory_bytes"].items():
+        table.add_row(kind, _mib(held), _mib(diloco["memory_bytes"][kind]))
+    table.add_row("peak", _mib(running["peak_bytes"]), _mib(diloco["peak_bytes"]), style="bold")
     table.caption = (
-        f"this peer uses {report['ratio_vs_full']:.2f}x the memory of a peer that trains everything"
+        f"this peer: {running['ratio_vs_diloco']:.2f}x a DiLoCo peer; the process (every peer) peaked at "
+        f"{_mib(running['rss_bytes'])} RSS"
     )
     return table
 
@@ -191,9 +221,20 @@ class SwarmLive(LiveView):
                 f"; loss {status.loss:.3f}, {status.tokens_per_s:,.0f} tok/s, "
                 f"sent {_mib(status.bytes_sent)}, received {_mib(status.bytes_received)}"
             )
+        if "memory_peak_bytes" in status.last:
+            line += f"; memory {_mib(status.last['memory_peak_bytes'])}"
         if status.banned:
             line += f"; banned {', '.join(status.banned)}"
         return line
+
+
+def _memory_line(row: dict) -> str:
+    """The round's peak by kind, largest first, and the process's resident memory."""
+    kinds = sorted(((b, k) for k, b in row["memory_bytes"].items() if b), reverse=True)
+    line = ", ".join(f"{k} {_mib(b)}" for b, k in kinds) + f"; process RSS {_mib(row['rss_bytes'])}"
+    if "device_peak_bytes" in row:
+        line += f"; GPU peak {_mib(row['device_peak_bytes'])}"
+    return line
 
 
 def swarm_table(run_id: str, status) -> Table:
@@ -217,6 +258,8 @@ def swarm_table(run_id: str, status) -> Table:
     loss = "-" if status.loss is None else f"{status.loss:.3f}"
     table.add_row("round", str(status.round), f"loss {loss}, {status.tokens_per_s:,.0f} tok/s")
     table.add_row("traffic", "", f"sent {_mib(status.bytes_sent)}, received {_mib(status.bytes_received)}")
+    if "memory_peak_bytes" in status.last:
+        table.add_row("memory", _mib(status.last["memory_peak_bytes"]), _memory_line(status.last))
     if status.banned:
         table.add_row("banned", str(len(status.banned)), " ".join(p[-8:] for p in status.banned), style="red")
     return table

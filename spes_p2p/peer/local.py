@@ -107,6 +107,9 @@ class LocalTraining:
             between()
         return Steps(statistics.fmean(losses), tokens, time.perf_counter() - started)
 
+    def held(self) -> dict[str, list]:
+        return self.trainer.held() if self.trainer is not None else {}
+
     def frozen_experts(self, trained: list[str]) -> Tensors:
         """Every expert weight outside ``trained`` (the merge's neighbours)."""
         weights: Tensors = {}

@@ -48,6 +48,13 @@ class RoundJob:
     error: BaseException | None = None
     thread: threading.Thread | None = None
 
+    def held(self) -> dict[str, list]:
+        results = [r.new_weights for r in list(self.results.values())]
+        return {
+            "snapshots": [self.start, self.end, self.experts or {}, results],
+            "received": [f.payload for f in list(self.refreshed.values())],
+        }
+
 
 class RoundSync:
     def __init__(self, settings: Settings, member: SwarmMember, sync: SyncEngine, layout: UnitLayout) -> None:
@@ -60,11 +67,14 @@ class RoundSync:
             view = self.member.view()
             for unit in job.units:
                 job.results[unit] = self._exchange(job, unit, view)
+                del job.start[unit]  # (snapshots go as soon as their arithmetic is done)
                 self.sync.serve_weights(job.round, unit, job.results[unit].new_weights)
             self.frozen.publish(job, view)
             self.frozen.refresh(job, view)
+            self.sync.sample()  # the refreshed copies are decoded, not landed yet
             if job.experts is not None:
                 self.frozen.merge(job)
+                job.experts = None
                 for unit, result in job.results.items():
                     self.sync.serve_weights(job.round, unit, result.new_weights)
         except BaseException as exc:  # re-raised on the training thread when the job lands
@@ -117,6 +127,10 @@ class Pipeline:
         self.in_flight = job
         job.thread.start()
         return None
+
+    def held(self) -> dict[str, list]:
+        job = self.in_flight
+        return job.held() if job is not None else {}
 
     def finished(self) -> bool:
         return self.in_flight is not None and not self.in_flight.thread.is_alive()

@@ -19,8 +19,8 @@ import math
 import random
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import replace
 
 import torch
 
@@ -37,10 +37,10 @@ from spes_p2p.swarm.codecs import TensorSpec
 from spes_p2p.swarm.config import SyncConfig
 from spes_p2p.swarm.fetching import Gone, Got, Refused, UpdateFetcher
 from spes_p2p.swarm.outcome import MISS_LIMIT, UnitRound, tensors_hash
-from spes_p2p.swarm.payload import ErrorFeedback
+from spes_p2p.swarm.payload import ErrorFeedback, encode, payload_meta
 from spes_p2p.swarm.records import Announcement, updates_key
 from spes_p2p.swarm.reduce import ReduceScatter
-from spes_p2p.swarm.serving import Outbox, Posted, payload_meta
+from spes_p2p.swarm.serving import Outbox, Posted
 from spes_p2p.swarm.transport import Transport
 from spes_p2p.swarm.waiting import AdaptiveDeadline, Deadline, poll
 
@@ -98,6 +98,8 @@ class Exchange:
         self.feedback: dict[str, ErrorFeedback] = {}  # unit -> what our last update's coding lost
         self.outer: dict[str, OuterStep] = {}
         self.reduce_scatter = ReduceScatter(self)
+        self.inputs: list = []  # the unit's decoded updates (or pieces) of the round in progress
+        self.sample: Callable[[], None] = lambda: None  # measures memory when the round holds the most
 
     @property
     def rejected(self) -> int:
@@ -118,8 +120,17 @@ class Exchange:
         the others do not wait for) our update is neither announced nor aggregated. A ``grouped`` unit (the
         dense part: ``participants`` is a group in its agreed order, without us when we do not count) goes
         by reduce-scatter when the swarm says so and the group has three members or more."""
-        if grouped and self.cfg.dense_exchange == "reduce_scatter" and len(participants) >= 3:
-            return self.reduce_scatter.run(round_, unit, start, end, tokens, participants, counted)
+        try:
+            if grouped and self.cfg.dense_exchange == "reduce_scatter" and len(participants) >= 3:
+                result = self.reduce_scatter.run(round_, unit, start, end, tokens, participants, counted)
+            else:
+                result = self._all_to_all(round_, unit, start, end, tokens, participants, counted)
+            self.sample()
+            return result
+        finally:
+            self.inputs = []
+
+    def _all_to_all(self, round_, unit, start, end, tokens, participants, counted) -> UnitRound:
         me = self.transport.peer_id
         base = tensors_hash(start)
         update = {n: end[n] - start[n] for n in start}
@@ -197,23 +208,27 @@ class Exchange:
         meta = payload_meta(unit, round_, "delta")
         feedback = self.feedback.setdefault(unit, ErrorFeedback(self.cfg.codec, self.cfg.topk_fraction))
         payload, sent = feedback.encode(update, meta, round_)
-        self.post(round_, unit, Posted(payload, end, tokens, base))
+        self.post(round_, unit, payload, end, tokens, base)
         return sent
 
-    def post(self, round_: int, unit: str, posted: Posted) -> None:
-        """Serves our update (whole, or in pieces) and the end weights behind it, and announces it."""
-        end = {n: t.clone() for n, t in posted.end.items()}
-        self.outbox.post_update(round_, unit, replace(posted, end=end))
+    def post(
+        self, round_: int, unit: str, payload: bytes, end: Tensors, tokens: int, base: str, pieces=()
+    ) -> None:
+        """Serves our update (whole ``payload``, or in ``pieces``) and the ``end`` weights behind it, and
+        announces it."""
+        end_payload = encode(end, "none", meta=payload_meta(unit, round_, "end"))
+        posted = Posted(payload, end_payload, tokens, base, tuple(pieces))
+        self.outbox.post_update(round_, unit, posted)
         self.base_hashes[(round_, unit)] = posted.base
-        pieces = [hashlib.sha256(p).hexdigest() for p in posted.pieces]
+        digests = [hashlib.sha256(p).hexdigest() for p in posted.pieces]
         announcement = Announcement(
             round=round_,
             tokens=posted.tokens,
             bytes=len(posted.payload) + sum(len(p) for p in posted.pieces),
             codec=self.cfg.codec,
-            sha256=hashlib.sha256(posted.payload or "".join(pieces).encode()).hexdigest(),
+            sha256=hashlib.sha256(posted.payload or "".join(digests).encode()).hexdigest(),
             base=posted.base,
-            pieces=pieces,
+            pieces=digests,
         )
         key = updates_key(self.run_id, round_, unit)
         self.transport.publish(key, announcement.encode(), self.transport.now() + ANNOUNCE_TTL)
@@ -250,6 +265,7 @@ class Exchange:
 
         if not poll(one_pass, deadline, POLL_SECONDS):
             logger.info("round %d %s: deadline passed without %s", round_, unit, sorted(waiting))
+        self.inputs.extend(f.contribution.tensors for f in got.values())
         if got:
             self.deadline.observe(last_answer - started)
         missing = sorted(set(others) - set(got) - refused)

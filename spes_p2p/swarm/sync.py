@@ -59,6 +59,8 @@ class SyncEngine:
             aggregate,
         )
         self._refresh = Refresh(transport, cfg, specs, self._pool, self.abort, live_peers)
+        self.sample: Callable[[], None] = lambda: None  # measures the peer's memory (``peer.footprint``)
+        self._exchange.sample = lambda: self.sample()
 
     @property
     def deadline(self):
@@ -87,20 +89,34 @@ class SyncEngine:
     ) -> dict[str, int]:
         return self._refresh.run(min_round, holders, deadline, **kwargs)
 
-    def start_versions(self, round_: int, read: Callable[[str], Tensors], held: list[str]) -> None:
-        """From the swarm's initial model (version ``round_``): every unit we hold starts its version chain,
-        and every frozen copy is that version."""
+    def start_versions(
+        self, round_: int, read: Callable[[str], Tensors], held: list[str], versioned: Callable[[str], bool]
+    ) -> None:
+        """From the swarm's initial model (version ``round_``): every unit we hold that has versions starts
+        its chain, and every frozen copy is that version."""
         for unit in self.outbox.specs:
-            weights = read(unit)
-            if unit in held:
-                self.versions.start(unit, round_, weights)
-            else:
-                self.copies.set(unit, round_, tensors_hash(weights))
+            if unit not in held:
+                self.copies.set(unit, round_, tensors_hash(read(unit)))
+            elif versioned(unit):
+                self.versions.start(unit, round_, read(unit))
 
     def serve_weights(self, round_: int, unit: str, weights: Tensors) -> None:
         """Serves our weights of a unit we hold (so our copy of it is no frozen copy any more)."""
         self.outbox.serve_weights(round_, unit, weights)
         self.copies.forget(unit)
+
+    def held(self) -> dict[str, list]:
+        """What the sync keeps, by kind (``peer.footprint``)."""
+        x = self._exchange
+        residuals = [f.residual for f in list(x.feedback.values())]
+        momenta = [o.buffers for o in list(x.outer.values())]
+        versions = self.versions.held()
+        return {
+            "outer": [residuals, momenta],
+            "versions": versions["versions"],
+            "served": [self.outbox.held(), versions["served"]],
+            "received": [list(x.inputs)],
+        }
 
     def forget_before(self, round_: int, held: list[str] = ()) -> None:
         """Drops what was kept for rounds older than ``KEEP_ROUNDS`` before ``round_`` (versions of units

@@ -13,6 +13,7 @@ forward pass runs under bf16 autocast (``device.autocast``).
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -43,6 +44,7 @@ class Trainer:
         self.tokens = 0
         self.parked: dict[str, dict] = {}  # switch_state "cpu": parameter name -> its optimizer state
         self.optimizer: torch.optim.Optimizer | None = None
+        self.after_backward: Callable[[], None] = lambda: None  # runs while the step's gradients are live
         self.retarget(units)
 
     def retarget(self, units: list[str]) -> None:
@@ -77,6 +79,16 @@ class Trainer:
         for p in unit_parameters(self.model, self.layout, unit).values():
             self.optimizer.state.pop(p, None)
 
+    def held(self) -> dict[str, list]:
+        """What the trainer holds, by kind (``peer.footprint``): the trained weights, every other weight,
+        the gradients of a step in progress, the optimizer state."""
+        return {
+            "weights": list(self.trainable),
+            "frozen": [list(self.model.parameters()), quantized_tensors(self.model)],
+            "gradients": [p.grad for p in self.trainable if p.grad is not None],
+            "optimizer": [list(self.optimizer.state.values()), list(self.parked.values())],
+        }
+
     def parked_bytes(self) -> int:
         return tensor_bytes(list(self.parked.values()))
 
@@ -102,6 +114,7 @@ class Trainer:
             out = self.model(inputs_BS, targets_BS)
         out.loss.backward()
         grad_norm = torch.nn.utils.clip_grad_norm_(self.trainable, self.cfg.grad_clip)
+        self.after_backward()
         optimizer_step(self.optimizer)
         self.optimizer.zero_grad(set_to_none=True)
         self.step += 1
@@ -117,6 +130,13 @@ class Trainer:
 
     def evaluate(self, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> float:
         return evaluate(self.model, batches)
+
+
+def quantized_tensors(model: torch.nn.Module) -> list[torch.Tensor]:
+    """The codes and scales of every weight the model holds quantized."""
+    return [
+        t for m in model.modules() for q in getattr(m, "quantized", {}).values() for t in (q.codes, q.absmax)
+    ]
 
 
 def _moved(state: dict, device: torch.device) -> dict:
