@@ -243,7 +243,7 @@ def test_a_dense_block_held_quantized_is_fetched_in_its_own_codec(refresh):
     job = SimpleNamespace(round=10, experts=None)
     if refresh == "changes":  # experts stay in full precision: the change since our copy's version
         assert frozen._want("experts/1", job) == Want("change", s.sync.refresh_codec, (10 - every, "hash"))
-    frozen.landed("dense/2", Fetched(10, {}, Want("version", "none")), {"w": torch.zeros(1)})  # stored lossy
+    frozen.landed("dense/2", Fetched(10, Want("version", "none")), {"w": torch.zeros(1)})  # stored lossy
     assert copies.forgotten == ["dense/2"]
 
 

@@ -37,15 +37,19 @@ class Landing:
         no frozen copy any more)."""
         self.read, self.write, self.overlap, self.reset_state = read, write, overlap, reset_state
         self.on_copy = on_copy
-        self.round_start: dict[str, Tensors] = {}  # the units training now, as their round began
+        self.training: set[str] = set()  # the units training now
+        self.round_start: dict[str, Tensors] = {}  # units training now, as their round began (if needed)
         self.synced_start: dict[str, Tensors] = {}  # overlap: synced weights the next update starts from
 
-    def begin_round(self, units: list[str]) -> None:
-        self.round_start = {u: self.read(u) for u in units}
+    def begin_round(self, units: list[str], in_flight: list[str] = ()) -> None:
+        """Snapshots the units training now, but those the round ``in_flight`` trained: its landing gives
+        them the synced weights their next update starts from."""
+        self.training = set(units)
+        self.round_start = {u: self.read(u) for u in units if not (self.overlap and u in in_flight)}
 
     def update_start(self, units: list[str]) -> dict[str, Tensors]:
         """Where this round's updates are measured from (after the previous round landed)."""
-        return {u: self.synced_start.pop(u, self.round_start[u]) for u in units}
+        return {u: self.synced_start.pop(u) if u in self.synced_start else self.round_start[u] for u in units}
 
     def land(self, job: RoundJob) -> None:
         for unit, result in job.results.items():  # units trained in the job's round
@@ -57,13 +61,16 @@ class Landing:
             else:
                 self._write(unit, result.new_weights, since=job.end[unit])
         for unit, fetched in job.refreshed.items():  # frozen in that round; maybe trained now
-            trained_now = unit in self.round_start
+            trained_now = unit in self.training  # (a unit claimed now: it has a snapshot)
             weights = fetched.tensors
             if fetched.want.kind == "change":  # what changed since the version our copy was
                 copy = self.round_start[unit] if trained_now else self.read(unit)
                 weights = {n: copy[n] + weights[n] for n in copy}
             self._write(unit, weights, since=self.round_start.get(unit))
             self.on_copy(unit, fetched, None if trained_now else weights)
+
+    def held(self) -> dict[str, list]:
+        return {"snapshots": [self.round_start, self.synced_start]}
 
     def restart(self, units: list[str]) -> None:
         """After a download of the swarm's model: this round's updates are measured from it."""

@@ -52,6 +52,18 @@ class _Header(msgspec.Struct):
     metadata: dict[str, str] = msgspec.field(default_factory=dict, name="__metadata__")
 
 
+def payload_meta(unit: str, round_: int, kind: str, part: int = 0, parts: int = 0) -> dict[str, str]:
+    """The metadata every payload carries, and that its receiver checks."""
+    meta = {"unit": unit, "round": str(round_), "kind": kind}
+    return {**meta, "part": f"{part}/{parts}"} if parts else meta
+
+
+def tensors_of(own: bytes) -> Tensors:
+    """The tensors of a ``none`` payload this peer made itself (never one that came from another peer:
+    those go through ``decode``)."""
+    return load(own)
+
+
 def specs_of(tensors: Tensors) -> dict[str, TensorSpec]:
     return {
         name: TensorSpec(tuple(t.shape), str(t.dtype).removeprefix("torch.")) for name, t in tensors.items()

@@ -44,8 +44,7 @@ from spes_p2p.swarm.aggregate import (
 from spes_p2p.swarm.codecs import TensorSpec, part_bounds
 from spes_p2p.swarm.fetching import Got, Reduced, Refused
 from spes_p2p.swarm.outcome import MISS_LIMIT, UnitRound, tensors_hash
-from spes_p2p.swarm.payload import ErrorFeedback, decode, encode, flatten, unflatten
-from spes_p2p.swarm.serving import Posted, payload_meta
+from spes_p2p.swarm.payload import ErrorFeedback, decode, encode, flatten, payload_meta, unflatten
 from spes_p2p.swarm.waiting import Deadline, poll
 
 if TYPE_CHECKING:
@@ -180,7 +179,7 @@ class ReduceScatter:
             payloads.append(self._encode(flat[a:b], meta))
             decoded.append(self._decode(payloads[-1], b - a, meta))
         feedback.keep(full, self._whole(r.unit, decoded), r.round)
-        x.post(r.round, r.unit, Posted(b"", end, r.tokens, r.base, tuple(payloads)))
+        x.post(r.round, r.unit, b"", end, r.tokens, r.base, payloads)
         return decoded
 
     def _post_reduced(self, r: _Round, part: int, combined: Combined) -> Reduced:

@@ -11,6 +11,7 @@ copy (newcomers). Every answer is a checked payload; a bad one is counted and th
 
 from __future__ import annotations
 
+import functools
 import logging
 import random
 import threading
@@ -49,15 +50,22 @@ class Want:
 
 @dataclass(frozen=True)
 class Fetched:
-    """What came: the round it is of, its tensors (a change: what to add), and what it was."""
+    """What came: the round it is of, what it was, and its payload, checked. It is kept coded until it is
+    used (a copy held as int8 waits for its landing in a quarter of the bytes) and decoded on each use."""
 
     round: int
-    tensors: Tensors
     want: Want
+    payload: bytes = b""
+    decoder: Callable[[bytes], Tensors] = lambda payload: {}
+
+    @property
+    def tensors(self) -> Tensors:
+        """Its tensors (a change: what to add)."""
+        return self.decoder(self.payload)
 
 
-NOBODY = Fetched(-2, {}, Want())  # every holder left and there is no fallback: stop asking
-ELSEWHERE = Fetched(-3, {}, Want())  # a change to another version than ours: that holder's chain differs
+NOBODY = Fetched(-2, Want())  # every holder left and there is no fallback: stop asking
+ELSEWHERE = Fetched(-3, Want())  # a change to another version than ours: that holder's chain differs
 
 
 class Refresh:
@@ -174,14 +182,15 @@ class Refresh:
             with self._lock:
                 self.failed[peer] += 1
             return None
+        decoder = functools.partial(
+            decode,
+            expected=self.specs[unit],
+            codec=want.codec,
+            meta={"unit": unit, "kind": want.kind},
+            topk_fraction=self.cfg.topk_fraction,
+        )
         try:
-            tensors = decode(
-                payload,
-                self.specs[unit],
-                want.codec,
-                meta={"unit": unit, "kind": want.kind},
-                topk_fraction=self.cfg.topk_fraction,
-            )
+            decoder(payload)  # checked now; decoded again when used
             round_ = _round_of(payload)
             since = metadata_of(payload).get("since") if want.kind == "change" else None
         except PayloadError as exc:
@@ -194,7 +203,7 @@ class Refresh:
             self.failed.pop(peer, None)
         if want.kind == "change" and (since != ":".join(map(str, want.since)) or round_ != min_round):
             return ELSEWHERE
-        return Fetched(round_, tensors, want) if round_ >= min_round else None
+        return Fetched(round_, want, payload, decoder) if round_ >= min_round else None
 
 
 def _round_of(payload: bytes) -> int:

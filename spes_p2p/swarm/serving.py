@@ -8,15 +8,18 @@
 - the current version of each unit it holds, and the change that made it (``swarm/versions.py``), for the
   peers that keep frozen copies.
 
-Everything is kept for ``KEEP_ROUNDS`` rounds. Threads: the sync and training threads post and forget;
-the transport's handler threads read; one lock guards the maps, and payloads are encoded outside it.
+Everything is kept for ``KEEP_ROUNDS`` rounds (end weights for ``END_KEEP_ROUNDS``), and kept as it is
+served: as payloads (the weights and end weights in the exact ``none`` codec), never as tensors beside them.
+What is asked for in another codec is coded from them once and kept too. Threads: the sync and training
+threads post and forget; the transport's handler threads read; one lock guards the maps, and payloads are
+encoded outside it.
 """
 
 from __future__ import annotations
 
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TypeVar
 
 import torch
@@ -31,11 +34,12 @@ from spes_p2p.swarm.messages import (
     UpdateRequest,
     WeightsRequest,
 )
-from spes_p2p.swarm.payload import encode
+from spes_p2p.swarm.payload import encode, payload_meta, tensors_of
 from spes_p2p.swarm.transport import Transport, Unavailable
 from spes_p2p.swarm.versions import Versions
 
 KEEP_ROUNDS = 3
+END_KEEP_ROUNDS = 2  # end weights are asked for by co-holders that re-synchronize in the same round
 M = TypeVar("M", bound=Message)
 
 Tensors = dict[str, torch.Tensor]
@@ -43,20 +47,14 @@ Tensors = dict[str, torch.Tensor]
 
 @dataclass(frozen=True)
 class Posted:
-    """One of our updates: its payload (or its parts' payloads), the end weights behind it, and what its
-    announcement said."""
+    """One of our updates: its payload (or its parts' payloads), the end weights behind it (a ``none``
+    payload), and what its announcement said."""
 
     payload: bytes
-    end: Tensors
+    end: bytes
     tokens: int
     base: str
     pieces: tuple[bytes, ...] = ()
-
-
-def payload_meta(unit: str, round_: int, kind: str, part: int = 0, parts: int = 0) -> dict[str, str]:
-    """The metadata every payload carries, and that its receiver checks."""
-    meta = {"unit": unit, "round": str(round_), "kind": kind}
-    return {**meta, "part": f"{part}/{parts}"} if parts else meta
 
 
 class Outbox:
@@ -74,7 +72,7 @@ class Outbox:
         self.guard = transport.guard
         self._lock = threading.Lock()
         self._updates: dict[tuple[int, str], Posted] = {}  # (round, unit) -> our update
-        self._weights: dict[str, dict[int, Tensors]] = {}  # unit -> round -> weights served
+        self._weights: dict[str, dict[int, bytes]] = {}  # unit -> round -> weights served (none codec)
         self._encoded: dict[tuple[int, str, str, str], bytes] = {}  # (round, unit, kind, codec) -> payload
         self._reduced: dict[tuple[int, str, int, int], bytes] = {}  # (round, unit, part, parts) -> payload
         transport.serve(RPC_UPDATE, self.rpc_update, max_request_bytes=MAX_REQUEST_BYTES)
@@ -96,22 +94,26 @@ class Outbox:
 
     def serve_weights(self, round_: int, unit: str, weights: Tensors) -> None:
         """From now on, those who ask for ``unit`` get these weights (as of round ``round_``)."""
-        copy = {n: t.detach().clone() for n, t in weights.items()}
+        payload = encode(weights, "none", meta=payload_meta(unit, round_, "weights"))
         with self._lock:
             versions = self._weights.setdefault(unit, {})
-            versions[round_] = copy
+            versions[round_] = payload
             for old in sorted(versions)[:-KEEP_ROUNDS]:  # so slower peers get the version they ask for
                 del versions[old]
             self._encoded = {k: v for k, v in self._encoded.items() if k[:3] != (round_, unit, "weights")}
 
     def forget_before(self, round_: int) -> None:
         """Drops updates, served weights (so a unit given up stops being served) and encodings older than
-        ``KEEP_ROUNDS`` rounds before ``round_``."""
-        horizon = round_ - KEEP_ROUNDS
+        ``KEEP_ROUNDS`` rounds before ``round_``, and end weights older than ``END_KEEP_ROUNDS``."""
+        horizon, end_horizon = round_ - KEEP_ROUNDS, round_ - END_KEEP_ROUNDS
         with self._lock:
             kept = {u: {r: w for r, w in v.items() if r > horizon} for u, v in self._weights.items()}
             self._weights = {u: v for u, v in kept.items() if v}
-            self._updates = {k: v for k, v in self._updates.items() if k[0] > horizon}
+            self._updates = {
+                k: v if k[0] > end_horizon else replace(v, end=b"")
+                for k, v in self._updates.items()
+                if k[0] > horizon
+            }
             self._encoded = {k: v for k, v in self._encoded.items() if k[0] > horizon}
             self._reduced = {k: v for k, v in self._reduced.items() if k[0] > horizon}
 
@@ -130,8 +132,8 @@ class Outbox:
         posted = self.update(req.round, req.unit)
         if posted is None:
             raise Unavailable(f"no update for {req.unit} in round {req.round}")
-        if req.kind == "end":
-            return self._encoded_once((req.round, req.unit, "end", "none"), posted.end)
+        if req.kind == "end" and posted.end:
+            return posted.end
         if req.kind == "piece" and req.parts == len(posted.pieces):
             return posted.pieces[req.part]
         if req.kind == "delta" and posted.payload:
@@ -149,12 +151,12 @@ class Outbox:
             version = self.versions.current(req.unit)
             if version is None or version.round < req.round:
                 raise Unavailable(f"no version {req.round} of {req.unit} here")
-            return self._encoded_once((version.round, req.unit, "version", req.codec), version.weights)
+            return self._coded((version.round, req.unit, "version", req.codec), version.payload)
         with self._lock:
             versions = dict(self._weights.get(req.unit, {}))
         if versions:
             round_ = req.round if req.round in versions else max(versions)
-            return self._encoded_once((round_, req.unit, "weights", req.codec), versions[round_])
+            return self._coded((round_, req.unit, "weights", req.codec), versions[round_])
         if req.any_copy and self.local_copy is not None and req.unit in self.specs:
             copy = self.local_copy(req.unit)
             return encode(
@@ -170,14 +172,23 @@ class Outbox:
             self.guard.reject(caller, "request", str(exc))
             raise
 
-    def _encoded_once(self, key: tuple[int, str, str, str], tensors: Tensors) -> bytes:
+    def _coded(self, key: tuple[int, str, str, str], exact: bytes) -> bytes:
+        """``exact`` (a ``none`` payload of ours), in the codec ``key`` names: coded once, then kept."""
+        round_, unit, kind, codec = key
+        if codec == "none":
+            return exact
         with self._lock:
             cached = self._encoded.get(key)
         if cached is None:
-            round_, unit, kind, codec = key
-            cached = encode(
-                tensors, codec, meta=payload_meta(unit, round_, kind), topk_fraction=self.topk_fraction
-            )
+            meta = payload_meta(unit, round_, kind)
+            cached = encode(tensors_of(exact), codec, meta=meta, topk_fraction=self.topk_fraction)
             with self._lock:
                 self._encoded[key] = cached
         return cached
+
+    def held(self) -> list:
+        """Every payload kept (``peer.footprint``)."""
+        with self._lock:
+            updates = [[p.payload, p.end, *p.pieces] for p in self._updates.values()]
+            weights = [list(v.values()) for v in self._weights.values()]
+            return [updates, weights, list(self._encoded.values()), list(self._reduced.values())]

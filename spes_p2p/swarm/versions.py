@@ -15,9 +15,10 @@ A copy that is not a version (a newcomer's, one that missed a version round, or 
 is replaced by the holders' exact version (``none`` codec) once, and follows the changes from then on.
 Peers that hold frozen experts quantized fetch each version in their own codec instead.
 
-Holders keep the current version of each unit they hold (``Versions``); peers keep, for each frozen copy
-that is a version, its round and hash (``Copies``). A change names the version it applies to (``since``:
-round and hash); a copy whose hash is not that one has drifted, and is replaced by the exact version.
+Holders keep the current version of each unit they hold (``Versions``), as the payload it is served as;
+peers keep, for each frozen copy that is a version, its round and hash (``Copies``). A change names the
+version it applies to (``since``: round and hash); a copy whose hash is not that one has drifted, and is
+replaced by the exact version.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ import torch
 
 from spes_p2p.swarm.codecs import TensorSpec
 from spes_p2p.swarm.outcome import tensors_hash
-from spes_p2p.swarm.payload import decode, encode
+from spes_p2p.swarm.payload import decode, encode, payload_meta, tensors_of
 
 Tensors = dict[str, torch.Tensor]
 
@@ -41,8 +42,17 @@ def is_version_round(round_: int, every: int) -> bool:
 @dataclass(frozen=True)
 class Version:
     round: int
-    weights: Tensors
+    payload: bytes  # its weights, as served: a ``none`` payload
     hash: str
+
+    @classmethod
+    def of(cls, unit: str, round_: int, weights: Tensors) -> Version:
+        payload = encode(weights, "none", meta=payload_meta(unit, round_, "version"))
+        return cls(round_, payload, tensors_hash(weights))
+
+    @property
+    def weights(self) -> Tensors:
+        return tensors_of(self.payload)
 
 
 @dataclass(frozen=True)
@@ -70,7 +80,7 @@ class Versions:
 
     def start(self, unit: str, round_: int, weights: Tensors) -> Version:
         """This peer's version ``round_`` of ``unit`` (the initial model, or a co-holder's exact version)."""
-        version = Version(round_, {n: t.detach().clone() for n, t in weights.items()}, tensors_hash(weights))
+        version = Version.of(unit, round_, weights)
         with self._lock:
             self._current[unit] = version
             self._changes.pop(unit, None)
@@ -92,16 +102,24 @@ class Versions:
         if before is None or before.round != since:
             return self.start(unit, round_, weights)
         meta = change_meta(unit, round_, since, before.hash)
-        delta = {n: weights[n] - before.weights[n] for n in weights}
+        previous = before.weights
+        delta = {n: weights[n] - previous[n] for n in weights}
         payload = encode(delta, self.codec, meta=meta, topk_fraction=self.topk_fraction)
         specs = {n: TensorSpec(tuple(t.shape)) for n, t in weights.items()}
         sent = decode(payload, specs, self.codec, meta=meta, topk_fraction=self.topk_fraction)
-        after = {n: before.weights[n] + sent[n] for n in weights}
-        version = Version(round_, after, tensors_hash(after))
+        version = Version.of(unit, round_, {n: previous[n] + sent[n] for n in weights})
         with self._lock:
             self._current[unit] = version
             self._changes[unit] = Change(payload, version)
         return version
+
+    def held(self) -> dict[str, list]:
+        """The versions, and the changes served (``peer.footprint``)."""
+        with self._lock:
+            return {
+                "versions": [v.payload for v in self._current.values()],
+                "served": [c.payload for c in self._changes.values()],
+            }
 
     def forget(self, held: set[str], before: int) -> None:
         """Forgets the versions of units this peer no longer holds, once older than round ``before`` (until
