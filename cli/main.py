@@ -97,38 +97,32 @@ def eval_(checkpoint, corpus, batches, as_json) -> None:
     "train.device",
     "train.optimizer",
     "train.frozen_experts",
+    "train.frozen_dense",
     "train.batch_size",
     "train.seq_len",
 )
 @JSON
-def memory(settings, as_json) -> None:
+@click.option(
+    "--running",
+    is_flag=True,
+    help="Also measure peers while they train: a local swarm of this model and one of DiLoCo peers, a few "
+    "rounds each (minutes; memory for every peer of both).",
+)
+def memory(settings, as_json, running) -> None:
     """Allocated bytes of a peer training --capacity expert shards (and --active-blocks of the dense part),
-    next to a peer that trains everything; and whether such a peer fits --device's free memory."""
-    from spes_cli.render import memory_table
+    next to a DiLoCo peer and a centralized trainer; whether it fits --device's free memory; with --running,
+    the steady-state peak of peers that train."""
+    from spes_cli.render import print_memory
 
-    from spes_p2p.train.device import resolve_device
-    from spes_p2p.train.fit import estimate_bytes, fit_problem, free_bytes, peer_plan
-    from spes_p2p.train.memory import compare
+    from spes_p2p.sim.memory import report
 
     s = settings
-    device = resolve_device(s.train.device)
     with console.status(f"Measuring {s.model.preset} with {s.train.optimizer}..."):
-        report = compare(s.model, s.peer.capacity, s.peer.active_blocks, s.train)
-    cfg, plan, free = s.model.architecture(), peer_plan(s), free_bytes(device)
-    problem = fit_problem(s.model.preset, cfg, plan, device, free=free)
-    need = estimate_bytes(cfg, plan)
-    report["preflight"] = {"device": device.type, "needs_bytes": need, "free_bytes": free}
-    report["preflight"]["fits"] = problem is None
+        result = report(s, running)
     if as_json:
-        click.echo(json.dumps(report))
-        return
-    console.print(memory_table(report))
-    console.print(
-        problem
-        or f"Pre-flight on {device.type}: needs about {need / 2**30:.2f} GiB (weights as held, gradients, "
-        f"optimizer state, plus 25%) of {free / 2**30:.1f} GiB free: fits",
-        highlight=False,
-    )
+        click.echo(json.dumps(result))
+    else:
+        print_memory(console, result)
 
 
 @spes.command()

@@ -85,10 +85,11 @@ def test_memory_json_counts_what_is_allocated():
         "weights_bytes",
         "grads_bytes",
         "optimizer_bytes",
+        "outer_bytes",
         "total_bytes",
     )
     for key in keys:
-        assert key in report and key in report["full"]
+        assert key in report and key in report["full"] and key in report["diloco"]
     full = report["full"]
     assert report["total_params"] == full["total_params"] == full["trainable_params"]
     assert report["weights_bytes"] == 4 * report["total_params"]
@@ -100,10 +101,15 @@ def test_memory_json_counts_what_is_allocated():
     assert (
         full["trainable_params"] - report["trainable_params"] == 3 * 2 * 2 * per_expert
     )  # 3 shards x 2 layers x 2
-    assert (
-        report["total_bytes"] == report["weights_bytes"] + report["grads_bytes"] + report["optimizer_bytes"]
-    )
-    assert report["total_bytes"] < full["total_bytes"]
+    # the outer state: the round's start weights of what it trains, and the last version of its shard
+    assert report["outer_bytes"] == 4 * report["trainable_params"] + 4 * 2 * 2 * per_expert
+    held = ("weights_bytes", "grads_bytes", "optimizer_bytes", "outer_bytes")
+    assert report["total_bytes"] == sum(report[k] for k in held)
+    diloco = report["diloco"]  # trains everything, with its start weights and Nesterov momentum
+    assert {k: diloco[k] for k in held[:3]} == {k: full[k] for k in held[:3]}
+    assert diloco["outer_bytes"] == 8 * full["total_params"] and full["outer_bytes"] == 0
+    assert report["ratio_vs_diloco"] == report["total_bytes"] / diloco["total_bytes"] < 1
+    assert report["preflight"]["fits"] and report["preflight"]["device"] == "cpu"
 
 
 def test_memory_8bit_state_is_smaller():

@@ -232,3 +232,20 @@ def _layout(cfg: ModelConfig, shards: int, blocks: int) -> UnitLayout:
         if unit.startswith("dense/"):
             sizes[int(unit.removeprefix("dense/"))] += numel
     return UnitLayout(cfg.n_experts, shards, balanced_starts(sizes, blocks))
+
+
+def preflight(settings) -> dict:
+    """Whether a peer of ``settings`` fits its device now: the bytes it needs, the bytes free, and (when it
+    does not fit) the refusal a peer would print."""
+    from spes_p2p.train.device import resolve_device
+
+    device = resolve_device(settings.train.device)
+    cfg, plan, free = settings.model.architecture(), peer_plan(settings), free_bytes(device)
+    problem = fit_problem(settings.model.preset, cfg, plan, device, free=free)
+    return {
+        "device": device.type,
+        "needs_bytes": estimate_bytes(cfg, plan),
+        "free_bytes": free,
+        "fits": problem is None,
+        "problem": problem,
+    }

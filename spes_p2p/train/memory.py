@@ -1,4 +1,5 @@
-"""Memory accounting: the bytes a peer allocates for weights, gradients and optimizer state.
+"""Memory accounting: the bytes a peer allocates for weights, gradients and optimizer state, and the outer
+state its sync keeps. (What a peer holds while it trains is measured in ``sim/memory.py``.)
 
 Measured, not estimated: the model and optimizer are built for the given ownership and take one real step,
 then every allocated tensor is counted. Parameters below 4096 elements keep 32-bit state even with the 8-bit
@@ -8,6 +9,7 @@ optimizer (a bitsandbytes default); that is counted too.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 
 import torch
 
@@ -19,14 +21,27 @@ from spes_p2p.train.config import TrainConfig
 from spes_p2p.train.optim import optimizer_step, tensor_bytes
 from spes_p2p.train.trainer import Trainer
 
-KEYS = ("total_params", "trainable_params", "weights_bytes", "grads_bytes", "optimizer_bytes", "total_bytes")
+KEYS = (
+    "total_params",
+    "trainable_params",
+    "weights_bytes",
+    "grads_bytes",
+    "optimizer_bytes",
+    "outer_bytes",
+    "total_bytes",
+)
 
 
 def measure(
-    model_cfg: ModelConfig, layout: UnitLayout, units: list[str], train: TrainConfig
+    model_cfg: ModelConfig,
+    layout: UnitLayout,
+    units: list[str],
+    train: TrainConfig,
+    outer: Callable[[str], int] = lambda unit: 0,
 ) -> dict[str, int]:
-    """Allocated bytes after one real step of a trainer that owns ``units`` and holds the other experts as
-    ``train.frozen_experts`` (full, int8 or nf4).
+    """Allocated bytes after one real step of a trainer that owns ``units`` and holds the other units as
+    ``train.frozen_experts`` and ``train.frozen_dense`` (full, int8 or nf4), plus ``outer(unit)`` float32
+    copies of each unit it trains (``outer_bytes``): what the sync keeps from one round to the next.
 
     The step's batch routes enough tokens that every expert gets some, as in real training; an expert that
     got none would have no gradient buffer in this step.
@@ -46,8 +61,11 @@ def measure(
         "weights_bytes": weights_bytes(model),
         "grads_bytes": grads,
         "optimizer_bytes": tensor_bytes(list(trainer.optimizer.state.values())),
+        "outer_bytes": sum(
+            outer(layout.unit_of(n)) * tensor_bytes(p) for n, p in model.named_parameters() if p.requires_grad
+        ),
     }
-    report["total_bytes"] = report["weights_bytes"] + report["grads_bytes"] + report["optimizer_bytes"]
+    report["total_bytes"] = sum(report[k] for k in KEYS if k.endswith("_bytes") and k != "total_bytes")
     return report
 
 
@@ -56,19 +74,29 @@ def weights_bytes(model: MoETransformer) -> int:
     return sum(tensor_bytes(p) for p in model.parameters()) + quantized_bytes(model)
 
 
+# fp32 copies of each trained weight the sync keeps across a round: the start weights the round's update is
+# measured from, DiLoCo's Nesterov momentum, and a SPES holder's last version of a unit others keep frozen
+# copies of (``swarm/versions.py``)
+START, MOMENTUM, VERSION = 1, 1, 1
+
+
 def compare(model: ModelSettings, capacity: int, active_blocks: int, train: TrainConfig) -> dict:
-    """A peer that trains ``capacity`` expert shards and ``active_blocks`` of the dense blocks (the largest
-    ones: the worst case), holding the other experts as ``train.frozen_experts``, next to a trainer that owns
-    every unit in full precision."""
+    """A SPES peer that trains ``capacity`` expert shards and ``active_blocks`` of the dense blocks (the
+    largest ones: the worst case), holding the other units as ``train`` says, next to a DiLoCo peer and a
+    centralized trainer (``full``: no outer state), both training every unit."""
     model_cfg, layout = model.architecture(), model.layout()
     if not 1 <= capacity <= layout.n_shards:
         raise ConfigError(f"capacity must be between 1 and the shards ({layout.n_shards})")
     units = [*_largest_blocks(model_cfg, layout, active_blocks), *layout.expert_units[:capacity]]
-    report = measure(model_cfg, layout, units, train)
-    report["full"] = measure(
-        model_cfg, layout, layout.units, dataclasses.replace(train, frozen_experts="full")
+    versioned = layout.n_dense_blocks > 1  # (with one dense block, every peer trains it: no versions)
+    report = measure(
+        model_cfg, layout, units, train, lambda u: START + VERSION * (versioned or u.startswith("experts/"))
     )
+    everything = dataclasses.replace(train, frozen_experts="full", frozen_dense="full")
+    report["full"] = measure(model_cfg, layout, layout.units, everything)
+    report["diloco"] = measure(model_cfg, layout, layout.units, everything, lambda u: START + MOMENTUM)
     report["ratio_vs_full"] = report["total_bytes"] / report["full"]["total_bytes"]
+    report["ratio_vs_diloco"] = report["total_bytes"] / report["diloco"]["total_bytes"]
     report.update(
         preset=model.preset,
         shards=model.shards,
@@ -77,6 +105,7 @@ def compare(model: ModelSettings, capacity: int, active_blocks: int, train: Trai
         dense_blocks=model.dense_blocks,
         active_blocks=active_blocks,
         frozen_experts=train.frozen_experts,
+        frozen_dense=train.frozen_dense,
     )
     return report
 
