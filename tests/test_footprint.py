@@ -1,5 +1,7 @@
 """What a running peer holds: counting by kind, and an outbox that keeps payloads only."""
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
@@ -31,7 +33,7 @@ def test_a_storage_named_twice_counts_once_for_the_first_kind():
 
 def test_footprint_keeps_the_round_peak_and_starts_again():
     held = {"weights": [torch.zeros(10)]}
-    footprint = Footprint(lambda: held)
+    footprint = Footprint(SimpleNamespace(held=lambda: {}), [SimpleNamespace(held=lambda: held)])
     held["snapshots"] = [torch.zeros(100)]
     footprint.sample()
     held.pop("snapshots")

@@ -2,10 +2,10 @@
 
 Each part of a peer says what it holds (``held()``: tensors and payload bytes, by kind); ``Footprint`` adds
 them up at the moments memory peaks (after each backward pass, while gradients are live, and after each
-unit's exchange, while the round's updates are decoded) and keeps each round's peak. A storage shared by
-several parts counts once, for the first kind that names it. The row of a round (``metrics.jsonl``) gets
-the peak's total and its breakdown, and the process's resident memory (in a simulation, the process holds
-every simulated peer).
+unit's exchange and the refresh, while the round's updates and copies are decoded) and keeps each round's
+peak. The trainer's tensors are counted on the training thread only; a storage named twice counts once.
+The row of a round (``metrics.jsonl``) gets the peak's total and its breakdown, and the process's resident
+memory (in a simulation, the process holds every simulated peer).
 
 Kinds:
 
@@ -24,7 +24,8 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Callable
+from collections.abc import Sequence
+from typing import Protocol
 
 import psutil
 import torch
@@ -84,23 +85,38 @@ def merged(*parts: Held) -> Held:
     return out
 
 
-class Footprint:
-    """The peak, since the last ``take``, of what ``held`` reports. ``sample`` may be called from any
-    thread; ``held`` must only read (lists and dicts it walks are copied first)."""
+class Holder(Protocol):
+    def held(self) -> Held:
+        """What it holds, by kind; it must only read (the lists and dicts it walks are copied first)."""
 
-    def __init__(self, held: Callable[[], Held], device: torch.device | None = None) -> None:
-        self._held, self.device = held, device
+
+class Footprint:
+    """The peak, since the last ``take``, of what a peer holds: its ``trainer`` (the model, gradients and
+    optimizer state, which only the training thread may touch: a backward pass rewrites gradients under
+    another thread's feet) and its other ``parts`` (snapshots, the sync's state and payloads: tensors that
+    are replaced, never changed in shape, so any thread may count them). They share no storage."""
+
+    def __init__(self, trainer: Holder, parts: Sequence[Holder], device: torch.device | None = None) -> None:
+        self.trainer, self.parts, self.device = trainer, parts, device
         self._process = psutil.Process()
         self._lock = threading.Lock()
         self._peak: dict[str, int] = {}
+        self._trainer: dict[str, int] = {}  # the trainer's bytes at the last sample of the training thread
         self._rss = 0
 
     def sample(self) -> None:
+        """Counts everything; from the training thread."""
+        self._trainer = count(self.trainer.held())
+        self.recount()
+
+    def recount(self) -> None:
+        """Counts the other parts again (the trainer as last counted); from any thread."""
         try:
-            by_kind = count(self._held())
+            parts = count(merged(*(p.held() for p in self.parts)))
         except RuntimeError as exc:  # a dict resized while we walked it: the next sample counts it
             logger.debug("memory sample skipped: %s", exc)
             return
+        by_kind = {k: parts[k] + self._trainer.get(k, 0) for k in KINDS}
         rss = self._process.memory_info().rss
         with self._lock:
             if sum(by_kind.values()) > sum(self._peak.values()):

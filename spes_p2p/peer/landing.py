@@ -41,11 +41,12 @@ class Landing:
         self.round_start: dict[str, Tensors] = {}  # units training now, as their round began (if needed)
         self.synced_start: dict[str, Tensors] = {}  # overlap: synced weights the next update starts from
 
-    def begin_round(self, units: list[str], in_flight: list[str] = ()) -> None:
+    def begin_round(self, units: list[str], in_flight: RoundJob | None = None) -> None:
         """Snapshots the units training now, but those the round ``in_flight`` trained: its landing gives
         them the synced weights their next update starts from."""
         self.training = set(units)
-        self.round_start = {u: self.read(u) for u in units if not (self.overlap and u in in_flight)}
+        landing = set(in_flight.units) if in_flight is not None else set()
+        self.round_start = {u: self.read(u) for u in units if u not in landing}
 
     def update_start(self, units: list[str]) -> dict[str, Tensors]:
         """Where this round's updates are measured from (after the previous round landed)."""

@@ -29,7 +29,7 @@ import torch
 from spes_p2p.errors import CheckpointError
 from spes_p2p.peer import joining
 from spes_p2p.peer.admission import Admission, found, weights_fingerprint
-from spes_p2p.peer.footprint import Footprint, merged
+from spes_p2p.peer.footprint import Footprint
 from spes_p2p.peer.heartbeat import Heartbeat
 from spes_p2p.peer.landing import Landing
 from spes_p2p.peer.local import LocalTraining
@@ -102,9 +102,7 @@ class Peer:
             self.local.read, self.local.write, overlap, self.local.reset_state, self.frozen.landed
         )
         self.metrics = RoundMetrics(transport)
-        parts = (self.local, self.landing, self.pipeline, self.sync)
-        device = next(self.local.model.parameters()).device
-        self.footprint = Footprint(lambda: merged(*(p.held() for p in parts)), device)
+        self.footprint = Footprint(self.local, (self.landing, self.pipeline, self.sync), self.local.device)
         self.reachability = SelfCheck(transport, self.member, settings.network)
         self.heartbeat = Heartbeat(
             self.member, settings.swarm.heartbeat_seconds, also=self.reachability.recheck
@@ -138,7 +136,7 @@ class Peer:
         self.joined = True
         self.heartbeat.start()
         self.local.start(self.member.units_held, self.round, checkpoint)
-        self.local.trainer.after_backward = self.sync.sample = self.footprint.sample
+        self.local.trainer.after_backward, self.sync.sample = self.footprint.sample, self.footprint.recount
         for unit in self.member.units_held:
             self.sync.serve_weights(self.round - 1, unit, self.local.read(unit))
         if not training and not checkpoint:  # every peer has the initial model: its first version
@@ -195,8 +193,7 @@ class Peer:
         landing the previous round caught up with a swarm that has done ``rounds`` already."""
         self._follow_claims()
         units = list(self.local.trainer.units)
-        in_flight = self.pipeline.in_flight
-        self.landing.begin_round(units, in_flight.units if in_flight else [])
+        self.landing.begin_round(units, self.pipeline.in_flight)
         steps = self.local.steps(stop, between=self._land_if_synced)
         if steps is None:
             return False
