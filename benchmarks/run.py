@@ -53,48 +53,34 @@ CODECS = ["none", "fp16", "int8", "nf4", "topk"]
 
 # ---------------------------------------------------------------------------------------------- memory
 
-# name -> (units trained, dense blocks, frozen experts, outer state per trained weight); SPES holders also
-# keep the last version of the units they train that others hold frozen copies of (swarm/versions.py)
+# name -> (trains every unit, dense blocks, frozen experts and dense blocks, method)
 MEMORY_CONFIGS = {
-    "centralized": ("all", 1, "full", 0),
-    "diloco": ("all", 1, "full", 2),  # the round's start weights, and Nesterov momentum
-    "spes": ("1 shard", 1, "full", 1),  # the round's start weights (FedAvg: no momentum)
-    "spes+bcd": ("1 shard", 4, "full", 1),
-    "spes+int8": ("1 shard", 1, "int8", 1),
-    "spes+bcd+nf4": ("1 shard", 4, "nf4", 1),
+    "centralized": (True, 1, "full", "centralized"),
+    "diloco": (True, 1, "full", "diloco"),
+    "spes": (False, 1, "full", "spes"),
+    "spes+bcd": (False, 4, "full", "spes"),
+    "spes+int8": (False, 1, "int8", "spes"),
+    "spes+bcd+nf4": (False, 4, "nf4", "spes"),
 }
 
 
 def memory_child(preset: str, name: str) -> dict:
-    """Runs in a fresh process, so its peak RSS belongs to this configuration alone."""
+    """Runs in a fresh process, so its peak RSS belongs to this configuration alone. The outer state is
+    what the sync keeps per trained weight (``train.memory.outer_copies``), allocated as a peer holds it."""
     from spes_p2p.model.config import ModelSettings
     from spes_p2p.train.config import TrainConfig
-    from spes_p2p.train.memory import measure
+    from spes_p2p.train.memory import measure, outer_copies
 
-    units, blocks, frozen, outer_copies = MEMORY_CONFIGS[name]
+    everything, blocks, frozen, method = MEMORY_CONFIGS[name]
     model = ModelSettings(preset=preset, shards=4, dense_blocks=blocks)
     layout = model.layout()
-    trained = layout.units if units == "all" else [*layout.dense_units[-1:], "experts/0"]
-    train = TrainConfig(frozen_experts=frozen, batch_size=4)
-    report = measure(model.architecture(), layout, trained, train)
-    # a holder keeps the last version of each unit it trains that others keep frozen copies of
-    versioned = [u for u in trained if u.startswith("experts/") or blocks > 1] if units != "all" else []
-    report["version_bytes"] = 4 * unit_params(model, versioned)
-    report["outer_bytes"] = outer_copies * 4 * report["trainable_params"] + report["version_bytes"]
-    outer = [torch.empty(report["trainable_params"]) for _ in range(outer_copies)]  # held, as a peer does
-    report["total_bytes"] += report["outer_bytes"]
+    trained = layout.units if everything else [*layout.dense_units[-1:], "experts/0"]
+    train = TrainConfig(frozen_experts=frozen, frozen_dense=frozen, batch_size=4)
+    report = measure(model.architecture(), layout, trained, train, outer_copies(method, layout))
+    outer = torch.empty(report["outer_bytes"] // 4)  # held, as a peer does
     report["peak_rss_bytes"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     del outer
     return report
-
-
-def unit_params(model, units: list[str]) -> int:
-    from spes_p2p.model import MoETransformer
-
-    layout = model.layout()
-    with torch.device("meta"):
-        named = MoETransformer(model.architecture()).named_parameters()
-        return sum(p.numel() for n, p in named if layout.unit_of(n) in units)
 
 
 def bench_memory(preset: str) -> dict:

@@ -10,7 +10,7 @@ from pathlib import Path
 
 from spes_p2p.errors import SpesError
 from spes_p2p.peer.footprint import KINDS
-from spes_p2p.settings import Settings
+from spes_p2p.settings import Settings, key_of
 from spes_p2p.sim.config import LOCAL_SWARM_DEFAULTS
 from spes_p2p.sim.runner import name_of, run
 from spes_p2p.sim.summary import read_rows
@@ -21,6 +21,9 @@ WARMUP_ROUNDS = 2
 ROUNDS = 5
 STEPS_PER_ROUND = 5
 REPLICATION = 2  # holders per expert shard in the measured swarm
+# every peer of the measured swarm shares this machine's cores: rounds wait for all of them (the round ends
+# when every update has come, so a long deadline costs nothing unless one is lost)
+DEADLINES = {"sync__deadline_min": 20.0, "sync__deadline_max": 120.0}
 
 
 def running(settings: Settings, rounds: int = ROUNDS, peers: int | None = None) -> dict:
@@ -31,6 +34,7 @@ def running(settings: Settings, rounds: int = ROUNDS, peers: int | None = None) 
         raise SpesError(f"measure at least {WARMUP_ROUNDS + 1} rounds: the first {WARMUP_ROUNDS} are warm-up")
     n = peers or max(2, -(-REPLICATION * settings.model.shards // settings.peer.capacity))
     local = {f"{s}__{f}": v for (s, f), v in LOCAL_SWARM_DEFAULTS.items() if (s, f) not in settings.given}
+    local.update({k: v for k, v in DEADLINES.items() if key_of(k) not in settings.given})
     if ("method", "steps_per_round") not in settings.given:
         local["method__steps_per_round"] = STEPS_PER_ROUND
     with tempfile.TemporaryDirectory(prefix="spes-memory-") as out:

@@ -198,6 +198,9 @@ class Exchange:
         self.base_hashes = {k: v for k, v in self.base_hashes.items() if k[0] > horizon}
         self.applied = {k for k in self.applied if k[1] > horizon}
         self.participants = {k: v for k, v in self.participants.items() if k[0] > horizon}
+        # a residual carries only into the next round: one older than the round just landed is of a unit
+        # given up (and would be dropped on its return anyway)
+        self.feedback = {u: f for u, f in self.feedback.items() if f.round is None or f.round >= round_ - 1}
 
     # ----------------------------------------------------------------------------------- our update
 

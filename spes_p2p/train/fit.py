@@ -76,20 +76,29 @@ def peer_plan(settings) -> Plan:
 def estimate_bytes(cfg: ModelConfig, plan: Plan) -> int:
     """What a trainer of ``plan`` needs at least: weights as held, gradients and optimizer state of what it
     trains, plus ``MARGIN``."""
+    parts = held_bytes(cfg, plan)
+    return int(MARGIN * (parts["trained"] + parts["frozen"] + parts["gradients"] + parts["optimizer"]))
+
+
+def held_bytes(cfg: ModelConfig, plan: Plan) -> dict[str, int]:
+    """The bytes of a trainer of ``plan`` after a step, by kind: the trained weights (float32), the others as
+    held, the gradients, the optimizer state."""
     layout = _layout(cfg, plan.shards, plan.dense_blocks)
     trained = set(layout.units) if plan.everything else _trained_units(cfg, layout, plan)
-    total = 0
+    out = dict.fromkeys(("trained", "frozen", "gradients", "optimizer"), 0)
     for name, numel, ndim in _parameters(cfg):
         unit = layout.unit_of(name)
         if unit in trained:
-            total += (8 + _state_bytes(numel, plan.optimizer)) * numel
+            out["trained"] += 4 * numel
+            out["gradients"] += 4 * numel
+            out["optimizer"] += _state_bytes(numel, plan.optimizer) * numel
         elif unit.startswith("experts/"):
-            total += _held_bytes(numel, plan.frozen_experts)
+            out["frozen"] += _held_bytes(numel, plan.frozen_experts)
         elif ndim >= 2 and numel >= MIN_QUANTIZED:
-            total += _held_bytes(numel, plan.frozen_dense)
+            out["frozen"] += _held_bytes(numel, plan.frozen_dense)
         else:
-            total += 4 * numel
-    return int(MARGIN * total)
+            out["frozen"] += 4 * numel
+    return out
 
 
 def free_bytes(device: torch.device) -> int:

@@ -80,6 +80,17 @@ def weights_bytes(model: MoETransformer) -> int:
 START, MOMENTUM, VERSION = 1, 1, 1
 
 
+def outer_copies(method: str, layout: UnitLayout) -> Callable[[str], int]:
+    """Float32 copies of each trained unit the sync of ``method`` (spes, diloco or centralized: none)
+    keeps across a round."""
+    if method == "centralized":
+        return lambda unit: 0
+    if method == "diloco":
+        return lambda unit: START + MOMENTUM
+    versioned = layout.n_dense_blocks > 1  # (with one dense block, every peer trains it: no versions)
+    return lambda unit: START + VERSION * (versioned or unit.startswith("experts/"))
+
+
 def compare(model: ModelSettings, capacity: int, active_blocks: int, train: TrainConfig) -> dict:
     """A SPES peer that trains ``capacity`` expert shards and ``active_blocks`` of the dense blocks (the
     largest ones: the worst case), holding the other units as ``train`` says, next to a DiLoCo peer and a
@@ -88,13 +99,10 @@ def compare(model: ModelSettings, capacity: int, active_blocks: int, train: Trai
     if not 1 <= capacity <= layout.n_shards:
         raise ConfigError(f"capacity must be between 1 and the shards ({layout.n_shards})")
     units = [*_largest_blocks(model_cfg, layout, active_blocks), *layout.expert_units[:capacity]]
-    versioned = layout.n_dense_blocks > 1  # (with one dense block, every peer trains it: no versions)
-    report = measure(
-        model_cfg, layout, units, train, lambda u: START + VERSION * (versioned or u.startswith("experts/"))
-    )
+    report = measure(model_cfg, layout, units, train, outer_copies("spes", layout))
     everything = dataclasses.replace(train, frozen_experts="full", frozen_dense="full")
     report["full"] = measure(model_cfg, layout, layout.units, everything)
-    report["diloco"] = measure(model_cfg, layout, layout.units, everything, lambda u: START + MOMENTUM)
+    report["diloco"] = measure(model_cfg, layout, layout.units, everything, outer_copies("diloco", layout))
     report["ratio_vs_full"] = report["total_bytes"] / report["full"]["total_bytes"]
     report["ratio_vs_diloco"] = report["total_bytes"] / report["diloco"]["total_bytes"]
     report.update(
