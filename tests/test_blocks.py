@@ -35,7 +35,7 @@ def test_one_block_is_the_whole_dense_part_as_before():
     assert layout == UnitLayout(TINY.n_experts, 2)
     assert layout.units == ["dense/0", "experts/0", "experts/1"]
     assert layout.unit_of("lm_head.weight") == layout.unit_of("embed.weight") == "dense/0"
-    settings = Settings().override(model__shards=2)  # B = 1: every peer holds dense/0, nothing rotates
+    settings = Settings().override(model__shards=2, model__dense_blocks=1)  # every peer holds dense/0
     cfg = member_config(settings)
     assert cfg.always_held == ["dense/0"] and cfg.dense_claimable == []
     assert cfg.claimable == ["experts/0", "experts/1"]
@@ -88,6 +88,8 @@ def test_rotation_permutes_blocks_alike_for_everyone(order):
 def blocks_settings(blocks=4, active=1, rotate=2, order="cyclic") -> Settings:
     return Settings().override(
         model__shards=2,
+        train__frozen_experts="full",
+        train__frozen_dense="full",
         model__dense_blocks=blocks,
         peer__active_blocks=active,
         method__rotate_every_rounds=rotate,
@@ -194,7 +196,8 @@ def test_switch_state_cpu_parks_and_restores_the_state_of_a_block():
     torch.manual_seed(0)
     layout = UnitLayout.for_model(TINY, 2, 2)
     model = MoETransformer(TINY)
-    trainer = Trainer(model, layout, ["dense/0"], TrainConfig(warmup_steps=0, switch_state="cpu"))
+    config = TrainConfig(warmup_steps=0, switch_state="cpu", frozen_dense="full")  # (all parameters)
+    trainer = Trainer(model, layout, ["dense/0"], config)
     one_step(trainer)
     embed = model.embed.weight
     before = {k: v.clone() for k, v in trainer.optimizer.state[embed].items() if torch.is_tensor(v)}

@@ -10,6 +10,7 @@ from spes_cli.main import TRAIN_DEFAULTS, spes
 from spes_cli.options import SettingOption
 
 from spes_p2p.sim.config import LOCAL_SWARM_DEFAULTS
+from spes_p2p.train.memory import KEYS
 
 HEAVY = ("torch", "hivemind", "bitsandbytes", "libp2p", "numpy")
 
@@ -74,21 +75,16 @@ def test_memory_json_counts_what_is_allocated():
             "1",
             "--optimizer",
             "adamw",
+            "--dense-blocks",
+            "1",
+            "--frozen-experts",
+            "full",
             "--json",
         ],
     )
     assert result.exit_code == 0, result.output
     report = json.loads(result.output)
-    keys = (
-        "total_params",
-        "trainable_params",
-        "weights_bytes",
-        "grads_bytes",
-        "optimizer_bytes",
-        "outer_bytes",
-        "total_bytes",
-    )
-    for key in keys:
+    for key in KEYS:
         assert key in report and key in report["full"] and key in report["diloco"]
     full = report["full"]
     assert report["total_params"] == full["total_params"] == full["trainable_params"]

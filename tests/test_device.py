@@ -210,7 +210,11 @@ def test_the_estimate_is_what_a_real_step_allocates_plus_the_margin(plan):
     largest = max(layout.dense_units, key=sizes.get)  # the block the estimate assumes trained: the worst case
     units = layout.units if plan.everything else [largest, "experts/0"]
     train = TrainConfig(
-        frozen_experts=plan.frozen_experts, optimizer=plan.optimizer, batch_size=4, seq_len=64
+        frozen_experts=plan.frozen_experts,
+        frozen_dense=plan.frozen_dense,
+        optimizer=plan.optimizer,
+        batch_size=4,
+        seq_len=64,
     )
     report = measure(TINY, layout, units, train)
     measured = report["weights_bytes"] + report["grads_bytes"] + report["optimizer_bytes"]
@@ -221,7 +225,14 @@ def test_a_joiner_is_only_told_what_it_may_change(tmp_path, monkeypatch):
     from spes_p2p.peer.life import preflight
     from spes_p2p.train import fit
 
-    settings = Settings().override(model__preset="1b", run__out=str(tmp_path / "peer"), train__device="cpu")
+    settings = Settings().override(
+        model__preset="1b",
+        model__dense_blocks=1,
+        train__frozen_experts="full",
+        train__frozen_dense="full",
+        run__out=str(tmp_path / "peer"),
+        train__device="cpu",
+    )  # PEER
     free = estimate_bytes(ONE_B, dataclasses.replace(PEER, frozen_experts="nf4", dense_blocks=4))
     monkeypatch.setattr(fit, "free_bytes", lambda device: free)
     with pytest.raises(ConfigError, match="no configuration of 1b fits"):

@@ -18,6 +18,7 @@ pytestmark = [pytest.mark.timeout(240), pytest.mark.slow]  # trains swarms
 def settings(**changes) -> Settings:
     return Settings().override(
         model__shards=2,
+        model__dense_blocks=1,  # (BCD swarms: test_blocks.py)
         method__steps_per_round=10,
         data__max_corpus_mb=1.0,
         train__batch_size=4,

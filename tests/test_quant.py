@@ -187,7 +187,9 @@ def test_quantized_dense_blocks_are_smaller_and_read_write_like_the_others(kind)
 def test_a_quantized_dense_block_trained_again_is_fp32_parameters_in_the_optimizer():
     torch.manual_seed(0)
     model = MoETransformer(TINY)
-    trainer = Trainer(model, BLOCKS, TRAINED, TrainConfig(warmup_steps=0, frozen_dense="nf4"))
+    trainer = Trainer(
+        model, BLOCKS, TRAINED, TrainConfig(warmup_steps=0, frozen_experts="full", frozen_dense="nf4")
+    )
     assert held_quantized(model) == QUANTIZED
     frozen = read_unit(model, BLOCKS, "dense/3")
     tokens = torch.randint(0, TINY.vocab_size, (2, 33))

@@ -115,7 +115,7 @@ def test_bad_flags_name_the_flag():
     with pytest.raises(ConfigError, match=r"^--listen: \[network\] listen has a malformed multiaddr"):
         load_settings(None, {("network", "listen"): ("nonsense",)})
     with pytest.raises(ConfigError, match=r"^--active-blocks: \[peer\] active_blocks must be at most"):
-        load_settings(None, {("peer", "active_blocks"): 2})
+        load_settings(None, {("peer", "active_blocks"): 3})
     with pytest.raises(ConfigError, match=r"^--capacity: \[peer\] capacity must be at least 1"):
         load_settings(None, {("peer", "capacity"): 0})
 

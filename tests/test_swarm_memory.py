@@ -38,7 +38,9 @@ def net(clock):
 
 
 def make_settings(shards=2, **swarm) -> Settings:
-    return Settings().override(model__shards=shards, swarm__record_ttl_seconds=TTL, **swarm)
+    return Settings().override(
+        model__shards=shards, model__dense_blocks=1, swarm__record_ttl_seconds=TTL, **swarm
+    )
 
 
 @pytest.fixture

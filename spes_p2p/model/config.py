@@ -163,7 +163,9 @@ class ModelSettings(Section):
     shards: int = setting(4, "Expert shards: units experts/0 .. experts/<shards-1>.")
     experts: int = setting(0, "Experts per MoE layer, overriding the preset's; 0: the preset's.")
     dense_blocks: int = setting(
-        1, "B: the dense part in blocks dense/0 .. dense/<B-1>; 1: every peer trains all of it."
+        2,
+        "B: the dense part in blocks dense/0 .. dense/<B-1>, trained in turns (BCD); 1: every peer trains "
+        "all of it, as SPES is published.",
     )
 
     def validate(self) -> None:

@@ -77,7 +77,7 @@ def weights_fingerprint(model: torch.nn.Module) -> str:
     h = hashlib.sha256()
     for name, tensor in sorted(model.state_dict().items()):
         h.update(f"{name}{tuple(tensor.shape)}".encode())
-        h.update(tensor.detach().flatten()[:1024].float().contiguous().numpy().tobytes())
+        h.update(tensor.detach().flatten()[:1024].float().cpu().contiguous().numpy().tobytes())
     return h.hexdigest()
 
 

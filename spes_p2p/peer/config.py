@@ -12,9 +12,15 @@ from spes_p2p.swarm.config import AGGREGATES
 MODES = ("spes", "diloco")
 
 # A method's own defaults, applied wherever it is chosen unless a file or flag sets the field: DiLoCo as
-# published averages every parameter with a Nesterov outer step (lr 0.7, momentum 0.9) and does not merge.
+# published averages every parameter (the dense part in one block) with a Nesterov outer step (lr 0.7,
+# momentum 0.9) and does not merge.
 METHOD_DEFAULTS: dict[str, dict[tuple[str, str], object]] = {
-    "diloco": {("sync", "outer"): "nesterov", ("sync", "outer_lr"): 0.7, ("merge", "enabled"): False},
+    "diloco": {
+        ("sync", "outer"): "nesterov",
+        ("sync", "outer_lr"): 0.7,
+        ("merge", "enabled"): False,
+        ("model", "dense_blocks"): 1,
+    },
 }
 
 

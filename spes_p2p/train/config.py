@@ -42,10 +42,10 @@ class TrainConfig(Section):
     checkpoint_every: int = setting(500, "Steps between checkpoints.")
     keep_checkpoints: int = setting(2, "Newest checkpoints kept.")
     frozen_experts: str = setting(
-        "full", "How experts this peer does not train are held in memory.", choices=FROZEN_FORMATS
+        "int8", "How experts this peer does not train are held in memory.", choices=FROZEN_FORMATS
     )
     frozen_dense: str = setting(
-        "full",
+        "int8",
         "How dense blocks this peer does not train are held in memory (with dense_blocks > 1).",
         choices=FROZEN_FORMATS,
     )
