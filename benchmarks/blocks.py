@@ -1,9 +1,10 @@
-"""Memory and validation loss of a peer with dense blocks (BCD) and quantized frozen experts, side by side.
+"""Memory and validation loss of a peer with dense blocks (BCD) and quantized frozen copies, side by side.
 
-Memory: ``spes memory`` for a preset with 4 shards and 1 owned, for B = 1 and B = 4 (1 active) dense blocks,
-each with full, int8 and nf4 frozen experts. Loss: the same six settings in a simulated 4-peer swarm
-(memory backend, every peer in this process) on an equal token budget; the validation loss is the mean over
-peers of the last evaluation.
+Memory: a peer of a preset with 4 shards and 1 owned, after one step (``spes memory``) and measured while it
+trains in a local swarm (``spes memory --running``: the steady-state peak of the median peer), each next to
+a DiLoCo peer measured the same way. Loss: the same settings in a simulated 4-peer swarm (memory backend,
+every peer in this process) on an equal token budget; the validation loss is the mean over peers of the
+last evaluation.
 
     python benchmarks/blocks.py --memory-preset small --sim-preset tiny --rounds 12 --out runs/bench-blocks
 """
@@ -16,31 +17,52 @@ import statistics
 import time
 from pathlib import Path
 
-from spes_p2p.model.config import ModelSettings
+from spes_p2p.settings import Settings
 from spes_p2p.sim import run, simulation
+from spes_p2p.sim.memory import running
 from spes_p2p.sim.summary import read_rows
-from spes_p2p.train.config import TrainConfig
 from spes_p2p.train.memory import compare
 
-SETTINGS = [(b, f) for b in (1, 4) for f in ("full", "int8", "nf4")]
+# (dense blocks, frozen experts, frozen dense blocks): SPES as published, the defaults, the smallest peer
+SETTINGS = [(1, "full", "full"), (2, "int8", "int8"), (4, "nf4", "nf4")]
 
 
-def memory_table(preset: str) -> list[dict]:
-    rows = []
-    for blocks, frozen in SETTINGS:
-        model = ModelSettings(preset=preset, shards=4, dense_blocks=blocks)
-        r = compare(model, 1, 1, TrainConfig(frozen_experts=frozen, batch_size=4))
-        rows.append(
-            {"dense_blocks": blocks, "frozen_experts": frozen, **{k: v for k, v in r.items() if k != "full"}}
-        )
-        rows[-1]["full_total_bytes"] = r["full"]["total_bytes"]
+def settings_of(preset: str, blocks: int, experts: str, dense: str) -> Settings:
+    return Settings().override(
+        model__preset=preset,
+        model__shards=4,
+        model__dense_blocks=blocks,
+        peer__capacity=1,
+        peer__active_blocks=1,
+        train__frozen_experts=experts,
+        train__frozen_dense=dense,
+    )
+
+
+def memory_table(preset: str, measure_running: bool) -> list[dict]:
+    rows, diloco = [], None
+    for blocks, experts, dense in SETTINGS:
+        s = settings_of(preset, blocks, experts, dense)
+        r = compare(s.model, 1, 1, s.train)
+        row = {"dense_blocks": blocks, "frozen_experts": experts, "frozen_dense": dense}
+        row.update({k: v for k, v in r.items() if k not in ("full", "diloco")})
+        row["diloco_total_bytes"] = r["diloco"]["total_bytes"]
+        if measure_running:
+            if diloco is None:  # one DiLoCo swarm, the same peers as every SPES one
+                diloco = running(s.override(method__mode="diloco", model__dense_blocks=1))
+            row["running"] = running(s)
+            row["running_diloco"] = diloco
+            row["running_diloco_peak_bytes"] = diloco["peak_bytes"]
+            row["running_ratio_vs_diloco"] = row["running"]["peak_bytes"] / diloco["peak_bytes"]
+        rows.append(row)
+        print({k: v for k, v in row.items() if "ratio" in k}, flush=True)
     return rows
 
 
 def loss_table(preset: str, rounds: int, steps: int, out: Path) -> list[dict]:
     rows = []
-    for blocks, frozen in SETTINGS:
-        folder = out / f"sim-B{blocks}-{frozen}"
+    for blocks, experts, dense in SETTINGS:
+        folder = out / f"sim-B{blocks}-{experts}-{dense}"
         started = time.perf_counter()
         cfg = simulation(
             sim__peers=4,
@@ -52,7 +74,8 @@ def loss_table(preset: str, rounds: int, steps: int, out: Path) -> list[dict]:
             model__dense_blocks=blocks,
             peer__active_blocks=1,
             method__rotate_every_rounds=2,
-            train__frozen_experts=frozen,
+            train__frozen_experts=experts,
+            train__frozen_dense=dense,
             run__out=str(folder),
         )
         summary = run(cfg)
@@ -64,7 +87,8 @@ def loss_table(preset: str, rounds: int, steps: int, out: Path) -> list[dict]:
         rows.append(
             {
                 "dense_blocks": blocks,
-                "frozen_experts": frozen,
+                "frozen_experts": experts,
+                "frozen_dense": dense,
                 "tokens_per_peer": rounds * steps * cfg.train.batch_size * cfg.train.seq_len,
                 "val_loss": statistics.fmean(val),
                 "final_train_loss": summary["final_loss"],
@@ -79,24 +103,30 @@ def loss_table(preset: str, rounds: int, steps: int, out: Path) -> list[dict]:
 def markdown(memory: list[dict], loss: list[dict]) -> str:
     mib = 2**20
     lines = [
-        "| dense blocks (active) | frozen experts | weights | gradients | optimizer | total | vs all |",
-        "|---|---|---|---|---|---|---|",
+        "| dense blocks (active) | frozen experts, dense | weights | gradients | optimizer | outer | total "
+        "| vs DiLoCo | running | vs DiLoCo |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in memory:
+        run_ = r.get("running") or {}
+        measured = run_ and f"{run_['peak_bytes'] / mib:.1f} MiB | **{r['running_ratio_vs_diloco']:.2f}x** |"
         lines.append(
-            f"| {r['dense_blocks']} (1) | {r['frozen_experts']} | {r['weights_bytes'] / mib:.1f} MiB | "
-            f"{r['grads_bytes'] / mib:.1f} MiB | {r['optimizer_bytes'] / mib:.1f} MiB | "
-            f"{r['total_bytes'] / mib:.1f} MiB | **{r['ratio_vs_full']:.2f}x** |"
+            f"| {r['dense_blocks']} (1) | {r['frozen_experts']}, {r['frozen_dense']} | "
+            f"{r['weights_bytes'] / mib:.1f} MiB | {r['grads_bytes'] / mib:.1f} MiB | "
+            f"{r['optimizer_bytes'] / mib:.1f} MiB | {r['outer_bytes'] / mib:.1f} MiB | "
+            f"{r['total_bytes'] / mib:.1f} MiB | {r['ratio_vs_diloco']:.2f}x | " + (measured or "- | - |")
         )
     lines += [
         "",
-        "| dense blocks (active) | frozen experts | tokens per peer | val loss | train loss | uncovered |",
+        "| dense blocks (active) | frozen experts, dense | tokens per peer | val loss | train loss "
+        "| uncovered |",
         "|---|---|---|---|---|---|",
     ]
     for r in loss:
         lines.append(
-            f"| {r['dense_blocks']} (1) | {r['frozen_experts']} | {r['tokens_per_peer']:,} | "
-            f"{r['val_loss']:.3f} | {r['final_train_loss']:.3f} | {r['uncovered_unit_rounds']} |"
+            f"| {r['dense_blocks']} (1) | {r['frozen_experts']}, {r['frozen_dense']} | "
+            f"{r['tokens_per_peer']:,} | {r['val_loss']:.3f} | {r['final_train_loss']:.3f} | "
+            f"{r['uncovered_unit_rounds']} |"
         )
     return "\n".join(lines)
 
@@ -110,9 +140,10 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=12)
     parser.add_argument("--steps-per-round", type=int, default=20)
     parser.add_argument("--out", type=Path, default=Path("runs/bench-blocks"))
+    parser.add_argument("--no-running", action="store_true", help="Skip the memory measured while training.")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
-    memory = memory_table(args.memory_preset)
+    memory = memory_table(args.memory_preset, not args.no_running)
     loss = loss_table(args.sim_preset, args.rounds, args.steps_per_round, args.out)
     (args.out / "blocks.json").write_text(json.dumps({"memory": memory, "loss": loss}, indent=1))
     print(markdown(memory, loss))
