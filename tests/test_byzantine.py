@@ -13,6 +13,7 @@ SWARM = {
     "sim__backend": "memory",
     "sim__peers": 4,
     "model__shards": 2,
+    "model__dense_blocks": 1,  # every peer holds the dense part: the attacker is one of 4 in its exchange
     "run__rounds": 6,
     "method__steps_per_round": 20,
     "train__batch_size": 4,

@@ -121,7 +121,7 @@ def test_spes_simulate_with_real_processes(tmp_path):
     # the killed peer's records expire (8 s in simulations), then its shard is re-claimed at a boundary
     units = summary["units"]
     assert all(units[u]["holders"]["5"] for u in units), "a unit was still uncovered in the last round"
-    assert summary["uncovered_unit_rounds"] <= 4
+    assert summary["uncovered_unit_rounds"] <= 8  # its shard and, when it was alone on it, its dense block
     assert "summary:" in result.output and "loss.png" in result.output
 
 

@@ -8,6 +8,7 @@ thread, as each refreshed copy is written into the model.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
@@ -40,6 +41,13 @@ class FrozenCopies:
         h = self.settings.method.steps_per_round
         due = any(self.settings.merge.due((r + 1) * h) for r in range(round_ - self.every + 1, round_ + 1))
         return due and is_version_round(round_, self.every)
+
+    def merge_inputs(self, round_: int, experts: Callable[[], Tensors]) -> Tensors | None:
+        """When a merge is due this round: our copies of the experts we do not train, which a change adds
+        to (``experts()``); none when we hold them quantized, as then the merge takes exact versions."""
+        if not self.merge_due(round_):
+            return None
+        return experts() if self._stored("experts/0") == "full" else {}
 
     def publish(self, job: RoundJob, view: SwarmView) -> None:
         """The next version of each unit we trained that others keep frozen copies of; a unit whose version

@@ -7,6 +7,7 @@ and the next update of a trained unit is measured from its synced weights, not f
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 
 import torch
@@ -53,6 +54,15 @@ class Landing:
         return {u: self.synced_start.pop(u) if u in self.synced_start else self.round_start[u] for u in units}
 
     def land(self, job: RoundJob) -> None:
+        """Writes the job's results and refreshed copies (decoding them now) into the model; training waits
+        for it, so it counts in the job's ``sync_wait_seconds``."""
+        started = time.perf_counter()
+        self._land(job)
+        job.metrics["sync_wait_seconds"] = job.metrics.get("sync_wait_seconds", 0.0) + (
+            time.perf_counter() - started
+        )
+
+    def _land(self, job: RoundJob) -> None:
         for unit, result in job.results.items():  # units trained in the job's round
             if result.diverged:  # its progress is as broken as its update: restart from the result
                 self.reset_state(unit)

@@ -213,7 +213,7 @@ class Peer:
                 "lr": self.local.trainer.lr(),
                 "sync_started": time.perf_counter(),
             },
-            experts=self.local.frozen_experts(units) if self.frozen.merge_due(self.round) else None,
+            experts=self.frozen.merge_inputs(self.round, lambda: self.local.frozen_experts(units)),
         )
         self._land(self.pipeline.submit(job))
         return True

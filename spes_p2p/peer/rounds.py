@@ -42,7 +42,7 @@ class RoundJob:
     end: dict[str, Tensors]  # the local end-of-round weights
     tokens: int
     metrics: dict
-    experts: Tensors | None = None  # when a merge is due: every expert weight this peer did not train
+    experts: Tensors | None = None  # when a merge is due: the frozen experts a change adds to (or {})
     results: dict[str, UnitRound] = field(default_factory=dict)  # trained units
     refreshed: dict[str, Fetched] = field(default_factory=dict)  # frozen copies, and units trained next
     error: BaseException | None = None
