@@ -77,14 +77,19 @@ def test_the_outbox_keeps_payloads_not_tensors():
 @pytest.mark.timeout(400)
 def test_peers_measured_while_they_train_hold_what_they_train_and_less_than_diloco_peers(cache_dir):
     s = Settings().override(
-        model__preset="tiny", model__shards=2, data__max_corpus_mb=1.0, train__batch_size=4, train__seq_len=64
+        model__preset="tiny",
+        model__shards=2,
+        model__dense_blocks=1,  # (every peer trains the same units as the one `spes memory` steps)
+        data__max_corpus_mb=1.0,
+        train__batch_size=4,
+        train__seq_len=64,
     )
     result = report(s, running=True)
     running, trained = result["running"], 4 * result["trainable_params"]
     held = running["memory_bytes"]
     assert running["peers"] == 4 and running["rounds"] == 5
     assert held["weights"] == trained  # dense/0 and one shard, measured in the running peer
-    assert held["frozen"] == result["weights_bytes"] - trained  # the other shard, in full precision
+    assert held["frozen"] == result["weights_bytes"] - trained  # the other shard, in int8
     assert 0 < held["gradients"] <= trained and held["optimizer"] > 0 and held["served"] > 0
     assert running["peak_bytes"] == sum(held.values())
     diloco = running["diloco"]["memory_bytes"]
