@@ -168,13 +168,18 @@ class QuantizedWeights(nn.Module):
 
 def quantized_bytes(model: nn.Module) -> int:
     """Bytes of the codes and scales of every weight ``model`` holds quantized."""
-    return sum(
-        q.nbytes for m in model.modules() if isinstance(m, QuantizedWeights) for q in m.quantized.values()
-    )
+    return sum(q.nbytes for q in _quantized(model))
+
+
+def quantized_tensors(model: nn.Module) -> list[torch.Tensor]:
+    """The codes and scales of every weight ``model`` holds quantized."""
+    return [t for q in _quantized(model) for t in (q.codes, q.absmax)]
+
+
+def _quantized(model: nn.Module) -> list[QuantizedTensor]:
+    return [q for m in model.modules() if isinstance(m, QuantizedWeights) for q in m.quantized.values()]
 
 
 def quantized_numel(model: nn.Module) -> int:
     """Elements of every weight ``model`` holds quantized."""
-    return sum(
-        q.numel() for m in model.modules() if isinstance(m, QuantizedWeights) for q in m.quantized.values()
-    )
+    return sum(q.numel() for q in _quantized(model))

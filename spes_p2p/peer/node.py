@@ -66,6 +66,24 @@ class PeerStatus:
     reachable: str = "unknown"  # whether peers could dial this one back
     banned: list[str] = field(default_factory=list)  # peers this one ignores for the rest of the run
 
+    @classmethod
+    def of(cls, transport: Transport, member: SwarmMember, round_: int, last: dict) -> PeerStatus:
+        stats = transport.stats
+        return cls(
+            transport.peer_id,
+            transport.addresses(),
+            member.units_held,
+            member.last_view,
+            round_,
+            member.loss,
+            member.tokens_per_s,
+            stats.bytes_sent,
+            stats.bytes_received,
+            last,
+            member.reachable,
+            transport.guard.banned(),
+        )
+
 
 class Peer:
     """One volunteer's peer in a swarm, over a transport; ``out_dir`` keeps its metrics, checkpoints and
@@ -285,21 +303,7 @@ class Peer:
     # -------------------------------------------------------------------------------------- leaving
 
     def status(self) -> PeerStatus:
-        stats, member = self.transport.stats, self.member
-        return PeerStatus(
-            self.me,
-            self.transport.addresses(),
-            member.units_held,
-            member.last_view,
-            self.round,
-            member.loss,
-            member.tokens_per_s,
-            stats.bytes_sent,
-            stats.bytes_received,
-            self._last_row,
-            member.reachable,
-            self.transport.guard.banned(),
-        )
+        return PeerStatus.of(self.transport, self.member, self.round, self._last_row)
 
     def crash(self) -> None:
         """Simulations: vanish like a killed process, without releasing claims or writing anything."""

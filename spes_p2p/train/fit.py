@@ -110,20 +110,10 @@ def free_bytes(device: torch.device) -> int:
     return psutil.virtual_memory().available
 
 
-def check_fits(
-    preset: str,
-    cfg: ModelConfig,
-    plan: Plan,
-    device: torch.device,
-    *,
-    free: int | None = None,
-    knobs: tuple[str, ...] = KNOBS,
-    capacity_flag: str = "--capacity 1",
-) -> None:
-    """Refuses, before allocating, a ``plan`` that does not fit ``free`` bytes (default: what ``device`` has
-    free now), naming a configuration that fits (turning only ``knobs``; ``capacity_flag`` is how this
-    command says "train one expert shard"), or the presets that fit when none does."""
-    problem = fit_problem(preset, cfg, plan, device, free=free, knobs=knobs, capacity_flag=capacity_flag)
+def check_fits(preset: str, cfg: ModelConfig, plan: Plan, device: torch.device, **options) -> None:
+    """Refuses, before allocating, a ``plan`` that does not fit: ``fit_problem``'s line as a ConfigError
+    (``options``: its keyword arguments)."""
+    problem = fit_problem(preset, cfg, plan, device, **options)
     if problem:
         raise ConfigError(problem)
 
@@ -138,7 +128,9 @@ def fit_problem(
     knobs: tuple[str, ...] = KNOBS,
     capacity_flag: str = "--capacity 1",
 ) -> str | None:
-    """``check_fits``'s refusal as a line, or None when ``plan`` fits."""
+    """Why ``plan`` does not fit ``free`` bytes (default: what ``device`` has free now), in one line naming a
+    configuration that fits (turning only ``knobs``; ``capacity_flag`` is how the command says "train one
+    expert shard"), or the presets that fit when none does; None when it fits."""
     free = free_bytes(device) if free is None else free
     need = estimate_bytes(cfg, plan)
     if need <= free:

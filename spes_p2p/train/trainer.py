@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from spes_p2p.model import MoETransformer, UnitLayout, set_trainable
+from spes_p2p.model.quant import quantized_tensors
 from spes_p2p.model.units import hold_frozen, unit_parameters
 from spes_p2p.train.config import TrainConfig
 from spes_p2p.train.device import autocast, model_device
@@ -130,13 +131,6 @@ class Trainer:
 
     def evaluate(self, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> float:
         return evaluate(self.model, batches)
-
-
-def quantized_tensors(model: torch.nn.Module) -> list[torch.Tensor]:
-    """The codes and scales of every weight the model holds quantized."""
-    return [
-        t for m in model.modules() for q in getattr(m, "quantized", {}).values() for t in (q.codes, q.absmax)
-    ]
 
 
 def _moved(state: dict, device: torch.device) -> dict:
