@@ -3,6 +3,7 @@ of a local swarm on one machine. Plain values; the parsers of the event strings 
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 from spes_p2p.fields import FieldError, Section, check, setting
@@ -23,6 +24,7 @@ BYZANTINE_MODES = (
     "silent",
     "slow",
 )
+_COMPUTE = "takes real, virtual, or virtual=SECONDS (seconds per step, e.g. virtual=0.05)"
 SOLE = -1  # --kill sole@ROUND: whichever live peer is then the only holder of a unit
 
 # `spes simulate` runs every peer on one machine: short heartbeats and rounds, a slice of the corpus, and
@@ -92,6 +94,22 @@ class SimConfig(Section):
         f"Peer I turns malicious, in MODE: {', '.join(BYZANTINE_MODES)} (docs/security.md).",
         metavar="I:MODE",
     )
+    netns: bool = setting(
+        False, "Hivemind backend, as root: each peer in its own network namespace, on a bridge."
+    )
+    bandwidth: str = setting(
+        "", "With --netns: cap each peer's upload and download (tc rate, e.g. 50mbit).", metavar="RATE"
+    )
+    nat: int = setting(0, "With --netns: the last K peers sit behind a NAT nobody can dial.", metavar="K")
+    compute: str = setting(
+        "real",
+        "real: peers train the model; virtual[=SECONDS]: a step sleeps (default: the preset's measured step "
+        "time) and updates are synthetic, with the model's real shapes.",
+        metavar="MODE",
+    )
+    churn: float = setting(
+        0.0, "Each round, kill each peer with this probability and restart it with --resume a round later."
+    )
 
     def validate(self) -> None:
         check(self.peers >= 1, "peers", "must be at least 1")
@@ -111,6 +129,16 @@ class SimConfig(Section):
             "drop and corrupt are probabilities in [0, 1)",
         )
         check(self.delay_ms >= 0, "delay_ms", "must be at least 0")
+        check(not self.netns or self.backend == "hivemind", "netns", "needs --backend hivemind")
+        check(not (self.bandwidth or self.nat) or self.netns, "netns", "is needed for bandwidth and nat")
+        check(
+            not self.bandwidth or re.fullmatch(r"\d+(\.\d+)?[kmg]?bit", self.bandwidth) is not None,
+            "bandwidth",
+            f"takes a tc rate such as 50mbit, 800kbit or 1gbit; got {self.bandwidth!r}",
+        )
+        check(0 <= self.nat <= self.peers, "nat", f"must be between 0 and the {self.peers} peers")
+        check(0 <= self.churn < 1, "churn", "is a probability in [0, 1)")
+        self.step_seconds  # noqa: B018 - parsed here so that a bad one is refused up front
         for index, mode in self.byzantine_peers.items():
             check(0 <= index < total, "byzantine", f"names no peer {index}")
             check(
@@ -123,6 +151,22 @@ class SimConfig(Section):
                 "backend",
                 f"must be hivemind for {mode}",
             )
+
+    @property
+    def virtual(self) -> bool:
+        return self.compute != "real"
+
+    @property
+    def step_seconds(self) -> float | None:
+        """Virtual compute's seconds per step (None: the preset's measured step time; real compute: None)."""
+        mode, _, seconds = self.compute.partition("=")
+        check(mode in ("real", "virtual") and not (mode == "real" and seconds), "compute", _COMPUTE)
+        try:
+            value = float(seconds) if seconds else None
+        except ValueError:
+            raise FieldError("compute", _COMPUTE) from None
+        check(value is None or value >= 0, "compute", _COMPUTE)
+        return value
 
     @property
     def byzantine_peers(self) -> dict[int, str]:
