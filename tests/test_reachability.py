@@ -49,16 +49,17 @@ def test_a_peer_is_dialed_back_only_at_its_own_addresses_and_only_so_often(net):
 
 
 def test_the_verdict_follows_the_dial_backs_and_names_the_fix():
-    yes = assess([PRIVATE], client_mode=False, announced=False, relay=False, dialed={PRIVATE: True})
+    yes = assess([PRIVATE], relayed=False, announced=False, dialed={PRIVATE: True})
     assert yes.reachable == "yes" and PRIVATE in yes.message
-    no = assess([PRIVATE], client_mode=False, announced=False, relay=False, dialed={PRIVATE: False})
+    no = assess([PRIVATE], relayed=False, announced=False, dialed={PRIVATE: False})
     assert no.reachable == "no" and "--announce" in no.message and "--use-relay" in no.message
-    assert "--client-mode" in no.message
-    announced = assess([PRIVATE], client_mode=False, announced=True, relay=False, dialed={PRIVATE: False})
+    announced = assess([PRIVATE], relayed=False, announced=True, dialed={PRIVATE: False})
     assert "its port is forwarded" in announced.message
-    unknown = assess([PRIVATE], client_mode=False, announced=False, relay=False, dialed={PRIVATE: None})
+    unknown = assess([PRIVATE], relayed=False, announced=False, dialed={PRIVATE: None})
     assert unknown.reachable == "unknown" and "not checked yet" in unknown.message
     loopback = f"/ip4/127.0.0.1/tcp/1{PID}"
-    local = assess([loopback], client_mode=False, announced=False, relay=False, dialed={loopback: False})
+    local = assess([loopback], relayed=False, announced=False, dialed={loopback: False})
     assert "loopback" in local.message and "--listen /ip4/0.0.0.0/tcp/PORT" in local.message
-    assert assess([], client_mode=True, announced=False, relay=False, dialed={}).reachable == "no"
+    circuit = f"/ip4/10.0.0.1/tcp/31337/p2p/RELAYPEER/p2p-circuit/p2p/{PID}"
+    relayed = assess([circuit], relayed=True, announced=False, dialed={})
+    assert relayed.reachable == "no" and "RELAYPEER" in relayed.message and "holds shards" in relayed.message

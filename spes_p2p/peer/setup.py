@@ -56,22 +56,29 @@ def sync_engine(settings: Settings, transport: Transport, specs: dict, local_cop
 
 
 def open_transport(settings: Settings, *, new_swarm: bool, client: bool = False) -> Transport:
-    """The hivemind transport; a new swarm dials nobody, a joining peer needs initial peers."""
+    """The hivemind transport; a new swarm dials nobody, a joining peer needs initial peers. A peer nobody
+    can dial (``--client-mode``, ``--use-relay``) is reached through relays: its initial peers."""
+    net = settings.network
     initial = [] if new_swarm else list(settings.swarm.initial_peers)
     if not new_swarm and not initial:
         raise ConfigError(
             "no initial peers: pass --peers ADDR (a running peer's multiaddr), set initial_peers "
             "in peers.toml, or start a new swarm with --new-swarm"
         )
+    relayed = (net.client_mode or net.use_relay) and not client
+    if relayed and new_swarm:
+        raise ConfigError(
+            "a peer that nobody can dial (--client-mode or --use-relay) cannot found a swarm: found it on a "
+            "reachable machine, then join this one with --peers ADDR"
+        )
     from spes_p2p.swarm.hivemind_backend import HivemindTransport  # heavy: imported only when used
 
-    net = settings.network
     return HivemindTransport(
         initial_peers=initial,
         listen=net.listen,
         announce=net.announce,
         identity_path=None if client else Path(net.identity).expanduser(),
         client_mode=client or net.client_mode,
-        use_relay=net.use_relay,
+        relays=initial if relayed else (),
         startup_timeout=settings.swarm.join_timeout_seconds,
     )

@@ -153,8 +153,12 @@ class NetworkConfig(Section):
     identity: str = setting(
         "~/.spes/identity.key", "Private key file (created if missing): a restarted peer keeps its peer id."
     )
-    client_mode: bool = setting(False, "Dial out only; nobody can dial this peer.")
-    use_relay: bool = setting(False, "Reach and be reached through relays when behind NAT.")
+    client_mode: bool = setting(
+        False, "Dial out only (a DHT client); the swarm reaches this peer through relays: its initial peers."
+    )
+    use_relay: bool = setting(
+        False, "Behind NAT: the swarm reaches this peer through relays (its initial peers), not its address."
+    )
 
     def validate(self) -> None:
         check(bool(self.listen), "listen", "needs at least one multiaddr")

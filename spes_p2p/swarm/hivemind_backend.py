@@ -10,6 +10,13 @@ RSA key is the peer's libp2p identity key (a throwaway one when none is given), 
 both its peer id and its records, and a reader accepts an entry only under the peer id that its key
 derives: nobody writes under another peer's id.
 
+Peers that nobody can dial (behind NAT, or in client mode) are reached through relays: their p2pd reserves
+a slot on each of ``relays`` (libp2p circuit relay v2; every reachable p2pd serves as one) and they announce
+only ``<relay>/p2p-circuit/p2p/<own id>`` addresses. Streams through a relay stay end-to-end encrypted and
+authenticated; the relay carries the bytes. A peer that announces an address (``announce``: a forwarded
+port) tells its p2pd that it is public, so it serves as a relay at once rather than after AutoNAT's checks.
+Other peers learn circuit addresses from peer records (``learn``) and dial them before a request.
+
 Stream framing (both directions) is hivemind's own (``P2P.send_raw_data``): an 8-byte big-endian length, then
 the payload; we read it back with our size limit, checked before the payload is read. An answer starts with
 hivemind's status marker: ``P2P.MESSAGE_MARKER`` (ok) or ``P2P.ERROR_MARKER`` (the handler failed; the
@@ -44,6 +51,7 @@ from hivemind.p2p.p2p_daemon_bindings.utils import P2PDaemonError
 from hivemind.proto import crypto_pb2
 from hivemind.utils.crypto import RSAPrivateKey
 from hivemind.utils.timed_storage import get_dht_time
+from multiaddr import Multiaddr
 
 from spes_p2p.errors import ConfigError
 from spes_p2p.swarm.guard import Guard
@@ -71,6 +79,7 @@ logger = logging.getLogger(__name__)
 DHT_TIMEOUT = 10.0  # one DHT store or get
 STARTUP_TIMEOUT = 20.0  # starting p2pd and reaching the initial peers
 BOOTSTRAP_RETRY_SECONDS = 3.0
+MAX_CIRCUITS = 4  # circuit addresses kept per relayed peer
 _OK, _FAILED = P2P.MESSAGE_MARKER, P2P.ERROR_MARKER
 
 
@@ -106,12 +115,14 @@ class HivemindTransport(Transport):
         announce: Sequence[str] = (),
         identity_path: Path | None = None,
         client_mode: bool = False,
-        use_relay: bool = False,
+        relays: Sequence[str] = (),
         startup_timeout: float = STARTUP_TIMEOUT,
     ) -> None:
         self.stats = TransportStats()
         self._streams = StreamSlots()
         self.guard = Guard()
+        self.relays = list(relays)
+        self._circuits: dict[str, list[str]] = {}  # relayed peer -> its circuit addresses
         check_ports_free(listen)
         ephemeral = None
         if identity_path is None:  # a throwaway identity: its key still signs this peer's records
@@ -126,7 +137,9 @@ class HivemindTransport(Transport):
             host_maddrs=list(listen),
             announce_maddrs=list(announce) or None,
             identity_path=str(identity_path),
-            use_auto_relay=use_relay,
+            use_auto_relay=bool(relays),
+            trusted_relays=self.relays or None,
+            force_reachability="private" if relays else "public" if announce else None,
             use_relay=True,
             startup_timeout=startup_timeout,
             record_validators=[self._validator],
@@ -167,7 +180,15 @@ class HivemindTransport(Transport):
     # -------------------------------------------------------------------------------------------- DHT
 
     def addresses(self) -> list[str]:
+        """A relayed peer's circuit addresses (never its own: nobody can dial them); else what p2pd sees."""
+        if self.relays:
+            return [f"{relay}/p2p-circuit/p2p/{self.peer_id}" for relay in self.relays]
         return [str(m) for m in self.dht.get_visible_maddrs()]
+
+    def learn(self, peer_id: str, addresses: list[str]) -> None:
+        circuits = [a for a in addresses if "/p2p-circuit/" in a and a.endswith(f"/p2p/{peer_id}")]
+        if circuits and peer_id != self.peer_id:
+            self._circuits[peer_id] = circuits[:MAX_CIRCUITS]
 
     def now(self) -> float:
         return get_dht_time()
@@ -258,7 +279,11 @@ class HivemindTransport(Transport):
         max_response_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
     ) -> bytes:
         async def call_rpc() -> bytes:
-            _, reader, writer = await self._p2p.call_binary_stream_handler(PeerID.from_base58(peer_id), name)
+            peer = PeerID.from_base58(peer_id)
+            if peer_id in self._circuits:  # reached through a relay: p2pd's peerstore may not know how
+                with contextlib.suppress(Exception):
+                    await self._p2p._client.connect(peer, [Multiaddr(a) for a in self._circuits[peer_id]])
+            _, reader, writer = await self._p2p.call_binary_stream_handler(peer, name)
             try:
                 await P2P.send_raw_data(payload, writer)
                 return await _read_frame(reader, max_response_bytes + 1)
@@ -326,12 +351,26 @@ class _DHT(hivemind.DHT):
 
     def run(self) -> None:
         _die_with_parent()
+        _relays_without_discovery()
         # Ctrl-C reaches the terminal's whole process group. Leaving it (with p2pd, started below) lets the
         # parent release its claims through this DHT before shutting it down in order.
         os.setpgrp()
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
         super().run()
+
+
+def _relays_without_discovery() -> None:
+    """p2pd reserves on the given relays at once only with ``-relayDiscovery=0``, which hivemind does not
+    pass: with discovery on, go-libp2p's autorelay waits minutes for more candidates before it reserves."""
+    make_args = P2P._make_process_args
+
+    def with_static_relays(*args, **kwargs):
+        if kwargs.get("trustedRelays"):
+            kwargs["relayDiscovery"] = False
+        return make_args(*args, **kwargs)
+
+    P2P._make_process_args = staticmethod(with_static_relays)
 
 
 async def _cancel_other_tasks() -> None:

@@ -100,6 +100,8 @@ def read_view(transport: Transport, run_id: str, units: list[str], manifest: str
     records are skipped and reported to the transport's guard."""
     peers = parse_peers(transport.read(peers_key(run_id)), transport.guard)
     peers = {p: r for p, r in peers.items() if not manifest or r.manifest == manifest}
+    for peer, record in peers.items():
+        transport.learn(peer, record.addresses)  # (a signed record: the peer itself says where it is)
     view = SwarmView(peers, {})
     claims = {
         unit: decode_entries(
@@ -261,8 +263,6 @@ class SwarmMember:
         return dropped
 
     def _choose(self, view: SwarmView, first_round: int) -> set[str]:
-        if self.cfg.client_mode:
-            return set()  # nobody can fetch a client's updates, so it holds nothing on its own
         settled = {p for since in view.since.values() for p, s in since.items() if s >= first_round}
         delivering = {u: set() if self.unserved[u] >= UNSERVED_LIMIT else h for u, h in view.holders.items()}
         experts = choose_units(

@@ -90,12 +90,12 @@ class SelfCheck:
         """Asks live peers to dial this one back at each address it announces (a few seconds at most)."""
         net, addresses, me = self.network, self.transport.addresses(), self.transport.peer_id
         helpers = sorted(p for p in self.member.live_peers() if p != me)
-        dialed = {} if net.client_mode else dial_back(self.transport, helpers, addresses)
+        relayed = net.client_mode or net.use_relay
+        dialed = {} if relayed else dial_back(self.transport, helpers, addresses)
         self.verdict = assess(
             addresses,
-            client_mode=net.client_mode,
+            relayed=relayed,
             announced=bool(net.announce),
-            relay=net.use_relay,
             dialed=dialed,
         )
         self.member.reachable = self.verdict.reachable
@@ -127,27 +127,29 @@ def dial_back(transport: Transport, helpers: list[str], addresses: list[str]) ->
 
 
 def assess(
-    addresses: list[str], *, client_mode: bool, announced: bool, relay: bool, dialed: dict[str, bool | None]
+    addresses: list[str], *, relayed: bool, announced: bool, dialed: dict[str, bool | None]
 ) -> Reachability:
     """The verdict, from what the dial-backs found (``dialed``) and what the addresses look like."""
-    if client_mode:
-        message = "client mode: this peer dials out only; nobody can dial it, so it holds no shard of its own"
+    if relayed:
+        relays = ", ".join(sorted({a.split("/p2p-circuit/")[0].rsplit("/p2p/")[-1][:12] for a in addresses}))
+        message = (
+            "dials out only: nobody dials this peer directly, the swarm reaches it through relay(s) "
+            f"{relays or '(none)'}; it holds shards like any peer"
+        )
         return Reachability(NO, message, dialed)
     yes = [a for a, ok in dialed.items() if ok]
     if yes:
         return Reachability(YES, f"reachable from the swarm: a peer dialed this one back at {yes[0]}", dialed)
-    fix = _fix(addresses, announced=announced, relay=relay)
+    fix = _fix(addresses, announced=announced)
     if any(ok is False for ok in dialed.values()):
         tried = ", ".join(a for a, ok in dialed.items() if ok is False)
         return Reachability(
             NO, f"not reachable from the swarm: no peer could dial this one at {tried}. {fix}", dialed
         )
-    if relay:
-        return Reachability(UNKNOWN, "relays are on: peers reach this one through a relay", dialed)
     return Reachability(UNKNOWN, f"not checked yet (no other peer to dial this one back). {fix}", dialed)
 
 
-def _fix(addresses: list[str], *, announced: bool, relay: bool) -> str:
+def _fix(addresses: list[str], *, announced: bool) -> str:
     ips = [ip for ip in (_ip(a) for a in addresses) if ip is not None]
     if announced:
         return "To fix: check that the --announce address is your public IP and that its port is forwarded"
@@ -155,10 +157,9 @@ def _fix(addresses: list[str], *, announced: bool, relay: bool) -> str:
         return "To fix: it listens on loopback only (fine on one machine); use --listen /ip4/0.0.0.0/tcp/PORT"
     if any(ip.is_global for ip in ips):
         return "To fix: let TCP in on that port in your firewall"
-    via = "" if relay else ", or pass --use-relay"
     return (
         "To fix: forward a TCP port on your router and pass --listen /ip4/0.0.0.0/tcp/PORT --announce "
-        f"/ip4/<your public IP>/tcp/PORT{via}, or join with --client-mode"
+        "/ip4/<your public IP>/tcp/PORT, or pass --use-relay"
     )
 
 

@@ -175,6 +175,9 @@ class Transport(ABC):
     def addresses(self) -> list[str]:
         """Multiaddrs other peers can dial, each ending in /p2p/<peer id>."""
 
+    def learn(self, peer_id: str, addresses: list[str]) -> None:  # noqa: B027 - most backends route alone
+        """What ``peer_id``'s record says it is reached at (a relayed peer's circuit addresses)."""
+
     @abstractmethod
     def now(self) -> float:
         """The clock record expiry is measured in (shared across peers, roughly)."""
