@@ -190,12 +190,23 @@ def invite(settings, out) -> None:
     exclude=("swarm.initial_peers", "train.log_every", "train.keep_checkpoints"),
     defaults=LOCAL_SWARM_DEFAULTS,
 )
-def simulate(settings) -> None:
+@click.option(
+    "--cleanup",
+    is_flag=True,
+    help="Remove the network namespaces (and their processes) that killed --netns runs left, then exit.",
+)
+def simulate(settings, cleanup: bool) -> None:
     """A local swarm on this machine, with crashes, late joins and network faults."""
     from spes_cli.render import SimLive, print_simulation
 
     from spes_p2p.sim import run
 
+    if cleanup:
+        from spes_p2p.sim.netns import cleanup as remove_leftovers
+
+        removed = remove_leftovers()
+        console.print(f"removed {len(removed)} namespace(s) of dead runs: {', '.join(removed) or 'none'}")
+        return
     s = settings
     out = Path(s.run.out)
     console.print(

@@ -136,7 +136,11 @@ class SimConfig(Section):
             "bandwidth",
             f"takes a tc rate such as 50mbit, 800kbit or 1gbit; got {self.bandwidth!r}",
         )
-        check(0 <= self.nat <= self.peers, "nat", f"must be between 0 and the {self.peers} peers")
+        check(
+            0 <= self.nat < self.peers,
+            "nat",
+            f"must be between 0 and {self.peers - 1}: the first peer founds the swarm and relays for the NATed",
+        )
         check(0 <= self.churn < 1, "churn", "is a probability in [0, 1)")
         self.step_seconds  # noqa: B018 - parsed here so that a bad one is refused up front
         for index, mode in self.byzantine_peers.items():

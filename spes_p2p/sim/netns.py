@@ -248,6 +248,9 @@ def owner_alive(tag: str) -> bool:
 
 def cleanup() -> list[str]:
     """Removes the namespaces of every simulated swarm whose simulator is gone; returns their names."""
+    problem = missing_tools(nat=False)
+    if problem:
+        raise NetnsError(problem.replace("--netns creates", "--cleanup removes"))
     removed = []
     for tag, names in existing().items():
         if not owner_alive(tag):

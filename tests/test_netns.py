@@ -1,0 +1,127 @@
+"""Network namespaces of ``spes simulate --netns``: who can reach whom, the bandwidth cap, and that nothing
+outlives a run (its removal, the watchdog after a killed simulator, ``--cleanup``). Needs root, iproute2
+and nftables (``.ci/run`` installs them); skipped elsewhere."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from spes_p2p.sim.netns import OWNERS, Layout, Namespaces, address_of, cleanup, existing, missing_tools
+
+pytestmark = pytest.mark.skipif(bool(missing_tools(nat=True)), reason=str(missing_tools(nat=True)))
+
+SERVER = """
+import socket, sys
+s = socket.socket(); s.bind(("0.0.0.0", 5000)); s.listen(); s.settimeout(20)
+print("ready", flush=True)
+while True:
+    c, (host, _) = s.accept()
+    total = 0
+    while chunk := c.recv(1 << 20):
+        total += len(chunk)
+    print(host, total, flush=True)
+"""
+
+
+def send(ns: Namespaces, index: int, host: str, nbytes: int = 1) -> bool:
+    code = f"import socket; socket.create_connection(({host!r}, 5000), timeout=3).sendall(b'x' * {nbytes})"
+    done = subprocess.run(
+        [*ns.exec_prefix(index), sys.executable, "-c", code], capture_output=True, timeout=60
+    )
+    return done.returncode == 0
+
+
+@pytest.fixture
+def swarm_net():
+    ns = Namespaces(Layout(f"t{os.getpid():x}", 4, frozenset({2, 3}), "20mbit"))
+    ns.create()
+    servers = [
+        subprocess.Popen(
+            [*ns.exec_prefix(i), sys.executable, "-c", SERVER], stdout=subprocess.PIPE, text=True
+        )
+        for i in range(4)
+    ]
+    for server in servers:
+        assert server.stdout.readline().strip() == "ready"
+    yield ns, servers
+    ns.remove()
+    for server in servers:
+        server.wait(timeout=10)
+
+
+def test_public_peers_reach_each_other_and_nobody_reaches_a_natted_peer(swarm_net):
+    ns, servers = swarm_net
+    lay = ns.layout
+    assert send(ns, 0, lay.address(1)) and send(ns, 1, lay.address(0))
+    assert send(ns, 2, lay.address(0)), "a NATed peer dials out"
+    assert not send(ns, 0, lay.address(2)), "its LAN address is not routed from the bridge"
+    assert not send(ns, 0, address_of(2, router=True)), "its router drops what it did not ask for"
+    assert not send(ns, 3, address_of(2, router=True)), "nor can another NATed peer get in"
+    ns.remove()
+    first = servers[0].stdout.read().split()
+    assert address_of(2, router=True) in first, "the NATed peer's packets leave masqueraded as its router"
+
+
+def test_both_ends_of_a_link_shape_to_the_rate(swarm_net):
+    ns, servers = swarm_net
+    lay = ns.layout
+    assert send(ns, 0, lay.address(1), nbytes=5_000_000)
+    assert servers[1].stdout.readline().split() == [lay.address(0), "5000000"]  # all of it has arrived
+    upload = qdisc(lay.peer(0), "eth0")  # peer 0's upload
+    download = qdisc(lay.hub, "p1")  # peer 1's download
+    behind_nat = qdisc(lay.router(2), "lan")  # a NATed peer's download, on its router
+    for shown in (upload, download, behind_nat):
+        assert "tbf" in shown and "rate 20Mbit" in shown
+    for shown in (upload, download):
+        sent = int(shown.split("Sent ")[1].split()[0])
+        overlimits = int(shown.split("overlimits ")[1].split()[0])
+        assert sent >= 5_000_000 and overlimits > 0, "the 5 MB went through the bucket, which held it back"
+
+
+def qdisc(namespace: str, device: str) -> str:
+    done = subprocess.run(["tc", "-n", namespace, "-s", "qdisc", "show", "dev", device], capture_output=True)
+    return done.stdout.decode()
+
+
+def test_a_run_leaves_nothing_and_a_killed_simulator_is_cleaned_up_after(tmp_path):
+    tag = f"k{os.getpid():x}"
+    # a "simulator" that builds its namespaces, starts a process in one, and is then SIGKILLed
+    code = (
+        "import subprocess, sys, time\n"
+        "from spes_p2p.sim.netns import Layout, Namespaces\n"
+        f"ns = Namespaces(Layout({tag!r}, 2, frozenset({{1}})))\n"
+        "ns.create()\n"
+        "subprocess.Popen([*ns.exec_prefix(1), 'sleep', '300'])\n"
+        "print('up', flush=True)\n"
+        "time.sleep(300)\n"
+    )
+    sim = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    assert sim.stdout.readline().strip() == "up"
+    assert len(existing()[tag]) == 4  # hub, two peers, one router
+    os.kill(sim.pid, signal.SIGKILL)
+    sim.wait(timeout=10)
+    deadline = time.monotonic() + 30
+    while tag in existing() and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert tag not in existing(), "the watchdog removed the dead run's namespaces"
+    assert not (OWNERS / f"{tag}.pid").exists()
+
+
+def test_cleanup_removes_only_runs_whose_simulator_is_gone():
+    mine, dead = Namespaces(Layout(f"m{os.getpid():x}", 1)), Layout(f"d{os.getpid():x}", 1)
+    mine.create()
+    try:
+        for name in dead.namespaces():  # a run whose owner and watchdog are gone
+            subprocess.run(["ip", "netns", "add", name], check=True)
+        removed = cleanup()
+        assert set(dead.namespaces()) <= set(removed)
+        assert mine.layout.tag in existing() and dead.tag not in existing()
+    finally:
+        mine.remove()
+    assert mine.layout.tag not in existing()
