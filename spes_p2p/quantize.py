@@ -1,6 +1,7 @@
 """Blockwise 8-bit and 4-bit quantization of flat float32 tensors, shared by the codecs that move tensors
 between peers and the frozen copies (experts, dense blocks) a peer holds quantized. The layouts (block sizes,
-buffer sizes) are in ``spes_p2p.blockwise``; the tables are bitsandbytes' (its signed dynamic map, and NF4).
+buffer sizes) are in ``spes_p2p.blockwise``; the tables are bitsandbytes' (its signed dynamic map, and NF4),
+computed without importing it.
 
 A value is divided by its block's absmax and takes the code of the nearest table entry (ties to the lower
 one, as bitsandbytes rounds); NF4 packs two codes per byte, the first in the high nibble.
@@ -18,7 +19,6 @@ import functools
 import torch
 
 from spes_p2p.blockwise import INT8_BLOCK, NF4_BLOCK
-from spes_p2p.compat import bitsandbytes
 
 
 def quantize_int8(flat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -77,13 +77,43 @@ def _scaled(values: torch.Tensor, absmax: torch.Tensor, block: int) -> torch.Ten
     return values * absmax.repeat_interleave(block)[: values.numel()]
 
 
+# bitsandbytes' tables, computed here as it computes them (``tests/test_quant.py`` checks they are the same):
+# importing bitsandbytes imports torch's compiler stack, about 115 MB a process, which a peer that only codes
+# (virtual compute, docs/simulate.md) need not pay.
+NF4 = (  # bitsandbytes.functional.get_4bit_type("nf4")
+    -1.0,
+    -0.6961928009986877,
+    -0.5250730514526367,
+    -0.39491748809814453,
+    -0.28444138169288635,
+    -0.18477343022823334,
+    -0.09105003625154495,
+    0.0,
+    0.07958029955625534,
+    0.16093020141124725,
+    0.24611230194568634,
+    0.33791524171829224,
+    0.44070982933044434,
+    0.5626170039176941,
+    0.7229568362236023,
+    1.0,
+)
+
+
 @functools.cache
 def _dynamic_map(device: torch.device) -> torch.Tensor:
-    table = bitsandbytes().functional.create_dynamic_map(signed=True).float().sort().values
+    """bitsandbytes.functional.create_dynamic_map(signed=True): for each of 7 decades 10^-6 .. 10^0, 2^i
+    evenly spaced magnitudes of each sign (the midpoints of a linspace over [0.1, 1]), with 0 and 1."""
+    data = [0.0, 1.0]
+    for i in range(7):
+        boundaries = torch.linspace(0.1, 1, 2**i + 1, dtype=torch.float32)
+        means = (boundaries[:-1] + boundaries[1:]) / 2.0
+        data += ((10 ** (i - 6)) * means).tolist() + (-(10 ** (i - 6)) * means).tolist()
+    table = torch.tensor(sorted(data), dtype=torch.float32)
     table[0] = -1.0  # (bitsandbytes' own kernel sets this too: the map then spans [-1, 1])
     return table.to(device)
 
 
 @functools.cache
 def _nf4_table(device: torch.device) -> torch.Tensor:
-    return bitsandbytes().functional.get_4bit_type("nf4", device="cpu").float().sort().values.to(device)
+    return torch.tensor(NF4, dtype=torch.float32).to(device)

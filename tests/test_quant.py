@@ -227,3 +227,14 @@ def test_blockwise_codes_are_the_nearest_table_entries_and_the_same_from_any_thr
     for t in threads:
         t.join()
     assert all(torch.equal(c, codes) and torch.equal(a, absmax) for c, a in results)
+
+
+def test_the_tables_are_bitsandbytes_ones_computed_without_importing_it():
+    from spes_p2p.compat import bitsandbytes
+    from spes_p2p.quantize import _dynamic_map, _nf4_table
+
+    functional, cpu = bitsandbytes().functional, torch.device("cpu")
+    dynamic = functional.create_dynamic_map(signed=True).float().sort().values
+    dynamic[0] = -1.0
+    assert torch.equal(_dynamic_map(cpu), dynamic)
+    assert torch.equal(_nf4_table(cpu), functional.get_4bit_type("nf4", device="cpu").float().sort().values)

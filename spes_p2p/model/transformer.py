@@ -37,6 +37,10 @@ class Embedding(QuantizedWeights, nn.Embedding):
     """A token embedding whose table may be held quantized in a frozen dense block: a lookup then decodes
     only the rows it reads."""
 
+    def reset_parameters(self) -> None:
+        if not self.weight.is_meta:  # (see MoETransformer.reset_parameters)
+            super().reset_parameters()
+
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         q = self.quantized.get("weight")
         return super().forward(tokens) if q is None else q.rows(tokens)
@@ -54,9 +58,11 @@ class RMSNorm(nn.Module):
 
 
 def rope_tables(head_dim: int, max_len: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin tables, each (max_len, head_dim / 2)."""
-    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
-    angles = torch.outer(torch.arange(max_len, dtype=torch.float64), inv_freq)
+    """cos and sin tables, each (max_len, head_dim / 2); on the CPU, where a model is built (and on the meta
+    device too, where a model built for its shapes alone would import torch's compiler to compute them)."""
+    cpu = torch.device("cpu")
+    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64, device=cpu) / head_dim)
+    angles = torch.outer(torch.arange(max_len, dtype=torch.float64, device=cpu), inv_freq)
     return angles.cos().float(), angles.sin().float()
 
 
@@ -130,6 +136,8 @@ class MoETransformer(nn.Module):
         # residual-branch outputs are scaled down with depth, as in GPT-2 and OLMo
         out_std = std / math.sqrt(2 * self.cfg.n_layers)
         for name, p in self.named_parameters():
+            if p.is_meta:  # shapes only: normal_ on the meta device would import torch's compiler (~70 MB)
+                continue
             if name.endswith("norm.weight"):
                 p.fill_(1.0)
             elif name.endswith(("o_proj.weight", ".w2")):
