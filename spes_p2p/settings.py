@@ -26,7 +26,7 @@ import tomli_w
 
 from spes_p2p.errors import ConfigError, SwarmMismatch
 from spes_p2p.fields import SWARM, FieldError, Section, check, flag_of, setting
-from spes_p2p.model.config import ModelSettings
+from spes_p2p.model.config import STEP_SECONDS, ModelSettings
 from spes_p2p.peer.config import METHOD_DEFAULTS, MethodConfig, PeerConfig
 from spes_p2p.sim.config import SimConfig
 from spes_p2p.swarm.config import NetworkConfig, SwarmConfig, SyncConfig
@@ -139,6 +139,13 @@ class Settings:
                 f"x seq_len x steps_per_round ({round_tokens}) is over [sync] max_round_tokens "
                 f"({self.sync.max_round_tokens}): train on smaller batches",
                 "train",
+            )
+        if self.sim.virtual and self.sim.step_seconds is None and self.model.preset not in STEP_SECONDS:
+            raise FieldError(
+                "compute",
+                f"virtual needs its seconds per step with preset {self.model.preset}, whose step time was "
+                "not measured: write virtual=SECONDS (e.g. virtual=30)",
+                "sim",
             )
         shards = self.run.shard_list() or ()
         bad = [s for s in shards if not 0 <= s < self.model.shards]

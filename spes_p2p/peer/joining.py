@@ -67,7 +67,7 @@ def at_round_boundary(member: SwarmMember, seconds: float) -> SwarmView:
     the next round from that round's results instead of joining a round it cannot finish in time."""
     view, me = member.view(), member.transport.peer_id
     others = others_of(view, me)
-    if not others or all(p.loss is None for p in others):  # nobody has finished a round yet
+    if not is_training(view, me):  # nobody has finished a round yet
         return view
     current = swarm_round(others)
 

@@ -4,6 +4,10 @@ The training thread steps, writes synced weights and switches the trained units;
 threads read a unit (newcomers may ask for a peer's own copy of any unit). Every touch of the model goes
 through ``step``, ``read``, ``write`` or ``retarget``, which hold the lock.
 
+``LocalModel`` is the part every peer has: the swarm's seeded initial model and those accessors.
+``LocalTraining`` trains it; ``spes_p2p.peer.virtual.VirtualTraining`` stands in for it in simulations with
+virtual compute (``[sim] compute``). ``local_training`` picks the one the settings ask for.
+
 The model trains on ``[train] device``; the sync sees CPU tensors only: ``read`` copies a unit to the CPU and
 ``write`` copies one back. So the sync's arithmetic (updates, aggregation, versions and their hashes) is
 the same on a GPU peer as on a CPU peer, and the device's memory holds nothing but the model and its training.
@@ -19,6 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
+from spes_p2p.errors import CheckpointError
 from spes_p2p.model import MoETransformer, read_unit, write_unit
 from spes_p2p.model.units import UnitLayout
 from spes_p2p.settings import Settings
@@ -35,26 +40,32 @@ _SEEDING = threading.Lock()  # simulated peers share torch's global generator
 class Steps:
     """What H local steps did."""
 
-    loss: float
+    loss: float | None  # None: no model ran (virtual compute)
     tokens: int
     seconds: float
 
 
-class LocalTraining:
-    def __init__(self, settings: Settings, layout: UnitLayout, seed: int, peer_id: str) -> None:
-        self.settings, self.layout = settings, layout
-        arch = settings.model.architecture()
-        self.device = resolve_device(settings.train.device)
+def local_training(settings: Settings, layout: UnitLayout, seed: int, peer_id: str) -> LocalModel:
+    """The peer's training: real, or virtual when ``[sim] compute`` says so."""
+    if settings.sim.virtual:
+        from spes_p2p.peer.virtual import VirtualTraining
+
+        return VirtualTraining(settings, layout, seed, peer_id)
+    return LocalTraining(settings, layout, seed, peer_id)
+
+
+class LocalModel:
+    """The swarm's initial model (every peer of a swarm builds the same one from its seed), behind one lock;
+    ``read``, ``write`` and ``restore`` are all a sync needs of it."""
+
+    compute = "real"  # what a metrics row says ran the steps
+
+    def __init__(self, settings: Settings, layout: UnitLayout, seed: int, device: torch.device) -> None:
+        self.settings, self.layout, self.device = settings, layout, device
         with _SEEDING:  # every peer of a swarm starts from one model: the seed derives from the swarm
             torch.manual_seed(seed)
-            model = MoETransformer(arch)  # built on the CPU, so the seed gives it on every device
-        self.model = place(model, self.device)
-        self.data = prepare_data(settings.data, arch.vocab_size)
-        t = settings.train
-        shard = DataShard.for_peer_id(peer_id)
-        self.sampler = BatchSampler(self.data.train_ids, t.seq_len, t.batch_size, seed=t.seed, shard=shard)
-        self.val_batches = validation_batches(self.data.val_ids, t.seq_len, t.batch_size, t.eval_batches)
-        self.trainer: Trainer | None = None
+            model = MoETransformer(settings.model.architecture())  # on the CPU: the seed gives it anywhere
+        self.model = place(model, device)
         self._lock = threading.RLock()
 
     def read(self, unit: str) -> Tensors:
@@ -66,20 +77,79 @@ class LocalTraining:
         with self._lock:
             write_unit(self.model, self.layout, unit, tensors)
 
-    def start(self, units: list[str], round_: int, checkpoint: Checkpoint | None = None) -> None:
-        """The trainer for ``units``, at ``round_``; from a checkpoint's optimizer state when resuming."""
+    def restore(self, checkpoint: Checkpoint) -> None:
+        with self._lock:
+            self.model.load_state_dict(checkpoint.model)
+
+    def frozen_experts(self, trained: list[str]) -> Tensors:
+        """Every expert weight outside ``trained`` (the merge's neighbours)."""
+        weights: Tensors = {}
+        for unit in self.layout.expert_units:
+            if unit not in trained:
+                weights.update(self.read(unit))
+        return weights
+
+
+class LocalTraining(LocalModel):
+    def __init__(self, settings: Settings, layout: UnitLayout, seed: int, peer_id: str) -> None:
+        super().__init__(settings, layout, seed, resolve_device(settings.train.device))
+        self.data = prepare_data(settings.data, settings.model.architecture().vocab_size)
+        t = settings.train
+        shard = DataShard.for_peer_id(peer_id)
+        self.sampler = BatchSampler(self.data.train_ids, t.seq_len, t.batch_size, seed=t.seed, shard=shard)
+        self.val_batches = validation_batches(self.data.val_ids, t.seq_len, t.batch_size, t.eval_batches)
+        self.trainer: Trainer | None = None
+
+    def start(
+        self,
+        units: list[str],
+        round_: int,
+        checkpoint: Checkpoint | None = None,
+        sample: Callable[[], None] = lambda: None,
+    ) -> None:
+        """The trainer for ``units``, at ``round_``; from a checkpoint's optimizer state when resuming.
+        ``sample`` runs after each backward pass, while the step's gradients are live."""
+        if checkpoint and checkpoint.meta.get("compute") == "virtual":
+            raise CheckpointError(
+                f"{checkpoint.path} was written by a peer with virtual compute (no optimizer state): "
+                "start without --resume"
+            )
         with self._lock:
             trained = checkpoint.meta["units"] if checkpoint else units
             self.trainer = Trainer(self.model, self.layout, trained, self.settings.train)
+            self.trainer.after_backward = sample
             self.trainer.step = round_ * self.settings.method.steps_per_round
             if checkpoint:
                 self.trainer.optimizer.load_state_dict(checkpoint.optimizer)
                 self.trainer.tokens = checkpoint.meta["tokens"]
                 self.trainer.retarget(units)  # keeps the state of what it still trains
 
+    @property
+    def started(self) -> bool:
+        return self.trainer is not None
+
+    @property
+    def units(self) -> list[str]:
+        return self.trainer.units
+
+    @property
+    def step(self) -> int:
+        return self.trainer.step
+
+    @property
+    def tokens(self) -> int:
+        return self.trainer.tokens
+
+    @property
+    def optimizer(self) -> torch.optim.Optimizer:
+        return self.trainer.optimizer
+
+    def lr(self) -> float:
+        return self.trainer.lr()
+
     def restore(self, checkpoint: Checkpoint) -> None:
         with self._lock:
-            self.model.load_state_dict(checkpoint.model)
+            super().restore(checkpoint)
             self.sampler.load_state_dict(checkpoint.meta["data_position"])
 
     def retarget(self, units: list[str]) -> None:
@@ -110,14 +180,6 @@ class LocalTraining:
     def held(self) -> dict[str, list]:
         return self.trainer.held() if self.trainer is not None else {}
 
-    def frozen_experts(self, trained: list[str]) -> Tensors:
-        """Every expert weight outside ``trained`` (the merge's neighbours)."""
-        weights: Tensors = {}
-        for unit in self.layout.expert_units:
-            if unit not in trained:
-                weights.update(self.read(unit))
-        return weights
-
     def position(self) -> dict:
         """Where training stands: the units trained last (and synced), tokens, the data position."""
         return {
@@ -127,6 +189,6 @@ class LocalTraining:
             "model_config": self.model.cfg.to_dict(),
         }
 
-    def evaluate(self) -> float:
+    def evaluate(self) -> float | None:
         with self._lock:
             return evaluate(self.model, self.val_batches)

@@ -35,6 +35,7 @@ class RoundMetrics:
             "round": job.round,
             "step": step,
             "tokens": tokens,
+            "compute": m["compute"],  # real, or virtual: no model ran, the loss is None
             "loss": m["loss"],
             "lr": m["lr"],
             "round_tokens": m["round_tokens"],

@@ -32,7 +32,7 @@ from spes_p2p.peer.admission import Admission, found, weights_fingerprint
 from spes_p2p.peer.footprint import Footprint
 from spes_p2p.peer.heartbeat import Heartbeat
 from spes_p2p.peer.landing import Landing
-from spes_p2p.peer.local import LocalTraining
+from spes_p2p.peer.local import local_training
 from spes_p2p.peer.metrics import RoundMetrics, crossed
 from spes_p2p.peer.outputs import RunOutputs
 from spes_p2p.peer.rounds import Pipeline, RoundJob, RoundSync
@@ -101,11 +101,12 @@ class Peer:
         self.settings, self.transport, self.me = settings, transport, transport.peer_id
         transport.guard.allow_only(settings.swarm.allowlist)
         self.layout = settings.model.layout()
-        self.local = LocalTraining(settings, self.layout, initial_seed(settings), self.me)
+        self.local = local_training(settings, self.layout, initial_seed(settings), self.me)
         self.admission = admission
         if admission is None:
-            tokenizer = self.local.data.tokenizer.to_str().encode()
-            self.manifest = found(settings, tokenizer, self.local.data.corpus_hash, self.local.model)
+            data = self.local.data  # (a peer with virtual compute reads it for this only)
+            tokenizer = data.tokenizer.to_str().encode()
+            self.manifest = found(settings, tokenizer, data.corpus_hash, self.local.model)
         else:
             self.manifest, tokenizer = admission.manifest, admission.tokenizer
         self.initial_fingerprint = weights_fingerprint(self.local.model)
@@ -125,7 +126,7 @@ class Peer:
         self.heartbeat = Heartbeat(
             self.member, settings.swarm.heartbeat_seconds, also=self.reachability.recheck
         )
-        self.outputs = RunOutputs(Path(out_dir)) if out_dir else None
+        self.outputs = RunOutputs(Path(out_dir), settings.train.keep_checkpoints) if out_dir else None
         self.round = 0
         self.joined = self.crashed = False
         self.resumed_from: Path | None = None
@@ -153,8 +154,8 @@ class Peer:
         self.member.join(first_round=self.round + 1 if training else self.round)
         self.joined = True
         self.heartbeat.start()
-        self.local.start(self.member.units_held, self.round, checkpoint)
-        self.local.trainer.after_backward, self.sync.sample = self.footprint.sample, self.footprint.recount
+        self.local.start(self.member.units_held, self.round, checkpoint, sample=self.footprint.sample)
+        self.sync.sample = self.footprint.recount
         for unit in self.member.units_held:
             self.sync.serve_weights(self.round - 1, unit, self.local.read(unit))
         if not training and not checkpoint:  # every peer has the initial model: its first version
@@ -210,7 +211,7 @@ class Peer:
         """H local steps, then this round's sync (in the background with overlap). False if stopped, or if
         landing the previous round caught up with a swarm that has done ``rounds`` already."""
         self._follow_claims()
-        units = list(self.local.trainer.units)
+        units = list(self.local.units)
         self.landing.begin_round(units, self.pipeline.in_flight)
         steps = self.local.steps(stop, between=self._land_if_synced)
         if steps is None:
@@ -228,7 +229,8 @@ class Peer:
                 "loss": steps.loss,
                 "round_tokens": steps.tokens,
                 "compute_seconds": steps.seconds,
-                "lr": self.local.trainer.lr(),
+                "lr": self.local.lr(),
+                "compute": self.local.compute,
                 "sync_started": time.perf_counter(),
             },
             experts=self.frozen.merge_inputs(self.round, lambda: self.local.frozen_experts(units)),
@@ -249,11 +251,10 @@ class Peer:
         self.landing.land(job)
         self.round = job.round + 1
         self._catch_up_if_behind()
-        row = self.metrics.row(
-            job, self.local.trainer.step, self.local.trainer.tokens, self.sync.rejected_payloads
-        )
+        row = self.metrics.row(job, self.local.step, self.local.tokens, self.sync.rejected_payloads)
         row.update(self.footprint.take())
-        if crossed(self.round, self.settings.method.steps_per_round, self.settings.train.eval_every):
+        every = self.settings.train.eval_every
+        if crossed(self.round, self.settings.method.steps_per_round, every) and self.local.compute == "real":
             row["val_loss"] = self.local.evaluate()
         self.member.report(self.round, row["loss"], row["tokens_per_s"])
         # without overlap a new claim takes effect at once, before every other peer can see it: like a
@@ -275,15 +276,15 @@ class Peer:
         self._catch_up(view)
         self.member.start_at(self.round)
         self.local.at_round(self.round)
-        self.landing.restart(self.local.trainer.units)  # this round's update is measured from the download
+        self.landing.restart(self.local.units)  # this round's update is measured from the download
 
     def _follow_claims(self) -> None:
         """At a round's start, the trainer and the served weights follow the claims of the last boundary."""
         held = list(self.member.units_held)
-        if sorted(held) == self.local.trainer.units:
+        if sorted(held) == self.local.units:
             return
-        logger.info("now training %s (was %s)", sorted(held), self.local.trainer.units)
-        new = sorted(set(held) - set(self.local.trainer.units))
+        logger.info("now training %s (was %s)", sorted(held), self.local.units)
+        new = sorted(set(held) - set(self.local.units))
         if not self.settings.method.overlap:  # (with overlap, the sync in flight fetches them exactly)
             seconds = self.settings.sync.deadline_max
             view = self.member.view()
@@ -298,7 +299,8 @@ class Peer:
         self.outputs.append(row)
         if crossed(self.round, self.settings.method.steps_per_round, self.settings.train.checkpoint_every):
             meta = {"peer_id": self.me, "round": self.round, "swarm_hash": self.manifest.hash}
-            self.outputs.checkpoint(self.local.model, self.local.trainer, {**meta, **self.local.position()})
+            position = {**meta, **self.local.position()}
+            self.outputs.checkpoint(self.local.model, self.local.optimizer, self.local.step, position)
 
     # -------------------------------------------------------------------------------------- leaving
 
@@ -317,8 +319,8 @@ class Peer:
         if self.crashed:
             return
         self.heartbeat.stop()
-        if self.outputs and self.local.trainer is not None:
-            state = {"peer_id": self.me, "round": self.round, "step": self.local.trainer.step}
+        if self.outputs and self.local.started:
+            state = {"peer_id": self.me, "round": self.round, "step": self.local.step}
             self.outputs.finish(self.local.model, {**state, **self.local.position()})
         if self.joined:
             self.member.leave_within(timeout)

@@ -18,22 +18,23 @@ from safetensors.torch import save_file
 from spes_p2p.errors import CheckpointError
 from spes_p2p.files import writable_folder
 from spes_p2p.train.checkpoint import Checkpoint, load_checkpoint, recover, save_checkpoint
-from spes_p2p.train.trainer import Trainer
 
 
 class RunOutputs:
-    def __init__(self, out_dir: Path) -> None:
-        self.dir = writable_folder(Path(out_dir), "--out")
+    def __init__(self, out_dir: Path, keep: int = 2) -> None:
+        """``keep``: the newest checkpoints kept."""
+        self.dir, self.keep = writable_folder(Path(out_dir), "--out"), keep
         recover(self.dir)  # what a peer killed mid-checkpoint left
 
     def append(self, row: dict) -> None:
         with open(self.dir / "metrics.jsonl", "a") as f:
             f.write(json.dumps(row) + "\n")
 
-    def checkpoint(self, model: torch.nn.Module, trainer: Trainer, meta: dict) -> Path:
-        return save_checkpoint(
-            self.dir, trainer.step, model, trainer.optimizer, meta, keep=trainer.cfg.keep_checkpoints
-        )
+    def checkpoint(
+        self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, step: int, meta: dict
+    ) -> Path:
+        """Model and optimizer state at ``step`` (no optimizer: a peer with virtual compute has none)."""
+        return save_checkpoint(self.dir, step, model, optimizer, meta, keep=self.keep)
 
     def resume(self, swarm_hash: str) -> Checkpoint:
         """The newest checkpoint of this run folder, which must have been written in the swarm whose manifest

@@ -50,12 +50,13 @@ def save_checkpoint(
     run_dir: Path,
     step: int,
     model: torch.nn.Module,
-    optimizer: torch.optim.Optimizer,
+    optimizer: torch.optim.Optimizer | None,
     meta: dict,
     extra_files: dict[str, bytes] | None = None,
     keep: int = 2,
 ) -> Path:
-    """Writes checkpoint ``step`` under ``run_dir/checkpoints`` and prunes all but the newest ``keep``."""
+    """Writes checkpoint ``step`` under ``run_dir/checkpoints`` and prunes all but the newest ``keep``.
+    Without an ``optimizer`` (a peer with virtual compute has none) its state is empty."""
     root = Path(run_dir) / "checkpoints"
     root.mkdir(parents=True, exist_ok=True)
     recover(run_dir)
@@ -66,7 +67,7 @@ def save_checkpoint(
         save_file(
             {k: v.detach().contiguous() for k, v in model.state_dict().items()}, tmp / "model.safetensors"
         )
-        opt_tensors, opt_rest = flatten_state(optimizer.state_dict())
+        opt_tensors, opt_rest = flatten_state(optimizer.state_dict() if optimizer is not None else {})
         save_file(opt_tensors, tmp / "optimizer.safetensors")
         for name, data in (extra_files or {}).items():
             (tmp / name).write_bytes(data)
