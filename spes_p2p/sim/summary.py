@@ -71,6 +71,7 @@ def summarize(
             "steps_per_round": settings.method.steps_per_round,
             "backend": settings.sim.backend,
             "codec": settings.sync.codec,
+            "compute": settings.sim.compute,  # virtual: no model ran, there is no loss
         },
     }
     attackers = {f"peer{i}" for i in settings.sim.byzantine_peers}  # (it may split itself off: its business)
@@ -162,13 +163,13 @@ def splits(rows: dict[str, list[dict]]) -> list[str]:
 
 
 def _losses(rows: dict[str, list[dict]], completed: int) -> dict:
-    by_round = {
-        r: [row["loss"] for rs in rows.values() for row in rs if row["round"] == r] for r in range(completed)
-    }
+    trained = [row for rs in rows.values() for row in rs if row["loss"] is not None]  # (virtual: none)
+    by_round = {r: [row["loss"] for row in trained if row["round"] == r] for r in range(completed)}
+    first, last = by_round.get(0), by_round.get(completed - 1)
     final_val = [row["val_loss"] for rs in rows.values() for row in rs[-1:] if "val_loss" in row]
     return {
-        "initial_loss": statistics.fmean(by_round[0]) if completed else None,
-        "final_loss": statistics.fmean(by_round[completed - 1]) if completed else None,
+        "initial_loss": statistics.fmean(first) if first else None,
+        "final_loss": statistics.fmean(last) if last else None,
         "final_val_loss": statistics.fmean(final_val) if final_val else None,  # of peers that evaluated last
         "loss_by_round": {str(r): statistics.fmean(v) for r, v in by_round.items() if v},
     }
@@ -236,7 +237,7 @@ def plot_losses(peers_dir: Path, events: list[dict], path: Path) -> None:
     fig, ax = plt.subplots(figsize=(8, 4.5))
     per_round: dict[int, list[float]] = {}
     for folder in sorted(Path(peers_dir).iterdir()):
-        rows = read_rows(folder)
+        rows = [r for r in read_rows(folder) if r["loss"] is not None]
         if rows:
             ax.plot(
                 [r["round"] for r in rows], [r["loss"] for r in rows], lw=0.8, alpha=0.6, label=folder.name
