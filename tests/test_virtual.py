@@ -7,6 +7,7 @@ import sys
 import threading
 
 import pytest
+import torch
 
 from spes_p2p.errors import CheckpointError, ConfigError
 from spes_p2p.model.config import STEP_SECONDS
@@ -121,7 +122,7 @@ def test_a_virtual_peer_checkpoints_and_resumes(tmp_path, virtual_peers):
         sim__backend="memory",
         sim__compute="virtual=0",
         train__checkpoint_every=H,
-        model__shards=1,
+        model__shards=2,  # (a lone peer trains one; the other is a frozen copy, held in int8)
         model__dense_blocks=1,
         run__out=str(tmp_path),
         **SMALL,
@@ -138,6 +139,9 @@ def test_a_virtual_peer_checkpoints_and_resumes(tmp_path, virtual_peers):
     again = Peer(s, MemoryNetwork(seed=0).join("p0"), out_dir=tmp_path)
     again.join(resume=True)
     assert again.round == 2 and again.local.tokens == 2 * H * 4 * 64
+    for unit in s.model.layout().units:
+        before, after = peer.local.read(unit), again.local.read(unit)
+        assert all(torch.equal(before[n], after[n]) for n in before), unit
     again.run(stop, rounds=3)
     again.close()
     assert [r["round"] for r in read_rows(tmp_path)] == [0, 1, 2]
