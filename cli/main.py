@@ -210,8 +210,8 @@ def simulate(settings, cleanup: bool) -> None:
     s = settings
     out = Path(s.run.out)
     console.print(
-        f"simulating {s.sim.peers} peers ({s.sim.backend}), {s.model.shards} shards, "
-        f"{s.run.rounds} rounds of {s.method.steps_per_round} steps; output in {out}"
+        f"simulating {s.sim.peers} peers ({s.sim.backend}, {s.sim.compute} compute), {s.model.shards} "
+        f"shards, {s.run.rounds} rounds of {s.method.steps_per_round} steps; output in {out}"
     )
     with SimLive(console, s.run.rounds) as live:
         summary = run(s, on_tick=live.update)

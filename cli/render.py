@@ -346,9 +346,14 @@ def _events_line(events: list[dict]) -> str:
 
 def print_simulation(console: Console, summary: dict, out: Path) -> None:
     initial, final = summary["initial_loss"], summary["final_loss"]
+    loss = (
+        f"loss {initial:.3f} -> {final:.3f}"
+        if initial is not None and final is not None
+        else f"no loss (compute {summary['config']['compute']})"
+    )
     console.print(
-        f"[green]done[/] in {summary['seconds']:.0f}s: {summary['rounds_completed']} rounds, loss "
-        f"{initial:.3f} -> {final:.3f}, uncovered unit-rounds {summary['uncovered_unit_rounds']}, "
+        f"[green]done[/] in {summary['seconds']:.0f}s: {summary['rounds_completed']} rounds, {loss}, "
+        f"uncovered unit-rounds {summary['uncovered_unit_rounds']}, "
         f"rejected payloads {summary['rejected_payloads']}",
         highlight=False,
     )
