@@ -178,3 +178,10 @@ def test_peers_that_evaluate_in_turn_still_cover_everything(names):
     when each peer sees the other's new claims (a peer that moved is not planned to move again)."""
     choices = {p: {"experts/0", "experts/1"} for p in names}
     assert all(holders_of(one_boundary_in_turn(choices, 2)).values())
+
+
+def test_a_peer_of_capacity_zero_holds_no_shard_and_is_never_moved():
+    holders = {"experts/0": {"a"}, "experts/1": set()}
+    assert (
+        choose_units(me="z", held=(), units=sorted(holders), holders=holders, capacity=0, target=2) == set()
+    )

@@ -116,8 +116,8 @@ def test_bad_flags_name_the_flag():
         load_settings(None, {("network", "listen"): ("nonsense",)})
     with pytest.raises(ConfigError, match=r"^--active-blocks: \[peer\] active_blocks must be at most"):
         load_settings(None, {("peer", "active_blocks"): 3})
-    with pytest.raises(ConfigError, match=r"^--capacity: \[peer\] capacity must be at least 1"):
-        load_settings(None, {("peer", "capacity"): 0})
+    with pytest.raises(ConfigError, match=r"^--capacity: \[peer\] capacity must be at least 0"):
+        load_settings(None, {("peer", "capacity"): -1})
 
 
 def test_missing_file_is_a_clear_error(tmp_path):
@@ -142,3 +142,17 @@ def test_swarm_wide_settings_are_those_that_must_match():
     assert {"model.shards", "sync.codec", "method.steps_per_round", "merge.enabled"} <= set(wide)
     assert not {k for k in wide if k.split(".")[0] in ("train", "data", "network", "peer", "run", "sim")}
     assert "sync.deadline_max" not in wide  # a peer's own patience
+
+
+def test_a_simulated_peer_gets_its_own_values():
+    sim = load_settings(
+        None,
+        {("sim", "peers"): 3, ("sim", "peer_settings"): ("0:peer.capacity=0", "2:train.device=cpu")},
+        defaults=LOCAL_SWARM_DEFAULTS,
+    ).sim
+    assert sim.overrides == {0: {"peer__capacity": 0}, 2: {"train__device": "cpu"}}
+    for bad, message in (("0:capacity=0", "I:SECTION.FIELD=VALUE"), ("5:peer.capacity=0", "names no peer 5")):
+        with pytest.raises(ConfigError, match=message):
+            load_settings(
+                None, {("sim", "peers"): 3, ("sim", "peer_settings"): (bad,)}, defaults=LOCAL_SWARM_DEFAULTS
+            )

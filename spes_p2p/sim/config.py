@@ -4,6 +4,7 @@ of a local swarm on one machine. Plain values; the parsers of the event strings 
 from __future__ import annotations
 
 import re
+import tomllib
 from dataclasses import dataclass
 
 from spes_p2p.fields import FieldError, Section, check, setting
@@ -107,6 +108,12 @@ class SimConfig(Section):
         "time) and updates are synthetic, with the model's real shapes.",
         metavar="MODE",
     )
+    peer_settings: tuple[str, ...] = setting(
+        (),
+        "Peer I's own value of a setting, e.g. 0:peer.capacity=0 (a TOML value; repeatable).",
+        flag="--peer-setting",
+        metavar="I:SECTION.FIELD=VALUE",
+    )
     churn: float = setting(
         0.0, "Each round, kill each peer with this probability and restart it with --resume a round later."
     )
@@ -139,9 +146,11 @@ class SimConfig(Section):
         check(
             0 <= self.nat < self.peers,
             "nat",
-            f"must be between 0 and {self.peers - 1}: the first peer founds the swarm and relays for the NATed",
+            f"must be between 0 and {self.peers - 1}: the first peer founds the swarm and relays",
         )
         check(0 <= self.churn < 1, "churn", "is a probability in [0, 1)")
+        for index in self.overrides:
+            check(index < total, "peer_settings", f"names no peer {index}")
         self.step_seconds  # noqa: B018 - parsed here so that a bad one is refused up front
         for index, mode in self.byzantine_peers.items():
             check(0 <= index < total, "byzantine", f"names no peer {index}")
@@ -185,6 +194,25 @@ class SimConfig(Section):
             )
             peers[int(index)] = mode
         return peers
+
+    @property
+    def overrides(self) -> dict[int, dict[str, object]]:
+        """Peer index -> its own ``section__field`` values."""
+        found: dict[int, dict[str, object]] = {}
+        for text in self.peer_settings:
+            match = re.fullmatch(r"(\d+):(\w+)\.(\w+)=(.*)", text)
+            check(
+                match is not None,
+                "peer_settings",
+                f"take I:SECTION.FIELD=VALUE, e.g. 0:peer.capacity=0; got {text!r}",
+            )
+            index, section, name, raw = match.groups()
+            try:
+                value = tomllib.loads(f"v = {raw}")["v"]
+            except tomllib.TOMLDecodeError:
+                value = raw  # a bare word: a string
+            found.setdefault(int(index), {})[f"{section}__{name}"] = value
+        return found
 
     @property
     def kill_events(self) -> list[Event]:

@@ -32,7 +32,7 @@ def running(settings: Settings, rounds: int = ROUNDS, peers: int | None = None) 
     holders); returns the median peer's steady-state peak, with its breakdown by kind and every peer's."""
     if rounds <= WARMUP_ROUNDS:
         raise SpesError(f"measure at least {WARMUP_ROUNDS + 1} rounds: the first {WARMUP_ROUNDS} are warm-up")
-    n = peers or max(2, -(-REPLICATION * settings.model.shards // settings.peer.capacity))
+    n = peers or max(2, -(-REPLICATION * settings.model.shards // max(1, settings.peer.capacity)))
     local = {f"{s}__{f}": v for (s, f), v in LOCAL_SWARM_DEFAULTS.items() if (s, f) not in settings.given}
     local.update({k: v for k, v in DEADLINES.items() if key_of(k) not in settings.given})
     if ("method", "steps_per_round") not in settings.given:
