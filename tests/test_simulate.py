@@ -8,6 +8,7 @@ import sys
 import time
 from pathlib import Path
 
+import psutil
 import pytest
 from click.testing import CliRunner
 from spes_cli.main import spes
@@ -16,6 +17,7 @@ from spes_p2p.errors import ConfigError
 from spes_p2p.sim import run, simulation
 from spes_p2p.sim.config import SOLE, Event, SimConfig
 from spes_p2p.sim.runner import ProcessFleet, stop_process_groups
+from spes_p2p.sim.summary import read_rows
 
 pytestmark = [pytest.mark.timeout(300), pytest.mark.slow]
 SMALL = {
@@ -212,3 +214,60 @@ def test_late_joins_reach_the_main_swarm_run_after_run(tmp_path, run_index):
     for newcomer in summary["newcomers"]:
         assert newcomer["join_round"] == 4 and newcomer["first_counted_round"] is not None, newcomer
         assert newcomer["rounds_late"] <= 2, newcomer
+
+
+def test_churn_on_the_memory_backend_brings_every_killed_peer_back_with_its_id(tmp_path):
+    """Seed 163 draws kills of peer1 at round 2 and peer0 at round 3. With one shard and one dense block
+    every peer trains every unit, and churn never takes the last peer in the swarm: no unit-round can go
+    uncovered."""
+    summary = run(
+        simulation(
+            sim__peers=4,
+            model__shards=1,
+            model__dense_blocks=1,
+            run__rounds=10,  # kills in rounds 1 to 4, then rounds for the restarts to come back in
+            sim__backend="memory",
+            sim__churn=0.2,
+            train__seed=163,
+            run__out=str(tmp_path),
+            **SMALL,
+        )
+    )
+    assert not summary["failures"] and not summary["leftovers"], summary["failures"]
+    churn = summary["churn"]
+    assert churn["kills"] >= 2 and churn["restarts"] == churn["kills"] == churn["back_with_id"], churn
+    restarted = {e["peer"] for e in summary["events"] if e["type"] == "restart"}
+    for name in restarted:  # one peer id in all its rows, before and after its restart
+        assert len({r["peer"] for r in read_rows(tmp_path / "peers" / name)}) == 1
+    assert summary["uncovered_unit_rounds"] == 0 and summary["rounds_completed"] == 10
+    assert summary["loss_fell"] and summary["final_loss"] < summary["initial_loss"]
+    assert all(not p["killed"] for p in summary["peers"])  # everyone is back at the end
+
+
+def test_churn_with_real_processes_restarts_peers_with_their_ids_and_leaves_no_process(tmp_path):
+    """Seed 8 draws one kill, of peer2 in round 1: its whole process tree dies, and a new process with
+    --resume (its run folder, its identity key) comes back with the same peer id. Nothing of the run is
+    left running afterwards. Rounds of 20 steps: with fewer, the two others finish the run before a restart
+    is back."""
+    out = tmp_path / "sim"
+    args = "simulate --peers 3 --shards 1 --rounds 11 --steps-per-round 20 --batch-size 4 --seq-len 64"
+    args += " --max-corpus-mb 1 --churn 0.15 --seed 8 --out"
+    result = CliRunner().invoke(spes, [*args.split(), str(out)])
+    assert result.exit_code == 0, result.output
+    summary = json.loads((out / "summary.json").read_text())
+    assert not summary["failures"] and not summary["leftovers"], summary["failures"]
+    assert summary["churn"]["restarts"] == summary["churn"]["back_with_id"] >= 1, summary["churn"]
+    name = next(e["peer"] for e in summary["events"] if e["type"] == "restart")
+    log = (out / "logs" / f"{name}.log").read_text()
+    assert "restarted with --resume" in log and "resumed from" in log
+    rows = read_rows(out / "peers" / name)
+    assert len({r["peer"] for r in rows}) == 1  # its id before and after
+    assert (out / "keys" / f"{name}.addr").read_text().split()[0].endswith("/p2p/" + rows[0]["peer"])
+    assert summary["final_loss"] < summary["initial_loss"]
+    # every process of the run (peers, DHT processes, p2pd daemons) names a file of OUT in its command line
+    left = [
+        p.info
+        for p in psutil.process_iter(["pid", "cmdline"])
+        if str(out) in " ".join(p.info["cmdline"] or [])
+    ]
+    assert not left, left

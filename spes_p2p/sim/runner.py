@@ -1,13 +1,14 @@
-"""Runs a simulated swarm: starts the peers, fires kills, joins and faults as the swarm's round advances, and
-waits (bounded) until every live peer has reached the last round.
+"""Runs a simulated swarm: starts the peers, fires kills, churn, joins and faults as the swarm's round
+advances (``director``), and waits (bounded) until every live peer has reached the last round.
 
 Every peer lives through the library's one life cycle (``spes_p2p.peer.life.live``): in its own process
 (``python -m spes_p2p.peer peerI.toml``, hivemind backend) or on a thread of this process (memory backend).
+A restart (churn) is a new life of the same peer: the same run folder and identity, with ``--resume``.
 
 Layout of the output folder::
 
     OUT/peers/peerI/    each peer's run folder (metrics.jsonl, state.json, model.safetensors, checkpoints/)
-    OUT/logs/peerI.log  each process's output (hivemind backend)
+    OUT/logs/peerI.log  each process's output (hivemind backend; a restart appends to it)
     OUT/keys/           each process's settings, identity key and address file (hivemind backend)
     OUT/summary.json    OUT/loss.png
 """
@@ -17,32 +18,34 @@ from __future__ import annotations
 import logging
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import threading
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from spes_p2p.errors import SpesError
 from spes_p2p.files import writable_folder
 from spes_p2p.settings import Settings, key_of, load_settings
-from spes_p2p.sim.config import LOCAL_SWARM_DEFAULTS, SOLE, Event, Partition
+from spes_p2p.sim.config import LOCAL_SWARM_DEFAULTS
+from spes_p2p.sim.director import Director, name_of
+from spes_p2p.sim.processes import kill_all, still_running, stop_process_groups, tree_of
 from spes_p2p.sim.summary import plot_losses, read_rows, summarize
+from spes_p2p.train.checkpoint import list_checkpoints
 
 logger = logging.getLogger(__name__)
+
+__all__ = ["Fleet", "MemoryFleet", "ProcessFleet", "name_of", "run", "simulation", "stop_process_groups"]
 
 POLL_SECONDS = 0.2
 # many peers share a few cores: one math thread each leaves CPU for their p2p daemons and DHT processes
 SINGLE_THREADED = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
 STARTUP_SECONDS = 120.0  # a process's start, its model and its data
 ROUND_BUDGET_SECONDS = 120.0  # a generous bound on one round, for the overall deadline
-
-
-def name_of(index: int) -> str:
-    return f"peer{index}"
+GONE_SECONDS = 10.0  # after the run, how long the processes of killed and stopped peers may take to vanish
 
 
 class Fleet(ABC):
@@ -53,25 +56,59 @@ class Fleet(ABC):
         self.out = Path(settings.run.out)
         self.peers_dir = self.out / "peers"
         self.peers_dir.mkdir(parents=True, exist_ok=True)
-        self.killed: set[int] = set()
+        self.killed: set[int] = set()  # peers down now (killed, not restarted)
         self.started: list[int] = []
         self.join_rounds: dict[int, int] = {}  # peer -> the swarm round it joins at
+        # peer -> its rows and its newest checkpoint when its life began
+        self.at_start: dict[int, tuple[int, str]] = {}
 
     def peer_settings(self, index: int, join_round: int | None, **changes) -> Settings:
-        """Peer ``index``'s own settings: its run folder, and when it joins (None: with the first peers)."""
+        """Peer ``index``'s own settings: its run folder, and when it joins (None: with the first peers, who
+        wait for each other; newcomers and restarts do not). Under churn every peer checkpoints every round:
+        a restart resumes from its newest checkpoint."""
         self.join_rounds[index] = join_round or 0
-        return self.settings.override(
-            run__out=str(self.peers_dir / name_of(index)),
-            run__min_peers=self.settings.sim.peers if join_round is None else 1,
-            run__join_round=join_round or 0,
-            run__new_swarm=not self.started,
-            run__resume=False,
-            **changes,
-        )
+        settings = self.settings
+        every = settings.train.checkpoint_every
+        if settings.sim.churn:
+            every = min(every, settings.method.steps_per_round)
+        first = join_round is None and not changes.get("run__resume")
+        own = {
+            "run__out": str(self.peers_dir / name_of(index)),
+            "run__min_peers": settings.sim.peers if first else 1,
+            "run__join_round": join_round or 0,
+            "run__new_swarm": not self.started,
+            "run__resume": False,
+            "train__checkpoint_every": every,
+        }
+        return settings.override(**{**own, **changes, **settings.sim.overrides.get(index, {})})
+
+    def begin_life(self, index: int) -> None:
+        """Bookkeeping of a peer's (re)start."""
+        self.at_start[index] = self._progress(index)
+        if index not in self.started:
+            self.started.append(index)
 
     @abstractmethod
-    def start(self, index: int, join_round: int | None = None) -> None:
-        """Starts peer ``index``: one of the first peers, or a newcomer that joins at ``join_round``."""
+    def start(self, index: int, join_round: int | None = None, resume: bool = False) -> None:
+        """Starts peer ``index``: one of the first peers, a newcomer that joins at ``join_round``, or (with
+        ``resume``) a killed peer again, from its newest checkpoint."""
+
+    def restart(self, index: int) -> None:
+        """A killed peer's new life, with ``--resume``: the same run folder and identity, so the same id."""
+        _end_torn_row(self.peers_dir / name_of(index))
+        self.killed.discard(index)
+        self.start(index, resume=True)
+
+    def in_swarm(self, index: int) -> bool:
+        """Whether the peer has written a round's row and a checkpoint since its (re)start."""
+        rows, checkpoint = self._progress(index)
+        rows_then, checkpoint_then = self.at_start[index]
+        return rows > rows_then and checkpoint not in ("", checkpoint_then)
+
+    def _progress(self, index: int) -> tuple[int, str]:
+        folder = self.peers_dir / name_of(index)
+        checkpoints = list_checkpoints(folder)
+        return len(read_rows(folder)), checkpoints[-1].name if checkpoints else ""
 
     @abstractmethod
     def alive(self, index: int) -> bool: ...
@@ -81,6 +118,10 @@ class Fleet(ABC):
 
     @abstractmethod
     def failures(self) -> list[str]: ...
+
+    @abstractmethod
+    def leftovers(self) -> list[str]:
+        """After ``close``: what of the run still runs (it should be nothing)."""
 
     def rounds(self) -> dict[int, int]:
         """Live peers' current rounds (the number of rounds they have completed)."""
@@ -104,11 +145,33 @@ def _round_of(folder: Path) -> int:
     return rows[-1]["round"] + 1 if rows else 0
 
 
+def _end_torn_row(folder: Path) -> None:
+    """Ends a metrics row that a kill cut short, so the restarted peer's first row starts on a line of its
+    own (the torn one is then skipped, as ``read_rows`` skips it)."""
+    path = folder / "metrics.jsonl"
+    if path.exists() and path.stat().st_size:
+        with open(path, "rb+") as f:
+            f.seek(-1, os.SEEK_END)
+            if f.read(1) != b"\n":
+                f.write(b"\n")
+
+
 # ------------------------------------------------------------------------------------------ memory backend
 
 
+@dataclass
+class Life:
+    """One life of a peer on the memory backend: its thread, its stop, and the peer once built."""
+
+    stop: threading.Event = field(default_factory=threading.Event)
+    thread: threading.Thread | None = None
+    peer: object = None
+    killed: bool = False
+
+
 class MemoryFleet(Fleet):
-    """Every peer on a thread of this process, on one MemoryNetwork; a kill makes a peer vanish mid-round."""
+    """Every peer on a thread of this process, on one MemoryNetwork; a kill makes a peer vanish mid-round,
+    a restart is a new thread whose transport has the peer's name (its id)."""
 
     def __init__(self, settings: Settings) -> None:
         from spes_p2p.swarm.memory import MemoryNetwork
@@ -117,27 +180,31 @@ class MemoryFleet(Fleet):
         sim = settings.sim
         self.net = MemoryNetwork(seed=settings.train.seed)
         self.net.drop, self.net.delay, self.net.corrupt = sim.drop, sim.delay_ms / 1000, sim.corrupt
-        self.peers: dict[int, object] = {}
-        self.threads: dict[int, threading.Thread] = {}
-        self.stops: dict[int, threading.Event] = {}
+        self.lives: dict[int, Life] = {}  # peer -> its current life
+        self.history: list[tuple[int, Life]] = []  # every life, killed ones too
         self.errors: list[str] = []
 
-    def start(self, index: int, join_round: int | None = None) -> None:
-        settings = self.peer_settings(index, join_round)
-        self.stops[index] = threading.Event()
-        thread = threading.Thread(target=self._life, args=(index, settings), name=name_of(index), daemon=True)
-        self.threads[index] = thread
-        self.started.append(index)
-        thread.start()
+    def start(self, index: int, join_round: int | None = None, resume: bool = False) -> None:
+        settings = self.peer_settings(index, join_round, run__resume=resume)
+        life = self.lives[index] = Life()
+        self.history.append((index, life))
+        life.thread = threading.Thread(
+            target=self._live, args=(index, settings, life), name=name_of(index), daemon=True
+        )
+        self.begin_life(index)
+        life.thread.start()
 
-    def _life(self, index: int, settings: Settings) -> None:
+    def restart(self, index: int) -> None:
+        old = self.lives[index]
+        old.thread.join(timeout=30)  # (a crashed peer's thread ends at once; it writes nothing more)
+        super().restart(index)
+
+    def _live(self, index: int, settings: Settings, life: Life) -> None:
         from spes_p2p.peer.life import Frontend, live
-
-        fleet = self
 
         class Tracked(Frontend):
             def started(self, peer) -> None:
-                fleet.peers[index] = peer
+                life.peer = peer
 
         transport = self.net.join(name_of(index))
         mode = self.settings.sim.byzantine_peers.get(index)
@@ -146,24 +213,29 @@ class MemoryFleet(Fleet):
 
             transport = ByzantineTransport(transport, mode, self.settings.model.layout().units)
         try:
-            live(settings, self.stops[index], Tracked(), transport=transport)
+            live(settings, life.stop, Tracked(), transport=transport)
         except Exception as exc:  # a killed peer may fail in any way; a live one must not
-            if index not in self.killed:
+            if not life.killed:
                 logger.exception("%s failed", name_of(index))
                 self.errors.append(f"{name_of(index)}: {exc}")
 
     def alive(self, index: int) -> bool:
-        return index not in self.killed and self.threads[index].is_alive()
+        life = self.lives[index]
+        return not life.killed and life.thread.is_alive()
 
     def rounds(self) -> dict[int, int]:
-        return {i: p.round for i, p in self.peers.items() if self.alive(i)}
+        return {
+            i: life.peer.round for i, life in self.lives.items() if life.peer is not None and self.alive(i)
+        }
 
     def kill(self, index: int) -> None:
         self.killed.add(index)
-        peer = self.peers.get(index)
-        if peer is not None:
-            peer.crash()
-        self.stops[index].set()
+        life = self.lives[index]
+        life.killed = True
+        if life.peer is not None:
+            life.peer.crash()
+            life.peer.outputs = None  # a killed process writes nothing more: no row, no checkpoint
+        life.stop.set()
 
     def partition(self, groups: tuple[tuple[int, ...], ...] | None) -> None:
         if groups is None:
@@ -178,18 +250,21 @@ class MemoryFleet(Fleet):
         return list(self.errors)
 
     def close(self) -> None:
-        for stop in self.stops.values():
-            stop.set()
-        for thread in self.threads.values():
-            thread.join(timeout=30)
+        for _, life in self.history:
+            life.stop.set()
+        for _, life in self.history:
+            life.thread.join(timeout=30)
+
+    def leftovers(self) -> list[str]:
+        return [f"thread of {name_of(i)}" for i, life in self.history if life.thread.is_alive()]
 
 
 # --------------------------------------------------------------------------------------- hivemind backend
 
 
 class ProcessFleet(Fleet):
-    """Real peer processes on 127.0.0.1 (``python -m spes_p2p.peer``), the first founding the swarm; a kill
-    is a SIGKILL of the peer's whole process group."""
+    """Real peer processes on 127.0.0.1 (``python -m spes_p2p.peer``), the first founding the swarm, each in
+    a session of its own; a kill is a SIGKILL of the peer, its DHT process and its p2pd."""
 
     def __init__(self, settings: Settings) -> None:
         super().__init__(settings)
@@ -198,33 +273,52 @@ class ProcessFleet(Fleet):
             folder.mkdir(parents=True, exist_ok=True)
         for stale in self.keys.glob("*.addr"):  # an earlier run's: peers would dial dead addresses
             stale.unlink()
-        self.procs: dict[int, subprocess.Popen] = {}
+        self.procs: dict[int, subprocess.Popen] = {}  # peer -> the process of its current life
+        self.sessions: list[int] = []  # the session of every life (its first pid), killed ones too
+        self.seen: list = []  # their processes (psutil), as last seen before a kill or the close
 
-    def start(self, index: int, join_round: int | None = None) -> None:
+    def start(self, index: int, join_round: int | None = None, resume: bool = False) -> None:
         name = name_of(index)
         settings = self.peer_settings(
             index,
             join_round,
+            run__resume=resume,
             network__identity=str(self.keys / f"{name}.key"),
             run__addr_file=str(self.keys / f"{name}.addr"),
             run__log_level="info",
-            swarm__initial_peers=(self._address_of_a_live_peer(),) if self.started else (),
+            **self._network(index),
         )
         config = self.keys / f"{name}.toml"
         config.write_text(settings.to_toml())
+        self.procs[index] = self._launch(name, self._command(index, config), append=resume)
+        self.sessions.append(self.procs[index].pid)
+        self.begin_life(index)
+        if len(self.started) == 1 and not resume:
+            self._wait_for_address(index)
+
+    def _network(self, index: int) -> dict:
+        """Peer ``index``'s network settings: on 127.0.0.1 (the defaults), joining through the live peers."""
+        return {"swarm__initial_peers": self._live_addresses() if self.started else ()}
+
+    def _command(self, index: int, config: Path) -> list[str]:
+        """The peer process's command line."""
         mode = self.settings.sim.byzantine_peers.get(index)
-        command = ["spes_p2p.sim.byzantine", str(config), mode] if mode else ["spes_p2p.peer", str(config)]
-        with open(self.out / "logs" / f"{name}.log", "w") as log:
-            self.procs[index] = subprocess.Popen(
-                [sys.executable, "-m", *command],
+        module = ["spes_p2p.sim.byzantine", str(config), mode] if mode else ["spes_p2p.peer", str(config)]
+        return [sys.executable, "-m", *module]
+
+    def _launch(self, name: str, command: list[str], append: bool = False) -> subprocess.Popen:
+        """Starts ``command`` in a session of its own, its output in OUT/logs/NAME.log."""
+        with open(self.out / "logs" / f"{name}.log", "a" if append else "w") as log:
+            if append:
+                log.write("\n--- restarted with --resume ---\n")
+                log.flush()
+            return subprocess.Popen(
+                command,
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 start_new_session=True,
                 env={**os.environ, **SINGLE_THREADED, "PYTHONUNBUFFERED": "1"},
             )
-        self.started.append(index)
-        if len(self.started) == 1:
-            self._wait_for_address(index)
 
     def _wait_for_address(self, index: int) -> str:
         path = self.keys / f"{name_of(index)}.addr"
@@ -234,117 +328,61 @@ class ProcessFleet(Fleet):
                 log = (self.out / "logs" / f"{name_of(index)}.log").read_text()[-2000:]
                 raise SpesError(f"{name_of(index)} did not start:\n{log}")
             time.sleep(0.2)
-        return path.read_text().split()[0]
+        return self._read_address(index)
 
-    def _address_of_a_live_peer(self) -> str:
-        for i in self.started:
-            if self.alive(i) and (self.keys / f"{name_of(i)}.addr").exists():
-                return self._wait_for_address(i)
-        raise SpesError("no live peer to join through")
+    def _live_addresses(self) -> tuple[str, ...]:
+        """An address of every live peer that has written one (at least one: the first peer's), so that a
+        peer joins even when the one it would have dialed dies meanwhile."""
+        live = [i for i in self.started if self.alive(i)]
+        found = tuple(self._read_address(i) for i in live if (self.keys / f"{name_of(i)}.addr").exists())
+        if found:
+            return found
+        if not live:
+            raise SpesError("no live peer to join through")
+        return (self._wait_for_address(live[0]),)
+
+    def _read_address(self, index: int) -> str:
+        return (self.keys / f"{name_of(index)}.addr").read_text().split()[0]
 
     def alive(self, index: int) -> bool:
         return self.procs[index].poll() is None
 
     def kill(self, index: int) -> None:
+        """SIGKILL to the peer and every process of its tree (its DHT process and p2pd have a process group
+        of their own), all at once."""
         self.killed.add(index)
+        proc = self.procs[index]
         if self.alive(index):
-            os.killpg(self.procs[index].pid, signal.SIGKILL)  # the peer, its DHT process and its p2pd
-            self.procs[index].wait(timeout=10)
+            tree = tree_of(proc.pid)
+            self.seen += tree
+            kill_all(tree)
+            proc.wait(timeout=10)
+        (self.keys / f"{name_of(index)}.addr").unlink(missing_ok=True)  # nobody should dial it now
 
     def close(self) -> None:
+        for proc in self.procs.values():
+            if proc.poll() is None:
+                self.seen += tree_of(proc.pid)
         stop_process_groups(self.procs.values())
 
+    def leftovers(self) -> list[str]:
+        """Processes of the run still running after ``close``: any in a peer's session, or any seen in a
+        peer's tree (zombies do not count, they are gone); given ``GONE_SECONDS`` to vanish."""
+        deadline = time.monotonic() + GONE_SECONDS
+        while (left := still_running(self.seen, set(self.sessions))) and time.monotonic() < deadline:
+            time.sleep(0.5)
+        return left
+
     def failures(self) -> list[str]:
+        """A peer's current life that exited with an error (a killed life is not one; its restart is)."""
         return [
             f"{name_of(i)} exited with {p.returncode}"
             for i, p in self.procs.items()
-            if i not in self.killed and p.returncode not in (0, None)
+            if i not in self.killed and p.poll() not in (0, None)
         ]
 
 
-def stop_process_groups(procs, grace: float = 20.0) -> None:
-    """SIGTERM to each still-running process group (a peer leaves in order), SIGKILL after ``grace`` s."""
-    procs = list(procs)
-    for proc in procs:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGTERM)
-    for proc in procs:
-        try:
-            proc.wait(timeout=grace)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(timeout=5)
-
-
 # ---------------------------------------------------------------------------------------------- the run
-
-
-class Director:
-    """Starts the peers, and fires the scenario's kills and partitions as the swarm's round advances;
-    records events. Newcomers start with the first peers and wait, ready, until the swarm reaches their
-    round, so that they join then whatever their start-up takes."""
-
-    def __init__(self, settings: Settings, fleet: Fleet) -> None:
-        sim = settings.sim
-        self.fleet, self.first = fleet, sim.peers
-        self.kills: list[Event] = sim.kill_events
-        self.joins: list[Event] = sim.join_events
-        self.partitions: list[Partition] = sim.partition_events
-        self.active: Partition | None = None
-        self.events: list[dict] = []
-
-    def start(self) -> None:
-        for index in range(self.first):
-            self.fleet.start(index)
-        index = self.first
-        for join in self.joins:
-            for _ in range(join.count):
-                self.fleet.start(index, join_round=join.round)
-                self.events.append({"type": "join", "peer": name_of(index), "round": join.round})
-                index += 1
-
-    def tick(self, swarm_round: int) -> None:
-        self._kill(swarm_round)
-        self._partition(swarm_round)
-
-    def _kill(self, swarm_round: int) -> None:
-        while self.kills and self.kills[0].round <= swarm_round:
-            at = self.kills[0].round
-            index = (
-                _sole_holder(self.fleet, swarm_round) if self.kills[0].count == SOLE else self.kills[0].count
-            )
-            if index is None and swarm_round <= at + 2:
-                return  # no sole holder right now (claims are settling): try again at the next tick
-            self.kills.pop(0)
-            if index is None:
-                self.events.append({"type": "kill skipped", "reason": "no sole holder", "round": at})
-                continue
-            self.fleet.kill(index)
-            self.events.append({"type": "kill", "peer": name_of(index), "round": swarm_round})
-
-    def _partition(self, swarm_round: int) -> None:
-        if self.active and swarm_round > self.active.end:
-            self.fleet.partition(None)
-            self.events.append({"type": "heal", "round": swarm_round})
-            self.active = None
-        if not self.active and self.partitions and self.partitions[0].start <= swarm_round:
-            self.active = self.partitions.pop(0)
-            self.fleet.partition(self.active.groups)
-            groups = [list(g) for g in self.active.groups]
-            self.events.append({"type": "partition", "groups": groups, "round": swarm_round})
-
-
-def _sole_holder(fleet: Fleet, swarm_round: int) -> int | None:
-    """The first live peer that alone trained some expert shard in its latest round."""
-    live = [i for i in fleet.rounds() if fleet.join_rounds[i] <= swarm_round]  # (not newcomers still waiting)
-    units = {i: set(rows[-1]["units"]) for i in live if (rows := read_rows(fleet.peers_dir / name_of(i)))}
-    if len(units) < len(live):
-        return None  # some peer has not reported a round yet: we cannot tell
-    for index, held in sorted(units.items()):
-        others = set().union(*(u for j, u in units.items() if j != index))
-        if any(u.startswith("experts/") and u not in others for u in held):
-            return index
-    return None
 
 
 def simulation(**changes) -> Settings:
@@ -359,7 +397,7 @@ def run(settings: Settings, on_tick: Callable[[dict], None] | None = None) -> di
     OUT/summary.json)."""
     out = writable_folder(Path(settings.run.out), "--out")
     shutil.rmtree(out / "peers", ignore_errors=True)  # a fresh simulation: no rows of an earlier one
-    fleet: Fleet = MemoryFleet(settings) if settings.sim.backend == "memory" else ProcessFleet(settings)
+    fleet = _fleet(settings)
     director = Director(settings, fleet)
     started = time.monotonic()
     deadline = started + STARTUP_SECONDS + settings.run.rounds * ROUND_BUDGET_SECONDS
@@ -376,17 +414,28 @@ def run(settings: Settings, on_tick: Callable[[dict], None] | None = None) -> di
                 break  # the run has failed: stop now, rather than let the others wait for the peer gone
             time.sleep(POLL_SECONDS)
     finally:
+        failures = fleet.failures()  # (taken before the close: a peer the close stops has not failed)
         fleet.close()
+    leftovers = fleet.leftovers()
     events = director.events + [
         {"type": "fault", "kind": k, "count": n} for k, n in fleet.faults().items() if n
     ]
     names = [name_of(i) for i in fleet.started]
     killed = {name_of(i) for i in fleet.killed}
-    summary = summarize(
-        settings, fleet.peers_dir, events, names, killed, time.monotonic() - started, fleet.failures()
-    )
+    seconds = time.monotonic() - started
+    summary = summarize(settings, fleet.peers_dir, events, names, killed, seconds, failures, leftovers)
     plot_losses(fleet.peers_dir, events, out / "loss.png")
     return summary
+
+
+def _fleet(settings: Settings) -> Fleet:
+    if settings.sim.backend == "memory":
+        return MemoryFleet(settings)
+    if settings.sim.netns:
+        from spes_p2p.sim.netfleet import NetnsFleet
+
+        return NetnsFleet(settings)
+    return ProcessFleet(settings)
 
 
 def _tick(fleet: Fleet, rounds: dict[int, int], events: list[dict], elapsed: float) -> dict:

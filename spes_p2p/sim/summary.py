@@ -34,15 +34,18 @@ def summarize(
     killed: set[str],
     seconds: float,
     failures: list[str],
+    leftovers: list[str] = (),
 ) -> dict:
-    """The simulation's summary, from its peers' run folders; also written to OUT/summary.json."""
+    """The simulation's summary, from its peers' run folders; also written to OUT/summary.json.
+    ``leftovers``: what of the run still ran after it (processes, threads): a failure."""
     rows = {name: read_rows(peers_dir / name) for name in names}
     completed = 1 + max((r["round"] for rs in rows.values() for r in rs), default=-1)
     summary = {
         "peers": [
             {
                 "name": n,
-                "killed": n in killed,
+                "killed": n in killed,  # (down at the end)
+                "kills": sum(e["type"] == "kill" and e["peer"] == n for e in events),
                 "rounds": len(rows[n]),
                 "final_round": _final_round(peers_dir / n, rows[n]),
             }
@@ -52,6 +55,8 @@ def summarize(
         **_losses(rows, completed),
         **_coverage(settings, rows, completed, peers_dir, killed),
         "newcomers": newcomers(rows, events, {n: _startup(peers_dir / n) for n in names}),
+        "churn": churn(rows, events),
+        "leftovers": list(leftovers),
         "bytes": {
             n: {"sent": sum(r["bytes_sent"] for r in rs), "received": sum(r["bytes_received"] for r in rs)}
             for n, rs in rows.items()
@@ -75,7 +80,15 @@ def summarize(
         },
     }
     attackers = {f"peer{i}" for i in settings.sim.byzantine_peers}  # (it may split itself off: its business)
-    summary["failures"] = failures + splits({n: rs for n, rs in rows.items() if n not in attackers})
+    summary["failures"] = [
+        *failures,
+        *splits({n: rs for n, rs in rows.items() if n not in attackers}),
+        *(
+            f"{r['peer']} restarted at round {r['round']} {r['problem']}"
+            for r in summary["churn"]["not_back"]
+        ),
+        *([f"left running after the run: {', '.join(leftovers)}"] if leftovers else []),
+    ]
     (Path(settings.run.out) / "summary.json").write_text(json.dumps(summary, indent=1))
     return summary
 
@@ -98,6 +111,32 @@ def byzantine(settings: Settings, rows: dict[str, list[dict]], killed: set[str])
         },
         "honest_rejected": sum(row.get("rejected", 0) for row in honest.values()),
         "honest_final_val_loss": statistics.fmean(val) if val else None,
+    }
+
+
+def churn(rows: dict[str, list[dict]], events: list[dict]) -> dict:
+    """Kills and restarts, and whether each restarted peer came back with its id: it wrote rows after the
+    restart (its event says how many it had before), all with the one peer id of its rows before."""
+    restarts = [e for e in events if e["type"] == "restart"]
+    not_back = []
+    for event in restarts:
+        peer_rows = rows.get(event["peer"], [])
+        before = {r.get("peer") for r in peer_rows[: event["rows"]]}
+        after = {r.get("peer") for r in peer_rows[event["rows"] :]}
+        if not after:
+            problem = "did not come back (no round trained since)"
+        elif len(before | after) != 1:
+            problem = (
+                f"came back with another peer id ({sorted(map(str, after))} after {sorted(map(str, before))})"
+            )
+        else:
+            continue
+        not_back.append({"peer": event["peer"], "round": event["round"], "problem": problem})
+    return {
+        "kills": sum(e["type"] == "kill" for e in events),
+        "restarts": len(restarts),
+        "back_with_id": len(restarts) - len(not_back),
+        "not_back": not_back,
     }
 
 
@@ -167,9 +206,12 @@ def _losses(rows: dict[str, list[dict]], completed: int) -> dict:
     by_round = {r: [row["loss"] for row in trained if row["round"] == r] for r in range(completed)}
     first, last = by_round.get(0), by_round.get(completed - 1)
     final_val = [row["val_loss"] for rs in rows.values() for row in rs[-1:] if "val_loss" in row]
+    initial = statistics.fmean(first) if first else None
+    final = statistics.fmean(last) if last else None
     return {
-        "initial_loss": statistics.fmean(first) if first else None,
-        "final_loss": statistics.fmean(last) if last else None,
+        "initial_loss": initial,
+        "final_loss": final,
+        "loss_fell": None if initial is None or final is None else final < initial,
         "final_val_loss": statistics.fmean(final_val) if final_val else None,  # of peers that evaluated last
         "loss_by_round": {str(r): statistics.fmean(v) for r, v in by_round.items() if v},
     }
@@ -228,7 +270,7 @@ def _holder_difference(
 
 
 def plot_losses(peers_dir: Path, events: list[dict], path: Path) -> None:
-    """Loss per peer (thin) and the mean (thick) over rounds; kills and joins marked."""
+    """Loss per peer (thin) and the mean (thick) over rounds; kills, restarts and joins marked."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -247,9 +289,10 @@ def plot_losses(peers_dir: Path, events: list[dict], path: Path) -> None:
     if per_round:
         xs = sorted(per_round)
         ax.plot(xs, [statistics.fmean(per_round[x]) for x in xs], color="black", lw=2.5, label="mean")
+    colors = {"kill": "tab:red", "join": "tab:green", "restart": "tab:blue"}
     for event in events:
-        if event["type"] in ("kill", "join"):
-            color = "tab:red" if event["type"] == "kill" else "tab:green"
+        if event["type"] in colors:
+            color = colors[event["type"]]
             ax.axvline(event["round"], color=color, ls="--", lw=1)
             ax.annotate(
                 f"{event['type']} {event['peer']}",
