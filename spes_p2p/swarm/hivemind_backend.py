@@ -79,7 +79,8 @@ logger = logging.getLogger(__name__)
 DHT_TIMEOUT = 10.0  # one DHT store or get
 STARTUP_TIMEOUT = 20.0  # starting p2pd and reaching the initial peers
 BOOTSTRAP_RETRY_SECONDS = 3.0
-MAX_CIRCUITS = 4  # circuit addresses kept per relayed peer
+MAX_CIRCUITS = 4  # addresses kept (circuits) or dialed per peer
+REDIAL_SECONDS = 30.0  # a relayed peer dials each directly reachable peer at most this often
 _OK, _FAILED = P2P.MESSAGE_MARKER, P2P.ERROR_MARKER
 
 
@@ -123,6 +124,7 @@ class HivemindTransport(Transport):
         self.guard = Guard()
         self.relays = list(relays)
         self._circuits: dict[str, list[str]] = {}  # relayed peer -> its circuit addresses
+        self._dialed: dict[str, float] = {}  # (a relayed peer) peer -> when it last dialed it
         check_ports_free(listen)
         ephemeral = None
         if identity_path is None:  # a throwaway identity: its key still signs this peer's records
@@ -186,9 +188,19 @@ class HivemindTransport(Transport):
         return [str(m) for m in self.dht.get_visible_maddrs()]
 
     def learn(self, peer_id: str, addresses: list[str]) -> None:
-        circuits = [a for a in addresses if "/p2p-circuit/" in a and a.endswith(f"/p2p/{peer_id}")]
-        if circuits and peer_id != self.peer_id:
-            self._circuits[peer_id] = circuits[:MAX_CIRCUITS]
+        """Keeps a relayed peer's circuit addresses. A relayed peer itself dials every peer it can reach
+        directly (at most every ``REDIAL_SECONDS``): the connection it opens is the way back to it, and,
+        unlike a relayed one, it carries whole tensors."""
+        own = [a for a in addresses if a.endswith(f"/p2p/{peer_id}")][:MAX_CIRCUITS]
+        if peer_id == self.peer_id or not own:
+            return
+        circuits = [a for a in own if "/p2p-circuit/" in a]
+        if circuits:
+            self._circuits[peer_id] = circuits
+        elif self.relays and time.monotonic() - self._dialed.get(peer_id, -REDIAL_SECONDS) >= REDIAL_SECONDS:
+            self._dialed[peer_id] = time.monotonic()
+            peer, addrs = PeerID.from_base58(peer_id), [Multiaddr(a) for a in own]
+            asyncio.run_coroutine_threadsafe(_quietly(self._p2p._client.connect(peer, addrs)), self._loop)
 
     def now(self) -> float:
         return get_dht_time()
@@ -371,6 +383,11 @@ def _relays_without_discovery() -> None:
         return make_args(*args, **kwargs)
 
     P2P._make_process_args = staticmethod(with_static_relays)
+
+
+async def _quietly(coro) -> None:
+    with contextlib.suppress(Exception):
+        await asyncio.wait_for(coro, DHT_TIMEOUT)
 
 
 async def _cancel_other_tasks() -> None:

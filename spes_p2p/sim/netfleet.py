@@ -1,0 +1,62 @@
+"""``spes simulate --netns``: the peer processes of ``ProcessFleet``, each in a network namespace of its own
+(``sim/netns.py``): a public peer listens and announces ``<its address>/tcp/31337`` on the run's bridge; a
+peer behind NAT (``--nat K``: the last K of the first peers) listens on its LAN address and joins with
+``--use-relay`` through up to two public peers, its relays."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from spes_p2p.settings import Settings
+from spes_p2p.sim.netns import Layout, Namespaces, NetnsError, existing, missing_tools, new_tag
+from spes_p2p.sim.runner import ProcessFleet
+
+PORT = 31337  # every peer has an address of its own: one port for all
+RELAYS = 2  # public peers a NATed peer reserves a relay slot on
+
+
+class NetnsFleet(ProcessFleet):
+    def __init__(self, settings: Settings) -> None:
+        sim = settings.sim
+        problem = missing_tools(nat=sim.nat > 0)
+        if problem:
+            raise NetnsError(problem)
+        super().__init__(settings)
+        total = sim.peers + sum(j.count for j in sim.join_events)
+        natted = frozenset(range(sim.peers - sim.nat, sim.peers))
+        self.namespaces = Namespaces(Layout(new_tag(), total, natted, sim.bandwidth))
+        self.namespaces.create()
+
+    def _command(self, index: int, config: Path) -> list[str]:
+        return [*self.namespaces.exec_prefix(index), *super()._command(index, config)]
+
+    def _network(self, index: int) -> dict:
+        layout = self.namespaces.layout
+        if index in layout.nat:
+            return {
+                "network__listen": (layout.listen(index),),
+                "network__use_relay": True,
+                "swarm__initial_peers": self._public_addresses()[:RELAYS],
+            }
+        address = f"/ip4/{layout.address(index)}/tcp/{PORT}"
+        return {
+            "network__listen": (address,),
+            "network__announce": (address,),
+            "swarm__initial_peers": self._public_addresses() if self.started else (),
+        }
+
+    def _public_addresses(self) -> tuple[str, ...]:
+        """Live public peers' addresses (a relayed peer's circuit address needs its relay up as well)."""
+        public = [a for a in self._live_addresses() if "/p2p-circuit/" not in a]
+        if not public:
+            raise NetnsError("no live public peer: a peer behind NAT needs one as its relay")
+        return tuple(public)
+
+    def close(self) -> None:
+        try:
+            super().close()
+        finally:
+            self.namespaces.remove()
+
+    def leftovers(self) -> list[str]:
+        return super().leftovers() + existing().get(self.namespaces.layout.tag, [])
