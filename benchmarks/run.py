@@ -11,7 +11,11 @@ Sections (each a function below; all figures are measured in this run):
   sync      share of a peer's wall time spent waiting on the sync, with and without overlap (real processes)
   loss      validation loss against tokens: centralized, DiLoCo, SPES (merging on and off), SPES+BCD;
             4 peers, equal total tokens
-  scale     round time and DHT latency for 2, 4 and 8 peers (real processes, the tiny preset)
+  scale     round time, sync wait and DHT latency for 4 to 32 peer processes with virtual compute (a step
+            sleeps; updates are synthetic, of the model's real shapes), groups of 4 holders per unit
+  wan       the share of wall time waiting on the sync when each peer sits in its own network namespace
+            behind a 50 Mbit/s link (root), with a round's compute set to a GPU's (virtual compute), for
+            public peers and for a peer behind NAT (reached through a relay)
 
 Writes DIR/summary.json (the headline ratios and every table), DIR/tables.md and DIR/*.png.
 """
@@ -38,16 +42,24 @@ MODES = {
         "bytes_presets": ["tiny"],
         "loss": {"rounds": 6, "steps": 10},
         "sync": {"rounds": 4, "steps": 10},
-        "scale": {"peers": [2, 4], "rounds": 3, "steps": 10},
+        "scale": {"peers": [4, 8], "rounds": 3, "steps": 10},
+        "wan": {"peers": 4, "rounds": 3},
     },
     "full": {
         "memory_preset": "small",
         "bytes_presets": ["tiny", "small"],
         "loss": {"rounds": 24, "steps": 20},
         "sync": {"rounds": 8, "steps": 20},
-        "scale": {"peers": [2, 4, 8], "rounds": 4, "steps": 20},
+        "scale": {"peers": [4, 8, 16, 32], "rounds": 6, "steps": 20},
+        "wan": {"peers": 4, "rounds": 8},
     },
 }
+SECTIONS = ("memory", "bytes", "sync", "loss", "scale", "wan")
+SCALE_STEP_SECONDS = 0.1  # virtual compute in the scale section: 2 s of "training" a round at 20 steps
+SCALE_GROUP = 4  # holders of each expert shard, and peers averaging each dense block together
+# wan: a round's compute as a GPU would take it: H = 100 steps of the tiny preset at 20 ms a step (an
+# estimate: its 1,024-token step is a few GFLOPs, so kernel launches, not FLOPs, set its time on a GPU)
+WAN_STEPS, WAN_STEP_SECONDS, WAN_BANDWIDTH = 100, 0.02, "50mbit"
 CODECS = ["none", "fp16", "int8", "nf4", "topk"]
 
 
@@ -275,23 +287,80 @@ def centralized(out: Path, rounds: int, steps: int) -> list[tuple[int, float]]:
 
 
 def bench_scale(out: Path, peers: list[int], rounds: int, steps: int) -> list[dict]:
+    """Virtual compute, so that 32 processes fit on 2 cores; the groups stay at ``SCALE_GROUP`` peers: one
+    expert shard per 4 peers, dense blocks averaged in groups of 4."""
     rows = []
     for n in peers:
-        sim = simulate(out, f"scale-{n}", "hivemind", n, rounds, steps, sync__dense_group_size=4)
-        later = [r for rs in sim["rows"].values() for r in rs[1:]]
-        rows.append(
-            {
-                "peers": n,
-                "round_seconds": statistics.median(
-                    r["compute_seconds"] + r["sync_wait_seconds"] for r in later
-                ),
-                "compute_seconds": statistics.median(r["compute_seconds"] for r in later),
-                "sync_wait_seconds": statistics.median(r["sync_wait_seconds"] for r in later),
-                "dht_ms": statistics.median(r["dht_ms"] for r in later),
-            }
+        sim = simulate(
+            out,
+            f"scale-{n}",
+            "hivemind",
+            n,
+            rounds,
+            steps,
+            sim__compute=f"virtual={SCALE_STEP_SECONDS}",
+            model__shards=max(1, n // SCALE_GROUP),
+            sync__dense_group_size=SCALE_GROUP,
         )
+        rows.append({"peers": n, **_round_times(sim), "uncovered": sim["summary"]["uncovered_unit_rounds"]})
         print(f"scale {rows[-1]}", flush=True)
     return rows
+
+
+def bench_wan(out: Path, peers: int, rounds: int) -> dict:
+    """Each peer in its own namespace behind a ``WAN_BANDWIDTH`` link; the last peer of the second run
+    behind NAT. Rounds of ``WAN_STEPS`` steps with a GPU's compute (virtual)."""
+    result = {"bandwidth": WAN_BANDWIDTH, "steps": WAN_STEPS, "step_seconds": WAN_STEP_SECONDS}
+    for name, nat in (("public", 0), ("nat", 1)):
+        sim = simulate(
+            out,
+            f"wan-{name}",
+            "hivemind",
+            peers,
+            rounds,
+            WAN_STEPS,
+            sim__netns=True,
+            sim__bandwidth=WAN_BANDWIDTH,
+            sim__nat=nat,
+            sim__compute=f"virtual={WAN_STEP_SECONDS}",
+        )
+        natted = f"peer{peers - 1}"
+        result[name] = {
+            "all": {**_round_times(sim), "sync_wait_fraction": _wait_fraction(sim["rows"].values())},
+            "uncovered": sim["summary"]["uncovered_unit_rounds"],
+        }
+        if nat:
+            rows = sim["rows"][natted]
+            me = rows[0]["peer"]
+            others = [r for n, rs in sim["rows"].items() if n != natted for r in rs]
+            result[name]["natted"] = {
+                "peer": natted,
+                "sync_wait_fraction": _wait_fraction([rows]),
+                "experts": sorted({u for r in rows for u in r["units"] if u.startswith("experts/")}),
+                "rounds": len(rows),
+                # rounds in which another peer averaged this one's update into a unit
+                "rounds_counted_by_others": len(
+                    {r["round"] for r in others if any(me in p for p in r["participants"].values())}
+                ),
+            }
+        print(f"wan {name}: {result[name]}", flush=True)
+    return result
+
+
+def _round_times(sim: dict) -> dict:
+    later = [r for rs in sim["rows"].values() for r in rs[1:]]  # the first round includes the start-up
+    return {
+        "round_seconds": statistics.median(r["compute_seconds"] + r["sync_wait_seconds"] for r in later),
+        "compute_seconds": statistics.median(r["compute_seconds"] for r in later),
+        "sync_wait_seconds": statistics.median(r["sync_wait_seconds"] for r in later),
+        "dht_ms": statistics.median(r["dht_ms"] for r in later),
+    }
+
+
+def _wait_fraction(peers_rows) -> float:
+    later = [r for rows in peers_rows for r in rows[1:]]
+    waited = sum(r["sync_wait_seconds"] for r in later)
+    return waited / max(waited + sum(r["compute_seconds"] for r in later), 1e-9)
 
 
 # ------------------------------------------------------------------------------------------- outputs
@@ -344,11 +413,26 @@ def tables(results: dict) -> str:
     out += ["", row("method", "tokens", "final val loss"), row(*["---"] * 3)]
     for name, curve in results["loss"].items():
         out.append(row(name, f"{curve[-1][0]:,}", f"{curve[-1][1]:.3f}"))
-    out += ["", row("peers", "round s", "compute s", "sync wait s", "DHT op ms"), row(*["---"] * 5)]
-    for r in results["scale"]:
+    scale = results.get("scale", [])
+    header = row("peers", "round s", "compute s", "sync wait s", "DHT op ms", "vs 4 peers")
+    out += ["", header, row(*["---"] * 6)]
+    for r in scale:
         times = (f"{r[k]:.2f}" for k in ("round_seconds", "compute_seconds", "sync_wait_seconds"))
-        out.append(row(r["peers"], *times, f"{r['dht_ms']:.1f}"))
+        ratio = r["round_seconds"] / scale[0]["round_seconds"]
+        out.append(row(r["peers"], *times, f"{r['dht_ms']:.1f}", f"{ratio:.2f}x"))
+    wan = results.get("wan")
+    if wan:
+        out += ["", row("wan", "sync-wait share", "round s", "sync wait s"), row(*["---"] * 4)]
+        for name in ("public", "nat"):
+            r = wan[name]["all"]
+            out.append(row(f"{name}: all peers", f"{r['sync_wait_fraction']:.3f}", *_two(r)))
+        natted = wan["nat"]["natted"]
+        out.append(row(f"nat: {natted['peer']} (behind NAT)", f"{natted['sync_wait_fraction']:.3f}", "", ""))
     return "\n".join(out)
+
+
+def _two(r: dict) -> tuple[str, str]:
+    return f"{r['round_seconds']:.2f}", f"{r['sync_wait_seconds']:.2f}"
 
 
 def bytes_tables(rows: list[dict], row, mib) -> list[str]:
@@ -408,12 +492,23 @@ def plots(results: dict, out: Path) -> None:
     plt.close("all")
 
 
+def _section(name: str) -> str:
+    if name not in SECTIONS:
+        raise argparse.ArgumentTypeError(f"no section {name!r}; choose from {', '.join(SECTIONS)}")
+    return name
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--quick", action="store_true", help="A few minutes instead of the full run.")
     parser.add_argument("--out", type=Path, default=Path("runs/bench"))
+    parser.add_argument(
+        "--only",
+        type=lambda text: [_section(name) for name in text.split(",")],
+        help=f"Run only these sections (comma-separated: {', '.join(SECTIONS)}), updating DIR/summary.json.",
+    )
     parser.add_argument("--memory-child", nargs=2, metavar=("PRESET", "CONFIG"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.memory_child:
@@ -421,23 +516,33 @@ def main() -> None:
         return
     mode = MODES["quick" if args.quick else "full"]
     args.out.mkdir(parents=True, exist_ok=True)
+    summary_path = args.out / "summary.json"
+    results = json.loads(summary_path.read_text()) if args.only and summary_path.exists() else {}
     started = time.perf_counter()
-    results = {
-        "mode": "quick" if args.quick else "full",
-        "machine": {
-            "platform": platform.platform(),
-            "cpus": torch.get_num_threads(),
-            "torch": torch.__version__,
-        },
-        "memory": bench_memory(mode["memory_preset"]),
-        "bytes": bench_bytes(mode["bytes_presets"]),
-        "sync": bench_sync(args.out, **mode["sync"]),
-        "loss": bench_loss(args.out, **mode["loss"]),
-        "scale": bench_scale(args.out, **mode["scale"]),
+    results.update(
+        {
+            "mode": "quick" if args.quick else "full",
+            "machine": {
+                "platform": platform.platform(),
+                "cpus": torch.get_num_threads(),
+                "torch": torch.__version__,
+            },
+        }
+    )
+    sections = {
+        "memory": lambda: bench_memory(mode["memory_preset"]),
+        "bytes": lambda: bench_bytes(mode["bytes_presets"]),
+        "sync": lambda: bench_sync(args.out, **mode["sync"]),
+        "loss": lambda: bench_loss(args.out, **mode["loss"]),
+        "scale": lambda: bench_scale(args.out, **mode["scale"]),
+        "wan": lambda: bench_wan(args.out, **mode["wan"]),
     }
+    for name in args.only or SECTIONS:
+        results[name] = sections[name]()
     results["seconds"] = time.perf_counter() - started
-    results = {**headline(results), **results}
-    (args.out / "summary.json").write_text(json.dumps(results, indent=1))
+    if all(name in results for name in SECTIONS):
+        results.update(headline(results))
+    summary_path.write_text(json.dumps(results, indent=1))
     (args.out / "tables.md").write_text(tables(results) + "\n")
     plots(results, args.out)
     print(tables(results))
