@@ -4,11 +4,13 @@ and nftables (``.ci/run`` installs them); skipped elsewhere."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -125,3 +127,40 @@ def test_cleanup_removes_only_runs_whose_simulator_is_gone():
     finally:
         mine.remove()
     assert mine.layout.tag not in existing()
+
+
+@pytest.mark.slow
+def test_a_natted_peer_announces_only_its_relay_and_public_peers_reach_it(tmp_path):
+    """Peers 0 and 1 public, peer 2 behind NAT (relayed through peer 0): it announces only its circuit
+    address, and every pair moves a 1 MB answer both ways (two NATed peers cannot: docs/simulate.md)."""
+    layout = Layout(f"r{os.getpid():x}", 3, frozenset({2}))
+    ns = Namespaces(layout)
+    ns.create()
+    procs = []
+    try:
+        public = [f"/ip4/{layout.address(i)}/tcp/31337" for i in range(2)]
+
+        def start(index: int, listen: str, initial: str = "", relayed: bool = False) -> None:
+            args = [str(tmp_path), str(index), listen, "3", "1000000", initial] + ["--relayed"] * relayed
+            script = Path(__file__).with_name("relay_peer.py")
+            procs.append(subprocess.Popen([*ns.exec_prefix(index), sys.executable, str(script), *args]))
+
+        start(0, public[0])
+        while not (tmp_path / "0.json").exists():
+            assert procs[0].poll() is None
+            time.sleep(0.2)
+        first = json.loads((tmp_path / "0.json").read_text())["addrs"][0]
+        start(1, public[1], first)
+        start(2, layout.listen(2), first, relayed=True)
+        for proc in procs:
+            proc.wait(timeout=120)
+        natted = json.loads((tmp_path / "2.json").read_text())
+        assert natted["addrs"] == [f"{first}/p2p-circuit/p2p/{natted['id']}"]
+        for index in range(3):
+            got = json.loads((tmp_path / f"{index}.got").read_text())
+            assert all(n == 1_000_000 for n in got.values()), (index, got)
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+        ns.remove()
