@@ -32,7 +32,7 @@ from spes_p2p.peer.local import LocalModel, Steps
 from spes_p2p.settings import Settings
 from spes_p2p.train.checkpoint import Checkpoint
 from spes_p2p.train.dataset import PreparedData, prepare_data
-from spes_p2p.train.optim import lr_at
+from spes_p2p.train.optim import scheduled_lr
 
 
 def step_seconds(settings: Settings) -> float:
@@ -95,14 +95,7 @@ class VirtualTraining(LocalModel):
         self.step = round_ * self.settings.method.steps_per_round
 
     def lr(self) -> float:
-        t = self.settings.train
-        return lr_at(
-            self.step,
-            peak=t.lr,
-            warmup_steps=t.warmup_steps,
-            total_steps=t.total_steps,
-            min_ratio=t.min_lr_ratio,
-        )
+        return scheduled_lr(self.settings.train, self.step)
 
     def steps(self, stop: threading.Event, between: Callable[[], None]) -> Steps | None:
         """H steps of ``step_seconds`` each (``between`` runs after each), then the round's synthetic change;

@@ -10,7 +10,7 @@ from torch import nn
 
 from spes_p2p.compat import bitsandbytes
 from spes_p2p.errors import ConfigError
-from spes_p2p.train.config import OPTIMIZERS
+from spes_p2p.train.config import OPTIMIZERS, TrainConfig
 
 
 def lr_at(step: int, *, peak: float, warmup_steps: int, total_steps: int, min_ratio: float) -> float:
@@ -19,6 +19,12 @@ def lr_at(step: int, *, peak: float, warmup_steps: int, total_steps: int, min_ra
         return peak * (step + 1) / warmup_steps
     progress = min((step - warmup_steps) / max(1, total_steps - warmup_steps), 1.0)
     return peak * (min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
+
+
+def scheduled_lr(cfg: TrainConfig, step: int) -> float:
+    """``[train]``'s schedule at ``step``."""
+    warmup, total = cfg.warmup_steps, cfg.total_steps
+    return lr_at(step, peak=cfg.lr, warmup_steps=warmup, total_steps=total, min_ratio=cfg.min_lr_ratio)
 
 
 def build_optimizer(

@@ -23,7 +23,7 @@ from spes_p2p.model.quant import quantized_tensors
 from spes_p2p.model.units import hold_frozen, unit_parameters
 from spes_p2p.train.config import TrainConfig
 from spes_p2p.train.device import autocast, model_device
-from spes_p2p.train.optim import build_optimizer, lr_at, optimizer_step, tensor_bytes
+from spes_p2p.train.optim import build_optimizer, optimizer_step, scheduled_lr, tensor_bytes
 
 
 @dataclass
@@ -94,14 +94,7 @@ class Trainer:
         return tensor_bytes(list(self.parked.values()))
 
     def lr(self) -> float:
-        c = self.cfg
-        return lr_at(
-            self.step,
-            peak=c.lr,
-            warmup_steps=c.warmup_steps,
-            total_steps=c.total_steps,
-            min_ratio=c.min_lr_ratio,
-        )
+        return scheduled_lr(self.cfg, self.step)
 
     def train_step(self, inputs_BS: torch.Tensor, targets_BS: torch.Tensor) -> StepResult:
         started = time.perf_counter()
