@@ -186,3 +186,15 @@ def test_a_model_too_big_for_this_machine_is_refused_before_it_is_built(monkeypa
     assert result.exit_code == 1, result.output
     line = " ".join(result.stderr.split())
     assert "1b needs about" in line and "2.0 GiB free" in line and "Presets that fit: tiny, small" in line
+
+
+def test_netns_without_root_says_what_is_missing_in_one_line_and_keeps_the_last_run(monkeypatch, tmp_path):
+    monkeypatch.setattr("os.geteuid", lambda: 1000)
+    earlier = tmp_path / "peers" / "peer0" / "metrics.jsonl"
+    earlier.parent.mkdir(parents=True)
+    earlier.write_text("{}\n")
+    for args in (["--netns", "--out", str(tmp_path)], ["--cleanup"]):
+        result = CliRunner().invoke(spes, ["simulate", *args])
+        assert result.exit_code != 0
+        assert "needs root" in result.output and "Traceback" not in result.output, result.output
+    assert earlier.exists(), "an earlier run's results are still there"

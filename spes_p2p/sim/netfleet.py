@@ -16,11 +16,15 @@ RELAYS = 2  # public peers a NATed peer reserves a relay slot on
 
 
 class NetnsFleet(ProcessFleet):
-    def __init__(self, settings: Settings) -> None:
-        sim = settings.sim
-        problem = missing_tools(nat=sim.nat > 0)
+    @staticmethod
+    def check_machine(settings: Settings) -> None:
+        problem = missing_tools(nat=settings.sim.nat > 0)
         if problem:
             raise NetnsError(problem)
+
+    def __init__(self, settings: Settings) -> None:
+        sim = settings.sim
+        self.check_machine(settings)
         super().__init__(settings)
         total = sim.peers + sum(j.count for j in sim.join_events)
         natted = frozenset(range(sim.peers - sim.nat, sim.peers))

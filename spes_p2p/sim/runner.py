@@ -139,6 +139,11 @@ class Fleet(ABC):
     def close(self) -> None:  # noqa: B027 - most fleets have nothing to close
         pass
 
+    @staticmethod
+    def check_machine(settings: Settings) -> None:
+        """Raises a SpesError naming what this machine lacks to run the fleet."""
+        return
+
 
 def _round_of(folder: Path) -> int:
     rows = read_rows(folder)
@@ -396,8 +401,10 @@ def run(settings: Settings, on_tick: Callable[[dict], None] | None = None) -> di
     """Runs the simulation to its last round (``[run] rounds``); returns the summary (also written to
     OUT/summary.json)."""
     out = writable_folder(Path(settings.run.out), "--out")
+    fleet_class = _fleet_class(settings)
+    fleet_class.check_machine(settings)  # before an earlier run's results are removed
     shutil.rmtree(out / "peers", ignore_errors=True)  # a fresh simulation: no rows of an earlier one
-    fleet = _fleet(settings)
+    fleet = fleet_class(settings)
     director = Director(settings, fleet)
     started = time.monotonic()
     deadline = started + STARTUP_SECONDS + settings.run.rounds * ROUND_BUDGET_SECONDS
@@ -428,14 +435,14 @@ def run(settings: Settings, on_tick: Callable[[dict], None] | None = None) -> di
     return summary
 
 
-def _fleet(settings: Settings) -> Fleet:
+def _fleet_class(settings: Settings) -> type[Fleet]:
     if settings.sim.backend == "memory":
-        return MemoryFleet(settings)
+        return MemoryFleet
     if settings.sim.netns:
         from spes_p2p.sim.netfleet import NetnsFleet
 
-        return NetnsFleet(settings)
-    return ProcessFleet(settings)
+        return NetnsFleet
+    return ProcessFleet
 
 
 def _tick(fleet: Fleet, rounds: dict[int, int], events: list[dict], elapsed: float) -> dict:
