@@ -41,7 +41,7 @@ PREFIX = "spes-"
 OWNERS = Path("/run/spes-netns")  # <tag>.pid: the simulator that owns the run's namespaces
 BRIDGE_NET = ipaddress.ip_network("10.77.0.0/16")  # peers from 10.77.0.2 up, routers from 10.77.128.2 up
 LAN_ROUTER, LAN_PEER = "192.168.1.1", "192.168.1.2"
-MAX_PEERS = 200 * 128
+MAX_PEERS = 200 * 128  # addresses of the bridge's lower half (routers take the upper)
 COMMAND_SECONDS = 10.0
 
 
@@ -96,6 +96,10 @@ class Layout:
     peers: int
     nat: frozenset[int] = frozenset()
     bandwidth: str = ""
+
+    def __post_init__(self) -> None:
+        if self.peers > MAX_PEERS:
+            raise NetnsError(f"--netns places at most {MAX_PEERS} peers on its bridge; got {self.peers}")
 
     @property
     def hub(self) -> str:
