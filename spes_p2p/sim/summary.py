@@ -41,16 +41,7 @@ def summarize(
     rows = {name: read_rows(peers_dir / name) for name in names}
     completed = 1 + max((r["round"] for rs in rows.values() for r in rs), default=-1)
     summary = {
-        "peers": [
-            {
-                "name": n,
-                "killed": n in killed,  # (down at the end)
-                "kills": sum(e["type"] == "kill" and e["peer"] == n for e in events),
-                "rounds": len(rows[n]),
-                "final_round": _final_round(peers_dir / n, rows[n]),
-            }
-            for n in names
-        ],
+        "peers": [_peer(n, rows[n], peers_dir, killed, events) for n in names],
         "rounds_completed": completed,
         **_losses(rows, completed),
         **_coverage(settings, rows, completed, peers_dir, killed),
@@ -68,29 +59,48 @@ def summarize(
         "events": events,
         "failures": failures,
         "seconds": seconds,
-        "config": {
-            "peers": settings.sim.peers,
-            "shards": settings.model.shards,
-            "preset": settings.model.preset,
-            "rounds": settings.run.rounds,
-            "steps_per_round": settings.method.steps_per_round,
-            "backend": settings.sim.backend,
-            "codec": settings.sync.codec,
-            "compute": settings.sim.compute,  # virtual: no model ran, there is no loss
-        },
+        "config": _config(settings),
     }
-    attackers = {f"peer{i}" for i in settings.sim.byzantine_peers}  # (it may split itself off: its business)
-    summary["failures"] = [
-        *failures,
-        *splits({n: rs for n, rs in rows.items() if n not in attackers}),
-        *(
-            f"{r['peer']} restarted at round {r['round']} {r['problem']}"
-            for r in summary["churn"]["not_back"]
-        ),
-        *([f"left running after the run: {', '.join(leftovers)}"] if leftovers else []),
-    ]
+    summary["failures"] = _failures(settings, rows, failures, summary["churn"], leftovers)
     (Path(settings.run.out) / "summary.json").write_text(json.dumps(summary, indent=1))
     return summary
+
+
+def _peer(name: str, rows: list[dict], peers_dir: Path, killed: set[str], events: list[dict]) -> dict:
+    return {
+        "name": name,
+        "killed": name in killed,  # (down at the end)
+        "kills": sum(e["type"] == "kill" and e["peer"] == name for e in events),
+        "rounds": len(rows),
+        "final_round": _final_round(peers_dir / name, rows),
+    }
+
+
+def _config(settings: Settings) -> dict:
+    return {
+        "peers": settings.sim.peers,
+        "shards": settings.model.shards,
+        "preset": settings.model.preset,
+        "rounds": settings.run.rounds,
+        "steps_per_round": settings.method.steps_per_round,
+        "backend": settings.sim.backend,
+        "codec": settings.sync.codec,
+        "compute": settings.sim.compute,  # virtual: no model ran, there is no loss
+    }
+
+
+def _failures(
+    settings: Settings, rows: dict[str, list[dict]], failures: list[str], churned: dict, leftovers
+) -> list[str]:
+    """The peers' own failures, then what the rows show went wrong: a split swarm, a restart that did not
+    come back, processes left running."""
+    attackers = {f"peer{i}" for i in settings.sim.byzantine_peers}  # (it may split itself off: its business)
+    return [
+        *failures,
+        *splits({n: rs for n, rs in rows.items() if n not in attackers}),
+        *(f"{r['peer']} restarted at round {r['round']} {r['problem']}" for r in churned["not_back"]),
+        *([f"left running after the run: {', '.join(leftovers)}"] if leftovers else []),
+    ]
 
 
 def byzantine(settings: Settings, rows: dict[str, list[dict]], killed: set[str]) -> dict:
