@@ -130,10 +130,11 @@ def test_cleanup_removes_only_runs_whose_simulator_is_gone():
 
 
 @pytest.mark.slow
-def test_a_natted_peer_announces_only_its_relay_and_public_peers_reach_it(tmp_path):
-    """Peers 0 and 1 public, peer 2 behind NAT (relayed through peer 0): it announces only its circuit
-    address, and every pair moves a 1 MB answer both ways (two NATed peers cannot: docs/simulate.md)."""
-    layout = Layout(f"r{os.getpid():x}", 3, frozenset({2}))
+def test_natted_peers_announce_only_their_relay_and_every_pair_moves_a_megabyte(tmp_path):
+    """Peers 0 and 1 public, peers 2 and 3 behind NAT (relayed through peer 0): they announce only their
+    circuit addresses, and every pair moves a 1 MB answer both ways, the two NATed peers included (their
+    requests forwarded whole by peer 0)."""
+    layout = Layout(f"r{os.getpid():x}", 4, frozenset({2, 3}))
     ns = Namespaces(layout)
     ns.create()
     procs = []
@@ -141,7 +142,7 @@ def test_a_natted_peer_announces_only_its_relay_and_public_peers_reach_it(tmp_pa
         public = [f"/ip4/{layout.address(i)}/tcp/31337" for i in range(2)]
 
         def start(index: int, listen: str, initial: str = "", relayed: bool = False) -> None:
-            args = [str(tmp_path), str(index), listen, "3", "1000000", initial] + ["--relayed"] * relayed
+            args = [str(tmp_path), str(index), listen, "4", "1000000", initial] + ["--relayed"] * relayed
             script = Path(__file__).with_name("relay_peer.py")
             procs.append(subprocess.Popen([*ns.exec_prefix(index), sys.executable, str(script), *args]))
 
@@ -151,12 +152,14 @@ def test_a_natted_peer_announces_only_its_relay_and_public_peers_reach_it(tmp_pa
             time.sleep(0.2)
         first = json.loads((tmp_path / "0.json").read_text())["addrs"][0]
         start(1, public[1], first)
-        start(2, layout.listen(2), first, relayed=True)
+        for natted in (2, 3):
+            start(natted, layout.listen(natted), first, relayed=True)
         for proc in procs:
             proc.wait(timeout=120)
-        natted = json.loads((tmp_path / "2.json").read_text())
-        assert natted["addrs"] == [f"{first}/p2p-circuit/p2p/{natted['id']}"]
-        for index in range(3):
+        for natted in (2, 3):
+            info = json.loads((tmp_path / f"{natted}.json").read_text())
+            assert info["addrs"] == [f"{first}/p2p-circuit/p2p/{info['id']}"]
+        for index in range(4):
             got = json.loads((tmp_path / f"{index}.got").read_text())
             assert all(n == 1_000_000 for n in got.values()), (index, got)
     finally:

@@ -10,12 +10,11 @@ RSA key is the peer's libp2p identity key (a throwaway one when none is given), 
 both its peer id and its records, and a reader accepts an entry only under the peer id that its key
 derives: nobody writes under another peer's id.
 
-Peers that nobody can dial (behind NAT, or in client mode) are reached through relays: their p2pd reserves
-a slot on each of ``relays`` (libp2p circuit relay v2; every reachable p2pd serves as one) and they announce
-only ``<relay>/p2p-circuit/p2p/<own id>`` addresses. Streams through a relay stay end-to-end encrypted and
-authenticated; the relay carries the bytes. A peer that announces an address (``announce``: a forwarded
-port) tells its p2pd that it is public, so it serves as a relay at once rather than after AutoNAT's checks.
-Other peers learn circuit addresses from peer records (``learn``) and dial them before a request.
+Peers that nobody can dial (behind NAT, or in client mode) are reached through relays
+(``swarm/hivemind_relays.py``); two of them exchange requests forwarded whole by a relay
+(``swarm/forwarding.py``), signed with the same identity key. A peer that announces an address
+(``announce``: a forwarded port) tells its p2pd that it is public, so it serves as a relay at once rather
+than after AutoNAT's checks.
 
 Stream framing (both directions) is hivemind's own (``P2P.send_raw_data``): an 8-byte big-endian length, then
 the payload; we read it back with our size limit, checked before the payload is read. An answer starts with
@@ -49,12 +48,13 @@ from hivemind.dht.crypto import RSASignatureValidator
 from hivemind.p2p import P2P, PeerID
 from hivemind.p2p.p2p_daemon_bindings.utils import P2PDaemonError
 from hivemind.proto import crypto_pb2
-from hivemind.utils.crypto import RSAPrivateKey
+from hivemind.utils.crypto import RSAPrivateKey, RSAPublicKey
 from hivemind.utils.timed_storage import get_dht_time
-from multiaddr import Multiaddr
 
 from spes_p2p.errors import ConfigError
+from spes_p2p.swarm.forwarding import Forwarding, Keys
 from spes_p2p.swarm.guard import Guard
+from spes_p2p.swarm.hivemind_relays import CIRCUIT, Relays, relays_without_discovery
 from spes_p2p.swarm.transport import (
     ANSWER_WRITE_TIMEOUT,
     DEFAULT_MAX_MESSAGE_BYTES,
@@ -79,8 +79,6 @@ logger = logging.getLogger(__name__)
 DHT_TIMEOUT = 10.0  # one DHT store or get
 STARTUP_TIMEOUT = 20.0  # starting p2pd and reaching the initial peers
 BOOTSTRAP_RETRY_SECONDS = 3.0
-MAX_CIRCUITS = 4  # addresses kept (circuits) or dialed per peer
-REDIAL_SECONDS = 30.0  # a relayed peer dials each directly reachable peer at most this often
 _OK, _FAILED = P2P.MESSAGE_MARKER, P2P.ERROR_MARKER
 
 
@@ -122,16 +120,16 @@ class HivemindTransport(Transport):
         self.stats = TransportStats()
         self._streams = StreamSlots()
         self.guard = Guard()
-        self.relays = list(relays)
-        self._circuits: dict[str, list[str]] = {}  # relayed peer -> its circuit addresses
-        self._dialed: dict[str, float] = {}  # (a relayed peer) peer -> when it last dialed it
+        self.relays = Relays(relays)
+        self._handlers: dict[str, tuple[Handler, int]] = {}
         check_ports_free(listen)
         ephemeral = None
         if identity_path is None:  # a throwaway identity: its key still signs this peer's records
             ephemeral = tempfile.TemporaryDirectory(prefix="spes-identity-")
             identity_path = Path(ephemeral.name) / "identity.key"
         identity_path = ensure_identity(identity_path)
-        self._validator = RSASignatureValidator(_signing_key(identity_path))
+        key = _signing_key(identity_path)
+        self._validator = RSASignatureValidator(key)
         dht_kwargs = dict(
             initial_peers=list(initial_peers),
             start=True,
@@ -140,7 +138,7 @@ class HivemindTransport(Transport):
             announce_maddrs=list(announce) or None,
             identity_path=str(identity_path),
             use_auto_relay=bool(relays),
-            trusted_relays=self.relays or None,
+            trusted_relays=list(relays) or None,
             force_reachability="private" if relays else "public" if announce else None,
             use_relay=True,
             startup_timeout=startup_timeout,
@@ -148,7 +146,7 @@ class HivemindTransport(Transport):
             await_ready=False,
         )
         try:
-            self.dht = self._start_dht(dht_kwargs, initial_peers, startup_timeout)
+            self.dht = _start_dht(dht_kwargs, initial_peers, startup_timeout)
         finally:
             if ephemeral is not None:
                 ephemeral.cleanup()  # p2pd has read it
@@ -157,50 +155,23 @@ class HivemindTransport(Transport):
         self._thread = threading.Thread(target=self._loop.run_forever, name="spes-p2p", daemon=True)
         self._thread.start()
         self._p2p = self._run(self.dht.replicate_p2p(), timeout=startup_timeout)
-
-    def _start_dht(self, kwargs: dict, initial_peers: Sequence[str], timeout: float):
-        """Starts the DHT; an initial peer that does not answer (a busy or restarting machine) is retried
-        until ``timeout`` has passed since the first try."""
-        deadline = time.monotonic() + timeout
-        while True:
-            try:
-                dht = _DHT(**kwargs)
-                dht.wait_until_ready(timeout=timeout + 5)
-                return dht
-            except P2PDaemonError as exc:
-                error = _daemon_error(exc, initial_peers)
-                if (
-                    not isinstance(error, BootstrapError)
-                    or time.monotonic() + BOOTSTRAP_RETRY_SECONDS > deadline
-                ):
-                    raise error from None
-                logger.warning("no initial peer answered yet; retrying in %.0fs", BOOTSTRAP_RETRY_SECONDS)
-                time.sleep(BOOTSTRAP_RETRY_SECONDS)
-            except TimeoutError:
-                raise BootstrapError(f"the peer did not start within {timeout:.0f}s") from None
+        keys = Keys(self.peer_id, key.get_public_key().to_bytes(), key.sign, _signed_by)
+        self.forwarding = Forwarding(self, keys, self._handlers.get)
+        self.forwarding.serve(relay=not self.relays.relayed)
 
     # -------------------------------------------------------------------------------------------- DHT
 
     def addresses(self) -> list[str]:
         """A relayed peer's circuit addresses (never its own: nobody can dial them); else what p2pd sees."""
-        if self.relays:
-            return [f"{relay}/p2p-circuit/p2p/{self.peer_id}" for relay in self.relays]
+        if self.relays.relayed:
+            return self.relays.addresses(self.peer_id)
         return [str(m) for m in self.dht.get_visible_maddrs()]
 
     def learn(self, peer_id: str, addresses: list[str]) -> None:
-        """Keeps a relayed peer's circuit addresses. A relayed peer itself dials every peer it can reach
-        directly (at most every ``REDIAL_SECONDS``): the connection it opens is the way back to it, and,
-        unlike a relayed one, it carries whole tensors."""
-        own = [a for a in addresses if a.endswith(f"/p2p/{peer_id}")][:MAX_CIRCUITS]
-        if peer_id == self.peer_id or not own:
-            return
-        circuits = [a for a in own if "/p2p-circuit/" in a]
-        if circuits:
-            self._circuits[peer_id] = circuits
-        elif self.relays and time.monotonic() - self._dialed.get(peer_id, -REDIAL_SECONDS) >= REDIAL_SECONDS:
-            self._dialed[peer_id] = time.monotonic()
-            peer, addrs = PeerID.from_base58(peer_id), [Multiaddr(a) for a in own]
-            asyncio.run_coroutine_threadsafe(_quietly(self._p2p._client.connect(peer, addrs)), self._loop)
+        dial = self.relays.learn(self.peer_id, peer_id, addresses)
+        if dial:
+            connect = self._p2p._client.connect(PeerID.from_base58(peer_id), dial)
+            asyncio.run_coroutine_threadsafe(_quietly(connect), self._loop)
 
     def now(self) -> float:
         return get_dht_time()
@@ -247,6 +218,8 @@ class HivemindTransport(Transport):
     # --------------------------------------------------------------------------------------- streams
 
     def serve(self, name: str, handler: Handler, max_request_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> None:
+        self._handlers[name] = (handler, max_request_bytes)
+
         async def rpc_handler(info, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
             caller = str(info.peer_id)
             with self._streams.slot(caller) as admitted:
@@ -290,11 +263,18 @@ class HivemindTransport(Transport):
         timeout: float,
         max_response_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
     ) -> bytes:
+        forwarder = self.relays.forwarder(peer_id, self.peer_id)
+        if forwarder is not None and not self._connected_directly(peer_id):  # only a circuit, if anything
+            return self.forwarding.request(
+                forwarder, peer_id, name, payload, timeout=timeout, max_response_bytes=max_response_bytes
+            )
+
         async def call_rpc() -> bytes:
             peer = PeerID.from_base58(peer_id)
-            if peer_id in self._circuits:  # reached through a relay: p2pd's peerstore may not know how
+            circuit = self.relays.circuit(peer_id)
+            if circuit:  # reached through a relay: p2pd's peerstore may not know how
                 with contextlib.suppress(Exception):
-                    await self._p2p._client.connect(peer, [Multiaddr(a) for a in self._circuits[peer_id]])
+                    await self._p2p._client.connect(peer, circuit)
             _, reader, writer = await self._p2p.call_binary_stream_handler(peer, name)
             try:
                 await P2P.send_raw_data(payload, writer)
@@ -318,6 +298,14 @@ class HivemindTransport(Transport):
         self.stats.bytes_received += len(answer) - 1
         self.stats.requests_sent += 1
         return answer[1:]
+
+    def _connected_directly(self, peer_id: str) -> bool:
+        """Whether p2pd has a connection to ``peer_id`` outside any relay (one that a relayed peer dialed)."""
+        try:
+            peers = self._run(self._p2p.list_peers(), timeout=DHT_TIMEOUT)
+        except Exception:  # the daemon is going away: the request itself will say so
+            return False
+        return any(str(p.peer_id) == peer_id and any(CIRCUIT not in str(a) for a in p.addrs) for p in peers)
 
     def probe(self, address: str, timeout: float) -> bool:
         """A TCP connection to the address's host and port (nothing is sent): what a peer's dial needs."""
@@ -358,31 +346,37 @@ class HivemindTransport(Transport):
             self.dht.join(1.0)
 
 
+def _start_dht(kwargs: dict, initial_peers: Sequence[str], timeout: float):
+    """Starts the DHT; an initial peer that does not answer (a busy or restarting machine) is retried
+    until ``timeout`` has passed since the first try."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            dht = _DHT(**kwargs)
+            dht.wait_until_ready(timeout=timeout + 5)
+            return dht
+        except P2PDaemonError as exc:
+            error = _daemon_error(exc, initial_peers)
+            if not isinstance(error, BootstrapError) or time.monotonic() + BOOTSTRAP_RETRY_SECONDS > deadline:
+                raise error from None
+            logger.warning("no initial peer answered yet; retrying in %.0fs", BOOTSTRAP_RETRY_SECONDS)
+            time.sleep(BOOTSTRAP_RETRY_SECONDS)
+        except TimeoutError:
+            raise BootstrapError(f"the peer did not start within {timeout:.0f}s") from None
+
+
 class _DHT(hivemind.DHT):
     """hivemind's DHT process, made to die with this process even when it is SIGKILLed."""
 
     def run(self) -> None:
         _die_with_parent()
-        _relays_without_discovery()
+        relays_without_discovery()
         # Ctrl-C reaches the terminal's whole process group. Leaving it (with p2pd, started below) lets the
         # parent release its claims through this DHT before shutting it down in order.
         os.setpgrp()
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
         super().run()
-
-
-def _relays_without_discovery() -> None:
-    """p2pd reserves on the given relays at once only with ``-relayDiscovery=0``, which hivemind does not
-    pass: with discovery on, go-libp2p's autorelay waits minutes for more candidates before it reserves."""
-    make_args = P2P._make_process_args
-
-    def with_static_relays(*args, **kwargs):
-        if kwargs.get("trustedRelays"):
-            kwargs["relayDiscovery"] = False
-        return make_args(*args, **kwargs)
-
-    P2P._make_process_args = staticmethod(with_static_relays)
 
 
 async def _quietly(coro) -> None:
@@ -438,6 +432,16 @@ def _owner_peer_id(subkey) -> str | None:
         return None
     claimed = peer.decode(errors="replace")
     return claimed if claimed == _peer_id_of_key(rest[:-1]) else None
+
+
+def _signed_by(peer: str, key: bytes, data: bytes, signature: bytes) -> bool:
+    """Whether ``key`` is ``peer``'s RSA public key and signed ``data``."""
+    if _peer_id_of_key(key) != peer:
+        return False
+    try:
+        return RSAPublicKey.from_bytes(key).verify(data, signature)
+    except (ValueError, UnsupportedAlgorithm):
+        return False
 
 
 @functools.lru_cache(maxsize=4096)
