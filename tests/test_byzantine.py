@@ -15,17 +15,17 @@ SWARM = {
     "model__shards": 2,
     "model__dense_blocks": 1,  # every peer holds the dense part: the attacker is one of 4 in its exchange
     "run__rounds": 6,
-    "method__steps_per_round": 20,
+    "method__steps_per_round": 10,
     "train__batch_size": 4,
     "train__seq_len": 64,
-    "train__eval_every": 40,
+    "train__eval_every": 20,
     "data__max_corpus_mb": 1.0,
     "sync__deadline_min": 0.5,
     "sync__deadline_max": 1.5,
     "sync__request_timeout": 1.5,
 }
 # The honest peers' final validation loss may differ from a clean run's by the noise of this swarm: its
-# clean final loss over seeds 0-3 ranged from 5.596 to 5.656. (The attacker's own training, one peer in four,
+# clean final loss over seeds 0-3 ranged from 6.115 to 6.157. (The attacker's own training, one peer in four,
 # is missing from the honest peers' too.)
 # Deadlines are short next to a round's training, as in a real swarm: a peer held up for seconds here
 # would otherwise fall rounds behind and download the model instead of training.
@@ -69,13 +69,15 @@ def test_one_malicious_peer_neither_stops_nor_steers_the_honest_ones(mode, clean
 def test_records_forged_under_the_others_ids_move_nobody_on_hivemind(tmp_path):
     """forge needs signatures to attack: real peer processes. Its tombstones, were they read, would remove
     every honest peer from the others' views and release their claims."""
-    swarm = {**SWARM, "sim__backend": "hivemind", "sim__peers": 3, "run__rounds": 4}
+    # 6 rounds: a peer held up on a busy machine may skip rounds (it catches up by download), and the two
+    # honest peers must still meet after round 0
+    swarm = {**SWARM, "sim__backend": "hivemind", "sim__peers": 3, "run__rounds": 6}
     clean = run(simulation(run__out=str(tmp_path / "clean"), **swarm))
     summary = run(simulation(run__out=str(tmp_path / "forge"), sim__byzantine=("2:forge",), **swarm))
     assert not clean["failures"] and not summary["failures"]
     report = summary["byzantine"]
     assert abs(report["honest_final_val_loss"] - clean["final_val_loss"]) <= NOISE, (report, clean)
-    assert all(p["final_round"] == 4 for p in summary["peers"] if p["name"] != "peer2")
+    assert all(p["final_round"] == 6 for p in summary["peers"] if p["name"] != "peer2")
     # Every peer holds the dense part: the honest peers kept meeting in its exchange after the tombstones
     # were stored (at the attacker's join), where they would have vanished from each other's views.
     rows = {name: read_rows(tmp_path / "forge" / "peers" / name) for name in ("peer0", "peer1")}
