@@ -357,6 +357,10 @@ def print_simulation(console: Console, summary: dict, out: Path) -> None:
         f"rejected payloads {summary['rejected_payloads']}",
         highlight=False,
     )
+    apart = summary.get("holders_apart", {})
+    if apart:
+        units = ", ".join(f"{u} (by up to {d:.2g})" for u, d in apart.items())
+        console.print(f"[yellow]holders do not end bit-identical: {units}[/]", highlight=False)
     for failure in summary["failures"]:
         console.print(f"[red]{failure}[/]")
     console.print(f"summary: {out / 'summary.json'}\nplot:    {out / 'loss.png'}", highlight=False)

@@ -110,6 +110,34 @@ def test_network_faults_are_survived_and_corrupt_payloads_counted(tmp_path):
     assert summary["final_loss"] < summary["initial_loss"]
 
 
+def test_a_peer_cut_off_for_a_round_is_back_on_the_swarms_weights_bit_for_bit(tmp_path):
+    """peer0 trains round 1 alone (a partition), so in round 2 its start weights are outnumbered: it takes
+    the others' result of that round, exactly, and counts again from round 3; every unit's holders end
+    bit-identical. (Averaging the others' end weights instead lands near their result, never on it: the
+    peer re-synchronized every round and its training was lost.)"""
+    summary = run(
+        simulation(
+            sim__peers=3,
+            model__shards=1,
+            model__dense_blocks=1,
+            run__rounds=6,
+            sim__backend="memory",
+            sim__partitions=("0/1,2@1-1",),
+            run__out=str(tmp_path),
+            **SMALL,
+        )
+    )
+    assert not summary["failures"] and summary["rounds_completed"] == 6
+    for unit, info in summary["units"].items():
+        assert info["max_holder_difference"] == 0.0, unit
+    rows = {r["round"]: r for r in read_rows(tmp_path / "peers" / "peer0")}
+    assert rows[1]["participants"]["dense/0"] == [rows[1]["peer"]]  # alone
+    assert "dense/0" in rows[2]["resynced"]
+    for round_ in (3, 4, 5):
+        assert not rows[round_]["resynced"], rows[round_]
+        assert all(rows[round_]["peer"] in met for met in rows[round_]["participants"].values())
+
+
 def test_spes_simulate_with_real_processes(tmp_path):
     out = tmp_path / "sim"
     args = "simulate --peers 3 --shards 2 --rounds 6 --steps-per-round 5 --batch-size 4 --seq-len 64"
@@ -201,9 +229,10 @@ def test_resume_after_kill_keeps_the_peer_id(tmp_path):
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("run_index", range(2))
 def test_late_joins_reach_the_main_swarm_run_after_run(tmp_path, run_index):
-    """Two runs (two minutes each on two cores) of a scenario that used to lose newcomers (they started a swarm of their own, or arrived
-    after the end): the founder and another peer are killed, two newcomers join at round 4. Every newcomer
-    must count in the main swarm within 2 rounds of its join round, and nothing may split."""
+    """Two runs (two minutes each on two cores) of a scenario that used to lose newcomers (they started a
+    swarm of their own, or arrived after the end): the founder and another peer are killed, two newcomers
+    join at round 4. Every newcomer must count in the main swarm within 2 rounds of its join round, and
+    nothing may split."""
     args = "simulate --peers 5 --shards 2 --rounds 10 --steps-per-round 10 --batch-size 4 --seq-len 64"
     args += " --max-corpus-mb 1 --kill 0@2 --kill 3@3 --join 2@4 --out"
     result = CliRunner().invoke(spes, [*args.split(), str(tmp_path)])

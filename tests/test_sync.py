@@ -340,7 +340,8 @@ def test_the_majority_base_wins_and_far_end_weights_are_not_averaged_in():
     results = exchange_concurrently(engines, 0, unit, starts, ends, holders)
     for p in ("p0", "p1"):  # the two on one base average their updates, without p2's
         assert not results[p].resynced and results[p].participants == ["p0", "p1"]
-    assert results["p2"].resynced  # p2 moves to the majority's end weights
+    assert results["p2"].resynced  # p2 moves to the majority's end weights...
+    assert results["p2"].download_from == ["p0", "p1"]  # ...until it has their result, bit for bit
     expected = (100 * ends["p0"]["w1"] + 200 * ends["p1"]["w1"]) / 300
     torch.testing.assert_close(results["p2"].new_weights["w1"], expected)
     torch.testing.assert_close(results["p0"].new_weights["w1"], expected)
@@ -368,7 +369,7 @@ def test_a_peer_outnumbered_and_out_of_reach_downloads_the_unit():
         assert not results["p0"].resynced and results["p0"].participants == ["p0", "p1"]
         assert results["x"].resynced and results["x"].rejected == ["p0", "p1"]
         assert torch.equal(results["x"].new_weights["w1"], ends["x"]["w1"])  # out of reach: it stays...
-        assert results["x"].download == (round_ == RESYNC_LIMIT - 1)  # ...and then downloads the unit
+        assert results["x"].download_from == (["p0", "p1"] if round_ == RESYNC_LIMIT - 1 else [])  # ...then
         start = results["p0"].new_weights
 
 

@@ -91,10 +91,10 @@ class RoundSync:
         result = self.sync.exchange(
             job.round, unit, job.start[unit], job.end[unit], job.tokens, participants, counted, grouped
         )
-        if result.download:  # kept off the swarm's weights: take a participant's result of this round
+        if result.download_from:  # off the swarm's weights: take a leader's result of this round
             self.sync.refresh(
                 job.round,
-                {unit: [p for p in participants if p != self.me]},
+                {unit: result.download_from},
                 self.sync.deadline.seconds(),
                 want=Want("weights", "none"),
                 on_unit=lambda _, fetched: result.new_weights.update(fetched.tensors),

@@ -72,6 +72,7 @@ def _peer(name: str, rows: list[dict], peers_dir: Path, killed: set[str], events
         "killed": name in killed,  # (down at the end)
         "kills": sum(e["type"] == "kill" and e["peer"] == name for e in events),
         "rounds": len(rows),
+        "resynced_rounds": sum(bool(r.get("resynced")) for r in rows),  # started off the swarm's weights
         "final_round": _final_round(peers_dir / name, rows),
     }
 
@@ -242,15 +243,11 @@ def _coverage(
         for u in layout.units
     }
     names = list(rows)
+    difference = {u: _holder_difference(peers_dir, names, killed, layout, u) for u in layout.units}
     return {
         "uncovered_unit_rounds": sum(1 for u in holders for r in holders[u] if not holders[u][r]),
-        "units": {
-            u: {
-                "holders": holders[u],
-                "max_holder_difference": _holder_difference(peers_dir, names, killed, layout, u),
-            }
-            for u in layout.units
-        },
+        "units": {u: {"holders": holders[u], "max_holder_difference": difference[u]} for u in layout.units},
+        "holders_apart": {u: d for u, d in difference.items() if d},  # holders that do not end bit-identical
     }
 
 

@@ -180,11 +180,16 @@ class Exchange:
         result.new_weights, far = resynchronized(end, ends, reach)
         self.count_outliers(result, far)
         self.outer.pop(unit, None)
-        kept_off = not decision.ours_leads and len(far) == len(ends)  # outnumbered, and nobody in reach
+        near = [e.peer_id for e in ends if e.peer_id not in far and e.peer_id != me]
+        kept_off = not decision.ours_leads and not near  # outnumbered, and nobody in reach
         self.off_base[unit] = self.off_base.get(unit, 0) + 1 if kept_off else 0
-        if self.off_base[unit] >= RESYNC_LIMIT:
+        if not decision.ours_leads and near:
+            # The leaders land on their combined result, which the mean of their end weights only nears:
+            # taking it puts us on their base, bit for bit, for the next round (else we resync every round).
+            result.download_from = near
+        elif self.off_base[unit] >= RESYNC_LIMIT:
             logger.warning("%s: off the swarm's weights for %d rounds; downloading it", unit, RESYNC_LIMIT)
-            result.download, self.off_base[unit] = True, 0
+            result.download_from, self.off_base[unit] = [c.peer_id for c in decision.resync_from], 0
         return [e for e in ends if e.peer_id not in far]
 
     def count_outliers(self, result: UnitRound, peers: list[str]) -> None:

@@ -23,7 +23,7 @@ class UnitRound:
     rejected: list[str]  # peers whose payloads failed validation, or whose updates were outliers
     resynced: bool = False  # start weights differed, so end weights were averaged instead
     diverged: bool = False  # our update was not finite: not sent; we took the others' result
-    download: bool = False  # we kept off the swarm's base for RESYNC_LIMIT rounds: download the unit
+    download_from: list[str] = field(default_factory=list)  # take this round's result from one of them
     new_weights: Tensors = field(default_factory=dict)
 
 
