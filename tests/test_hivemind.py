@@ -1,9 +1,13 @@
 """The hivemind backend in this process: signed records, streams, identity, and its error paths."""
 
+import contextlib
 import os
 import socket
+import subprocess
+import sys
 import time
 
+import psutil
 import pytest
 from hivemind.p2p import PeerID
 
@@ -123,3 +127,24 @@ def test_port_in_use_and_bad_multiaddr():
             HivemindTransport(listen=[f"/ip4/127.0.0.1/tcp/{s.getsockname()[1]}"])
     with pytest.raises(ConfigError, match="malformed multiaddr"):
         HivemindTransport(listen=["/ip4/127.0.0.1/tcp/notaport"])
+
+
+def test_a_peer_killed_with_sigkill_leaves_no_dht_process_nor_daemon():
+    code = (
+        "import time; from spes_p2p.swarm.hivemind_backend import HivemindTransport\n"
+        "HivemindTransport(); print('up', flush=True); time.sleep(120)\n"
+    )
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    descendants = []
+    try:
+        assert proc.stdout.readline().strip() == "up"
+        descendants = psutil.Process(proc.pid).children(recursive=True)
+        assert any(p.name() == "p2pd" for p in descendants), [p.name() for p in descendants]
+        proc.kill()
+        proc.wait(timeout=10)
+        _, alive = psutil.wait_procs(descendants, timeout=15)
+        assert not alive, [p.name() for p in alive]
+    finally:
+        for p in [proc, *descendants]:
+            with contextlib.suppress(psutil.NoSuchProcess, ProcessLookupError):
+                p.kill()
