@@ -184,12 +184,12 @@ def test_evaluate_checkpoint_matches_the_run(tmp_path, stdlib_data):
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_a_writer_killed_at_random_moments_always_leaves_a_checkpoint_to_resume_from(tmp_path):
-    """12 SIGKILLs of a process that writes (and rewrites) checkpoints without pause: after each, the run
+    """8 SIGKILLs of a process that writes (and rewrites) checkpoints without pause: after each, the run
     folder loads, its model is the one written for its step, and no step that was reported written is lost."""
     rng = random.Random(0)
     writer = Path(__file__).with_name("checkpoint_writer.py")
     reported = 0  # the newest step whose write returned
-    for _ in range(12):
+    for _ in range(8):
         proc = subprocess.Popen(
             [sys.executable, str(writer), str(tmp_path)], stdout=subprocess.PIPE, text=True
         )
@@ -211,4 +211,4 @@ def test_a_writer_killed_at_random_moments_always_leaves_a_checkpoint_to_resume_
         assert all(torch.equal(t, torch.full_like(t, float(step))) for t in checkpoint.model.values())
     recover(tmp_path)
     assert all(p.name.startswith("step-") for p in (tmp_path / "checkpoints").iterdir())
-    assert reported >= 5  # the writer made progress between kills
+    assert reported >= 3  # the writer made progress between kills

@@ -227,12 +227,10 @@ def test_resume_after_kill_keeps_the_peer_id(tmp_path):
 
 
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("run_index", range(2))
-def test_late_joins_reach_the_main_swarm_run_after_run(tmp_path, run_index):
-    """Two runs (two minutes each on two cores) of a scenario that used to lose newcomers (they started a
-    swarm of their own, or arrived after the end): the founder and another peer are killed, two newcomers
-    join at round 4. Every newcomer must count in the main swarm within 2 rounds of its join round, and
-    nothing may split."""
+def test_late_joins_reach_the_main_swarm(tmp_path):
+    """A scenario that used to lose newcomers (they started a swarm of their own, or arrived after the
+    end), two minutes on two cores: the founder and another peer are killed, two newcomers join at round 4.
+    Every newcomer must count in the main swarm within 2 rounds of its join round, and nothing may split."""
     args = "simulate --peers 5 --shards 2 --rounds 10 --steps-per-round 10 --batch-size 4 --seq-len 64"
     args += " --max-corpus-mb 1 --kill 0@2 --kill 3@3 --join 2@4 --out"
     result = CliRunner().invoke(spes, [*args.split(), str(tmp_path)])

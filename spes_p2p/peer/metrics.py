@@ -46,6 +46,7 @@ class RoundMetrics:
             "sync_wait_seconds": m.get("sync_wait_seconds", 0.0),  # of which training was blocked
             "compute_seconds": m["compute_seconds"],
             "dht_ms": 1000 * (dht - dht0) / max(1, ops - ops0),  # mean latency of a store or read
+            "dht_ops": ops - ops0,  # stores and reads since the last row
             "units": job.units,
             "participants": {u: r.participants for u, r in job.results.items()},
             "missing": {u: r.missing for u, r in job.results.items() if r.missing},
