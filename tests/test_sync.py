@@ -373,19 +373,6 @@ def test_a_peer_outnumbered_and_out_of_reach_downloads_the_unit():
         start = results["p0"].new_weights
 
 
-def test_a_poll_asks_less_often_the_longer_it_waits(monkeypatch):
-    from spes_p2p.swarm.waiting import MAX_PAUSE, Deadline, poll
-
-    pauses, answers = [], iter([None] * 9 + ["there"])
-    monkeypatch.setattr(Deadline, "sleep", lambda self, seconds: pauses.append(round(seconds, 4)))
-    assert poll(lambda: next(answers), Deadline(60), 0.1) == "there"
-    assert pauses == [0.1, 0.15, 0.225, 0.3375, 0.5063, 0.7594, MAX_PAUSE, MAX_PAUSE, MAX_PAUSE]
-    pauses.clear()
-    answers = iter([None, None, "there"])
-    assert poll(lambda: next(answers), Deadline(60), 3.0) == "there"
-    assert pauses == [3.0, 3.0]  # a pause longer than MAX_PAUSE to begin with stays as it is
-
-
 def test_the_deadline_adapts_within_its_bounds():
     from spes_p2p.swarm.waiting import AdaptiveDeadline
 

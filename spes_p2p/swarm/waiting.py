@@ -12,8 +12,6 @@ from collections.abc import Callable
 from typing import TypeVar
 
 T = TypeVar("T")
-BACKOFF = 1.5  # each pause of a poll this much longer than the last...
-MAX_PAUSE = 1.0  # ...up to this: a long wait asks about once a second
 
 
 class Deadline:
@@ -33,18 +31,14 @@ class Deadline:
 
 
 def poll(ask: Callable[[], T | None], deadline: Deadline, every: float) -> T | None:
-    """``ask()`` until it returns something other than None; None at the deadline. The first pause is
-    ``every`` seconds, each next one ``BACKOFF`` times longer, up to ``MAX_PAUSE`` (or ``every``, if
-    longer): a question is mostly a DHT read, and a swarm of peers that wait long would otherwise keep the
-    DHT busy answering them. ``ask`` is tried at least once, and once more when the deadline has passed."""
-    pause = every
+    """``ask()`` every ``every`` seconds until it returns something other than None; None at the deadline.
+    ``ask`` is tried at least once, and once more when the deadline has passed."""
     while True:
         last_try = deadline.passed()
         answer = ask()
         if answer is not None or last_try:
             return answer
-        deadline.sleep(pause)
-        pause = min(pause * BACKOFF, max(every, MAX_PAUSE))
+        deadline.sleep(every)
 
 
 class AdaptiveDeadline:
