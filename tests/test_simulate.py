@@ -130,6 +130,8 @@ def test_a_peer_cut_off_for_a_round_is_back_on_the_swarms_weights_bit_for_bit(tm
     assert not summary["failures"] and summary["rounds_completed"] == 6
     for unit, info in summary["units"].items():
         assert info["max_holder_difference"] == 0.0, unit
+    assert summary["holders_apart"] == {}
+    assert [p["resynced_rounds"] for p in summary["peers"]] == [1, 0, 0]  # peer0's round 2 only
     rows = {r["round"]: r for r in read_rows(tmp_path / "peers" / "peer0")}
     assert rows[1]["participants"]["dense/0"] == [rows[1]["peer"]]  # alone
     assert "dense/0" in rows[2]["resynced"]
