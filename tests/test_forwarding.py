@@ -9,6 +9,7 @@ import pytest
 from hivemind.utils.crypto import RSAPrivateKey, RSAPublicKey
 
 from spes_p2p.swarm.forwarding import (
+    MAX_FORWARD_BYTES,
     MAX_FORWARDS,
     RPC_FORWARD,
     RPC_RELAYED,
@@ -157,3 +158,12 @@ def test_a_relay_forwards_only_so_many_at_once(swarm):
 def test_a_reachable_peer_alone_relays(swarm):
     with pytest.raises(TransportError):  # A is relayed itself: it serves no spes/forward
         swarm["r"].request("a", "b", "echo", b"hi", timeout=5, max_response_bytes=1 << 20)
+
+
+def test_a_relay_refuses_to_hold_an_answer_over_its_cap(swarm):
+    a = swarm["a"]
+    envelope = Envelope("a", a.keys.public_key, "b", "echo", b"hi", MAX_FORWARD_BYTES + 1, 10.0)
+    envelope = msgspec.structs.replace(envelope, signature=a.keys.sign(envelope.digest()))
+    with pytest.raises(RemoteError, match="malformed Envelope"):
+        a.transport.request("r", RPC_FORWARD, envelope.encode(), timeout=5)
+    assert rejections(swarm) == {"r": {"a": 1}}

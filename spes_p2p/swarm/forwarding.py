@@ -76,7 +76,7 @@ class Envelope(Strict):
     to: Short
     name: Short
     payload: Annotated[bytes, msgspec.Meta(max_length=MAX_FORWARDED_REQUEST)]
-    limit: Annotated[int, msgspec.Meta(ge=0)]  # the most answer bytes A takes
+    limit: Annotated[int, msgspec.Meta(ge=0, le=MAX_FORWARD_BYTES)]  # the most answer bytes A takes
     timeout: Annotated[float, msgspec.Meta(gt=0, le=MAX_FORWARD_SECONDS)]
     signature: Annotated[bytes, msgspec.Meta(max_length=1024)] = b""
 
