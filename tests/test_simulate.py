@@ -85,6 +85,13 @@ def test_a_peer_that_fails_stops_the_simulation_and_is_reported(tmp_path, monkey
     assert summary["rounds_completed"] == 0
 
 
+def simulate_cli(args: str, out: Path) -> tuple[dict, str]:
+    """``spes simulate ARGS --out OUT`` with real peer processes: it exits 0; its summary and output."""
+    result = CliRunner().invoke(spes, ["simulate", *args.split(), "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    return json.loads((out / "summary.json").read_text()), result.output
+
+
 def test_network_faults_are_survived_and_corrupt_payloads_counted(tmp_path):
     summary = run(
         simulation(
@@ -142,11 +149,8 @@ def test_a_peer_cut_off_for_a_round_is_back_on_the_swarms_weights_bit_for_bit(tm
 
 def test_spes_simulate_with_real_processes(tmp_path):
     out = tmp_path / "sim"
-    args = "simulate --peers 3 --shards 2 --rounds 6 --steps-per-round 5 --batch-size 4 --seq-len 64"
-    args += " --max-corpus-mb 1 --kill sole@1 --out"
-    result = CliRunner().invoke(spes, [*args.split(), str(out)])
-    assert result.exit_code == 0, result.output
-    summary = json.loads((out / "summary.json").read_text())
+    args = "--peers 3 --shards 2 --rounds 6 --steps-per-round 5 --batch-size 4 --seq-len 64"
+    summary, output = simulate_cli(args + " --max-corpus-mb 1 --kill sole@1", out)
     assert not summary["failures"], summary["failures"]
     assert [e["type"] for e in summary["events"] if e["type"] == "kill"] == ["kill"]
     assert summary["rounds_completed"] == 6 and summary["final_loss"] < summary["initial_loss"]
@@ -154,7 +158,7 @@ def test_spes_simulate_with_real_processes(tmp_path):
     units = summary["units"]
     assert all(units[u]["holders"]["5"] for u in units), "a unit was still uncovered in the last round"
     assert summary["uncovered_unit_rounds"] <= 8  # its shard and, when it was alone on it, its dense block
-    assert "summary:" in result.output and "loss.png" in result.output
+    assert "summary:" in output and "loss.png" in output
 
 
 def test_a_rerun_in_the_same_folder_does_not_dial_the_last_runs_addresses(tmp_path):
@@ -233,11 +237,8 @@ def test_late_joins_reach_the_main_swarm(tmp_path):
     """A scenario that used to lose newcomers (they started a swarm of their own, or arrived after the
     end), two minutes on two cores: the founder and another peer are killed, two newcomers join at round 4.
     Every newcomer must count in the main swarm within 2 rounds of its join round, and nothing may split."""
-    args = "simulate --peers 5 --shards 2 --rounds 10 --steps-per-round 10 --batch-size 4 --seq-len 64"
-    args += " --max-corpus-mb 1 --kill 0@2 --kill 3@3 --join 2@4 --out"
-    result = CliRunner().invoke(spes, [*args.split(), str(tmp_path)])
-    assert result.exit_code == 0, result.output
-    summary = json.loads((tmp_path / "summary.json").read_text())
+    args = "--peers 5 --shards 2 --rounds 10 --steps-per-round 10 --batch-size 4 --seq-len 64"
+    summary, _ = simulate_cli(args + " --max-corpus-mb 1 --kill 0@2 --kill 3@3 --join 2@4", tmp_path)
     assert not summary["failures"] and summary["rounds_completed"] == 10, summary["failures"]
     assert len(summary["newcomers"]) == 2
     for newcomer in summary["newcomers"]:
@@ -279,11 +280,8 @@ def test_churn_with_real_processes_restarts_peers_with_their_ids_and_leaves_no_p
     left running afterwards. Rounds of 20 steps: with fewer, the two others finish the run before a restart
     is back."""
     out = tmp_path / "sim"
-    args = "simulate --peers 3 --shards 1 --rounds 11 --steps-per-round 20 --batch-size 4 --seq-len 64"
-    args += " --max-corpus-mb 1 --churn 0.15 --seed 8 --out"
-    result = CliRunner().invoke(spes, [*args.split(), str(out)])
-    assert result.exit_code == 0, result.output
-    summary = json.loads((out / "summary.json").read_text())
+    args = "--peers 3 --shards 1 --rounds 11 --steps-per-round 20 --batch-size 4 --seq-len 64"
+    summary, _ = simulate_cli(args + " --max-corpus-mb 1 --churn 0.15 --seed 8", out)
     assert not summary["failures"] and not summary["leftovers"], summary["failures"]
     assert summary["churn"]["restarts"] == summary["churn"]["back_with_id"] >= 1, summary["churn"]
     name = next(e["peer"] for e in summary["events"] if e["type"] == "restart")
