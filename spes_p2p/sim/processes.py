@@ -1,7 +1,8 @@
 """The processes of a simulation's peers: stopping them, killing them, and finding what is left of them.
 
 Each peer process starts a session of its own; its DHT process (and that one's p2pd) run in a process group
-of their own inside that session, and die with the peer (``PR_SET_PDEATHSIG``).
+of their own inside that session. The DHT process dies with the peer (``PR_SET_PDEATHSIG``), and p2pd within
+seconds of it (hivemind starts it with an idle timeout; ``tests/test_hivemind.py`` checks both).
 """
 
 from __future__ import annotations
