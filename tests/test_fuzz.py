@@ -20,7 +20,7 @@ from spes_p2p.swarm.manifest import Manifest, ManifestRecord
 from spes_p2p.swarm.messages import UpdateRequest, WeightsRequest
 from spes_p2p.swarm.payload import PayloadError, decode, encode
 from spes_p2p.swarm.reachability import DialbackAnswer, DialbackRequest
-from spes_p2p.swarm.records import Announcement, HolderRecord, PeerRecord
+from spes_p2p.swarm.records import Announcement, PeerRecord
 
 EXAMPLES = int(os.environ.get("SPES_FUZZ_EXAMPLES", "200"))
 FUZZ = settings(
@@ -43,7 +43,6 @@ MESSAGES = [
     Manifest,
     ManifestRecord,
     PeerRecord,
-    HolderRecord,
     Announcement,
 ]
 

@@ -11,7 +11,7 @@ from spes_p2p.swarm.manifest import Manifest, ManifestError, ManifestRecord
 from spes_p2p.swarm.memory import MemoryNetwork
 from spes_p2p.swarm.messages import MAX_REQUEST_BYTES, RPC_UPDATE, RPC_WEIGHTS, UpdateRequest, WeightsRequest
 from spes_p2p.swarm.payload import decode, specs_of
-from spes_p2p.swarm.records import Announcement, HolderRecord, PeerRecord, RecordError, parse_peers
+from spes_p2p.swarm.records import Announcement, Holding, PeerRecord, RecordError, parse_peers
 from spes_p2p.swarm.sync import SyncEngine
 from spes_p2p.swarm.transport import Entry, RemoteError
 
@@ -19,21 +19,21 @@ HEX = "ab" * 8
 
 
 def peer(**changes) -> dict:
-    return {"peer_id": "p", "addresses": [], "units": ["experts/0"], **changes}
+    return {"peer_id": "p", "addresses": [], "holds": {"experts/0": {"since": 2}}, **changes}
 
 
 @pytest.mark.parametrize(
     ("cls", "value", "problem"),
     [
-        (PeerRecord, peer(units="experts/0"), "Expected `array`"),
-        (PeerRecord, peer(units=["experts/x"]), "matching regex"),
+        (PeerRecord, peer(holds=["experts/0"]), "Expected `object`"),
+        (PeerRecord, peer(holds={"experts/x": {}}), "matching regex"),
+        (PeerRecord, peer(holds={"experts/0": {"since": 0, "until": "later"}}), "Expected `int | null`"),
         (PeerRecord, peer(round=-1), ">= 0"),
         (PeerRecord, peer(loss=float("nan")), "finite"),
         (PeerRecord, peer(admin=True), "unknown field"),
-        (PeerRecord, {"addresses": [], "units": []}, "missing required field `peer_id`"),
+        (PeerRecord, {"addresses": [], "holds": {}}, "missing required field `peer_id`"),
         (PeerRecord, peer(addresses=["a"] * 17), "length <= 16"),
         (PeerRecord, peer(state="owner"), "Invalid enum value"),
-        (HolderRecord, {"held": True, "round": 0, "since": 0, "until": "later"}, "Expected `int | null`"),
         (
             Announcement,
             {"round": 1, "tokens": -5, "bytes": 9, "codec": "none", "sha256": HEX, "base": HEX},
@@ -49,9 +49,13 @@ def test_records_of_the_wrong_schema_are_refused(cls, value, problem):
 
 def test_records_round_trip_and_oversized_or_foreign_bytes_are_refused(manifest_of):
     record = PeerRecord(
-        peer_id="p", addresses=["/ip4/1.2.3.4/tcp/5/p2p/p"], units=["dense/0"], round=3, loss=2.5
+        peer_id="p",
+        addresses=["/ip4/1.2.3.4/tcp/5/p2p/p"],
+        holds={"dense/0": Holding(since=1), "experts/1": Holding(since=0, until=2)},
+        round=3,
+        loss=2.5,
     )
-    assert PeerRecord.decode(record.encode()) == record
+    assert PeerRecord.decode(record.encode()) == record and record.units == ["dense/0"]
     manifest = manifest_of(Settings())
     assert Manifest.decode(manifest.encode()) == manifest and manifest.record().hash == manifest.hash
     with pytest.raises(ManifestError, match="unknown field"):
@@ -63,7 +67,7 @@ def test_records_round_trip_and_oversized_or_foreign_bytes_are_refused(manifest_
 
 
 def test_a_peer_record_must_name_the_peer_that_wrote_it():
-    mine = PeerRecord(peer_id="a", addresses=[], units=[]).encode()
+    mine = PeerRecord(peer_id="a", addresses=[]).encode()
     assert set(parse_peers({"a": Entry(mine, 0.0), "b": Entry(mine, 0.0)})) == {"a"}
 
 

@@ -13,7 +13,7 @@ by the client; the attacks only ever reach the honest peers through the network,
     late      it injects updates, as a late participant, into units and rounds it did not train
     resync    it announces a foreign start-weight hash and serves end weights pulled far away
     claimall  it claims every unit, and SYBILS fake peers claim the last expert shard and never serve it
-    forge     (hivemind) it signs "left" tombstones of every other peer, and of their claims, under their ids
+    forge     (hivemind) it signs "left" tombstones of every other peer under their ids
     silent    it announces its updates and never serves them (nor anything else)
     slow      it answers every request only after SLOW_SECONDS
 """
@@ -32,7 +32,7 @@ from safetensors.torch import load, save
 from spes_p2p.sim.config import BYZANTINE_MODES as MODES
 from spes_p2p.swarm.messages import RPC_UPDATE, RPC_WEIGHTS, UpdateRequest
 from spes_p2p.swarm.payload import buffers_digest, metadata_of
-from spes_p2p.swarm.records import Announcement, HolderRecord, PeerRecord, RecordError, holders_key
+from spes_p2p.swarm.records import Announcement, Holding, PeerRecord, RecordError
 from spes_p2p.swarm.transport import Entry, Handler, Transport, TransportError
 
 logger = logging.getLogger(__name__)
@@ -118,7 +118,7 @@ class ByzantineTransport(Transport):
     def publish(self, key: str, value: bytes, expires_at: float) -> bool:
         parts = key.split("/")
         if self.mode == "claimall" and parts[-1] == "peers":
-            self._claim_all(parts[0], PeerRecord.decode(value), expires_at)
+            value = self._claim_all(parts[0], PeerRecord.decode(value), expires_at)
         if self.mode == "forge" and parts[-1] == "peers":
             self._forge_tombstones(parts[0], PeerRecord.decode(value))
         if len(parts) == 5 and parts[1] == "updates":  # <run>/updates/<round>/<unit>: our update is ready
@@ -182,34 +182,32 @@ class ByzantineTransport(Transport):
                 self.inner.publish(key, fake.encode(), expires_at)
                 break
 
-    def _claim_all(self, run_id: str, record: PeerRecord, expires_at: float) -> None:
-        """Claims every unit under its own id, and has its sybils (fake peers on the same network, that serve
-        nothing) claim the last expert shard, so that it looks covered many times over."""
-        claim = HolderRecord(held=True, round=record.round, since=0).encode()
-        for unit in self.units:
-            self.inner.publish(holders_key(run_id, unit), claim, expires_at)
+    def _claim_all(self, run_id: str, record: PeerRecord, expires_at: float) -> bytes:
+        """Claims every unit in its own record (returned), and has its sybils (fake peers on the same
+        network, that serve nothing) claim the last expert shard, so that it looks covered many times over."""
+        if record.state != "active":
+            return record.encode()
         if not self.sybils:
             self.sybils = [self.inner.network.join(f"{self.peer_id}-sybil{i}") for i in range(SYBILS)]
         target = [u for u in self.units if u.startswith("experts/")][-1]
         for sybil in self.sybils:
-            fake = msgspec.structs.replace(record, peer_id=sybil.peer_id, addresses=[], units=[target])
+            fake = msgspec.structs.replace(
+                record, peer_id=sybil.peer_id, addresses=[], holds={target: Holding()}
+            )
             sybil.publish(f"{run_id}/peers", fake.encode(), expires_at)
-            sybil.publish(holders_key(run_id, target), claim, expires_at)
+        return msgspec.structs.replace(record, holds={u: Holding() for u in self.units}).encode()
 
     def _forge_tombstones(self, run_id: str, record: PeerRecord) -> None:
-        """For every other peer: a "left" peer record and released claims, signed with this peer's key but
-        stored under the victim's id, expiring in an hour (the DHT keeps the entry that expires last)."""
+        """For every other peer: a "left" peer record, signed with this peer's key but stored under the
+        victim's id, expiring in an hour (the DHT keeps the entry that expires last)."""
         dht, key = self.inner.dht, self.inner._validator.local_public_key
         far = self.inner.now() + 3600
         victims = set(self.inner.read(f"{run_id}/peers")) - {self.peer_id}
         logger.info("forging tombstones of %s", sorted(victims))
         for victim in victims:
             subkey = victim.encode() + key
-            left = msgspec.structs.replace(record, peer_id=victim, addresses=[], units=[], state="left")
+            left = msgspec.structs.replace(record, peer_id=victim, addresses=[], holds={}, state="left")
             dht.store(f"{run_id}/peers", left.encode(), far, subkey=subkey, return_future=True)
-            released = HolderRecord(held=False, round=record.round, since=0).encode()
-            for unit in self.units:
-                dht.store(holders_key(run_id, unit), released, far, subkey=subkey, return_future=True)
 
     def _send_garbage_requests(self, run_id: str) -> None:
         for peer in set(self.inner.read(f"{run_id}/peers")) - {self.peer_id}:

@@ -5,10 +5,10 @@ sync boundaries) and reads the swarm (``view``). It never blocks for longer than
 It is thread-safe: the training thread claims and reports progress, the heartbeat thread refreshes the
 records, the sync thread reads views and claims; one lock guards its state, never held across a DHT call.
 
-A holder record says from which round the peer trains the unit (``since``), in which rotation epoch it was
-made (``epoch``, dense blocks), and, for a unit the peer has given up, the last round it trained it
-(``until``): for a few rounds more it still serves that round's weights, so the unit's new holders can fetch
-them exactly.
+A peer's record lists the units it holds: from which round it trains each (``since``), and, for a unit it
+has given up, the last round it trained it (``until``): for a few rounds more it still serves that round's
+weights, so the unit's new holders can fetch them exactly. The record also names the rotation epoch of its
+claims (``epoch``, dense blocks).
 """
 
 from __future__ import annotations
@@ -25,11 +25,9 @@ from spes_p2p.swarm.manifest import Manifest, ManifestError
 from spes_p2p.swarm.records import (
     MAX_ADDRESSES,
     MAX_BANNED,
-    HolderRecord,
+    Holding,
     PeerRecord,
     Record,
-    decode_entries,
-    holders_key,
     parse_peers,
     peers_key,
 )
@@ -42,6 +40,9 @@ UNSERVED_LIMIT = 3
 
 
 ENDING_ROUNDS = 2  # rounds a former holder still announces a unit it gave up
+# The manifest record never changes, and counts only while its peer's record is live: it lives this many
+# record TTLs, and is refreshed once half of that has passed (not every heartbeat).
+MANIFEST_TTLS = 4
 
 
 def mismatch(transport: Transport, run_id: str, ours: Manifest, peer: str, theirs: manifests.ManifestRecord):
@@ -96,42 +97,29 @@ class SwarmView:
 
 
 def read_view(transport: Transport, run_id: str, units: list[str], manifest: str = "") -> SwarmView:
-    """Live peers (those sharing ``manifest``, when given) and, for every unit, its live holders; invalid
-    records are skipped and reported to the transport's guard."""
+    """Live peers (those sharing ``manifest``, when given) and, for every unit, its live holders (one DHT
+    read); invalid records are skipped and reported to the transport's guard."""
     peers = parse_peers(transport.read(peers_key(run_id)), transport.guard)
     peers = {p: r for p, r in peers.items() if not manifest or r.manifest == manifest}
     for peer, record in peers.items():
         transport.learn(peer, record.addresses)  # (a signed record: the peer itself says where it is)
+    over = over_capacity(peers, transport.guard)
     view = SwarmView(peers, {})
-    claims = {
-        unit: decode_entries(
-            transport.read(holders_key(run_id, unit)), HolderRecord, "holder", transport.guard
-        )
-        for unit in units
-    }
-    over = over_capacity(peers, claims, transport.guard)
-    for unit, records in claims.items():
-        live = {p: r for p, r in records.items() if p in peers and r.held and p not in over}
-        view.until[unit] = {p: r.until for p, r in live.items() if r.until is not None}
+    for unit in units:
+        live = {p: r.holds[unit] for p, r in peers.items() if unit in r.holds and p not in over}
+        view.until[unit] = {p: h.until for p, h in live.items() if h.until is not None}
         view.holders[unit] = set(live) - set(view.until[unit])
-        view.since[unit] = {p: r.since for p, r in live.items()}
-        view.epochs[unit] = {p: r.epoch for p, r in live.items()}
+        view.since[unit] = {p: h.since for p, h in live.items()}
+        view.epochs[unit] = {p: peers[p].epoch for p in live}
     return view
 
 
-def over_capacity(
-    peers: dict[str, PeerRecord], claims: dict[str, dict[str, HolderRecord]], guard
-) -> set[str]:
+def over_capacity(peers: dict[str, PeerRecord], guard) -> set[str]:
     """Peers that hold more expert shards than their records declare they can: their claims are ignored
     (a client never does this; a peer that claims every shard to starve the others does)."""
-    held = Counter(
-        p
-        for u, records in claims.items()
-        if u.startswith("experts/")
-        for p, r in records.items()
-        if r.held and r.until is None  # (a shard given up is still served a few rounds: not a claim)
-    )
-    over = {p for p, n in held.items() if p in peers and n > peers[p].capacity}
+    # (a shard given up is still served a few rounds: not a claim)
+    held = {p: sum(u.startswith("experts/") for u in r.units) for p, r in peers.items()}
+    over = {p for p, n in held.items() if n > peers[p].capacity}
     for p in over:
         guard.reject(
             p,
@@ -154,6 +142,7 @@ class SwarmMember:
     def __init__(self, transport: Transport, manifest: Manifest, cfg: MemberConfig) -> None:
         self.transport, self.manifest, self.cfg = transport, manifest, cfg
         self._manifest_record = manifest.record()
+        self._manifest_due = float("-inf")  # when the manifest record is next refreshed (transport time)
         self._state = threading.RLock()
         self._publishing = threading.Lock()
         self.held: set[str] = set()
@@ -257,7 +246,8 @@ class SwarmMember:
                 self.unserved.pop(unit, None)  # (held: no longer refreshed, so no longer judged)
                 self.ending.pop(unit, None)
             for unit in dropped:
-                self.ending[unit] = first_round - 1  # the last round it trains the unit
+                if first_round > self.since.get(unit, 0):  # (a unit never trained here is just dropped)
+                    self.ending[unit] = first_round - 1  # the last round it trains the unit
             self.held = new
         self.heartbeat()
         return dropped
@@ -309,31 +299,26 @@ class SwarmMember:
         addresses = self.transport.addresses()[:MAX_ADDRESSES]
         with self._publishing:
             with self._state:
-                released = {u for u, last in self.ending.items() if self.round > last + ENDING_ROUNDS}
-                records = [
-                    (manifests.manifest_key(self.cfg.run_id), self._manifest_record),
-                    (peers_key(self.cfg.run_id), self._peer_record("active", addresses)),
-                    *self._holder_records(set(self.units_held) | set(self.ending) - released, held=True),
-                    *self._holder_records(released, held=False),
-                ]
-                for unit in released:
+                for unit in [u for u, last in self.ending.items() if self.round > last + ENDING_ROUNDS]:
                     del self.ending[unit]
-            self._publish(records, self.cfg.record_ttl)
+                record = self._peer_record("active", addresses)
+            self._publish([(peers_key(self.cfg.run_id), record)], self.cfg.record_ttl)
+            if self.transport.now() >= self._manifest_due:
+                ttl = MANIFEST_TTLS * self.cfg.record_ttl
+                self._manifest_due = self.transport.now() + ttl / 2
+                self._publish([(manifests.manifest_key(self.cfg.run_id), self._manifest_record)], ttl)
 
     def leave(self) -> None:
-        """Releases every claim at once: tombstones replace the records until they expire.
+        """Releases every claim at once: a "left" tombstone replaces the peer record until it expires.
 
-        A DHT keeps the entry with the later expiry, so tombstones outlive the last heartbeat's records.
+        A DHT keeps the entry with the later expiry, so the tombstone outlives the last heartbeat's record.
         """
         addresses = self.transport.addresses()[:MAX_ADDRESSES]
         with self._publishing:
             with self._state:
-                records = [
-                    (peers_key(self.cfg.run_id), self._peer_record("left", addresses)),
-                    *self._holder_records(set(self.units_held) | set(self.ending), held=False),
-                ]
                 self.held, self.ending = set(), {}
-            self._publish(records, self.cfg.record_ttl + 1.0)
+                record = self._peer_record("left", addresses)
+            self._publish([(peers_key(self.cfg.run_id), record)], self.cfg.record_ttl + 1.0)
 
     def leave_within(self, seconds: float) -> None:
         """``leave`` on a thread given at most ``seconds``; it never fails (records expire by themselves)."""
@@ -355,26 +340,16 @@ class SwarmMember:
         for key, record in records:
             self.transport.publish(key, record.encode(), expires)
 
-    def _holder_records(self, units: set[str], held: bool) -> list[tuple[str, HolderRecord]]:
-        return [
-            (
-                holders_key(self.cfg.run_id, unit),
-                HolderRecord(
-                    held=held,
-                    round=self.round,
-                    since=self.since.get(unit, 0),
-                    epoch=self.epoch,
-                    until=self.ending.get(unit) if held else None,
-                ),
-            )
-            for unit in sorted(units)
-        ]
-
     def _peer_record(self, state: str, addresses: list[str]) -> PeerRecord:
         return PeerRecord(
             peer_id=self.transport.peer_id,
             addresses=addresses,
-            units=self.units_held if state == "active" else [],
+            holds={
+                u: Holding(since=self.since.get(u, 0), until=self.ending.get(u))
+                for u in sorted(set(self.units_held) | set(self.ending))
+                if state == "active"
+            },
+            epoch=self.epoch,
             round=self.round,
             tokens_per_s=self.tokens_per_s,
             loss=self.loss,

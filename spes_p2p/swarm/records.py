@@ -3,15 +3,15 @@
 Keys, all under the swarm's ``run_id``; every peer writes only its own entry under each key:
 
     <run_id>/manifest               ManifestRecord (swarm/manifest.py): the swarm's manifest, by hash
-    <run_id>/peers                  PeerRecord: addresses, units held, round, throughput, loss, version
-    <run_id>/holders/<unit>         HolderRecord: this peer holds <unit> (since, until, epoch)
+    <run_id>/peers                  PeerRecord: addresses, units held (since, until), round, throughput,
+                                    loss, version
     <run_id>/updates/<round>/<unit> Announcement: this peer's update of <unit> for <round> is ready
 
 Entries are msgpack, written and read as msgspec structs. Decoding is strict: a wrong type, a missing or
 unknown field, a value out of range, or oversized input is a ``RecordError``; readers skip the entry and
 report it to the transport's guard, which logs it once per peer and counts it. Entries expire unless
-refreshed by the heartbeat; a peer that leaves overwrites its entries with ``state = "left"`` / ``held =
-False`` tombstones.
+refreshed by the heartbeat; a peer that leaves overwrites its peer record with a ``state = "left"``
+tombstone. A peer's claims live in its one peer record, so reading the swarm's whole state is one DHT read.
 """
 
 from __future__ import annotations
@@ -70,10 +70,21 @@ class Record(Strict):
     ERROR = RecordError
 
 
+class Holding(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """A unit this peer trains from round ``since`` on; with ``until``, it gave the unit up after training it
+    in that round, and still serves that round's weights."""
+
+    since: Round = 0
+    until: Round | None = None
+
+
 class PeerRecord(Record):
     peer_id: Short
     addresses: Annotated[list[Short], msgspec.Meta(max_length=MAX_ADDRESSES)]
-    units: Annotated[list[Unit], msgspec.Meta(max_length=MAX_UNITS)]
+    holds: Annotated[dict[Unit, Holding], msgspec.Meta(max_length=MAX_UNITS)] = msgspec.field(
+        default_factory=dict
+    )
+    epoch: Round = 0  # the dense-block rotation epoch of its claims
     round: Round = 0
     tokens_per_s: Annotated[float, msgspec.Meta(ge=0)] = 0.0
     loss: float | None = None
@@ -90,16 +101,10 @@ class PeerRecord(Record):
         if not all(math.isfinite(x) for x in (self.tokens_per_s, self.seen, self.loss or 0.0)):
             raise ValueError("tokens_per_s, seen and loss must be finite")
 
-
-class HolderRecord(Record):
-    """This peer holds a unit and trains it from round ``since`` on; with ``until``, it gave the unit up after
-    training it in that round, and still serves that round's weights."""
-
-    held: bool
-    round: Round
-    since: Round
-    epoch: Round = 0
-    until: Round | None = None
+    @property
+    def units(self) -> list[str]:
+        """The units it trains now (not those given up)."""
+        return [u for u, h in self.holds.items() if h.until is None]
 
 
 class Announcement(Record):
@@ -118,10 +123,6 @@ class Announcement(Record):
 
 def peers_key(run_id: str) -> str:
     return f"{run_id}/peers"
-
-
-def holders_key(run_id: str, unit: str) -> str:
-    return f"{run_id}/holders/{unit}"
 
 
 def updates_key(run_id: str, round_: int, unit: str) -> str:

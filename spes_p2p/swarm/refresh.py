@@ -137,7 +137,8 @@ class Refresh:
         def one_pass() -> Fetched | None:
             nonlocal order, want
             if self.live_peers is not None:
-                order = [p for p in order if p in self.live_peers()]
+                live = self.live_peers()
+                order = [p for p in order if p in live]
                 if not order and not fallback:
                     return NOBODY
             elsewhere = False
