@@ -413,25 +413,29 @@ def tables(results: dict) -> str:
     def mib(n: float) -> str:
         return f"{n / 2**20:.2f}"
 
-    out = [
-        row("configuration", "weights", "gradients", "optimizer", "outer state", "total", "peak RSS"),
-        row(*["---"] * 7),
-    ]
-    for name, r in results["memory"].items():
+    out = []
+    if "memory" in results:
+        out += [
+            row("configuration", "weights", "gradients", "optimizer", "outer state", "total", "peak RSS"),
+            row(*["---"] * 7),
+        ]
         parts = ("weights_bytes", "grads_bytes", "optimizer_bytes", "outer_bytes")
-        out.append(
-            row(name, *(mib(r[k]) for k in parts), f"**{mib(r['total_bytes'])}**", mib(r["peak_rss_bytes"]))
-        )
-    out += bytes_tables(results["bytes"], row, mib)
-    out += ["", row("sync", "share of wall time waiting", "seconds waited per round"), row(*["---"] * 3)]
-    for name, r in results["sync"].items():
-        out.append(row(name, f"{r['sync_wait_fraction']:.3f}", f"{r['wait_seconds_per_round']:.2f}"))
-    out += ["", row("method", "tokens", "final val loss"), row(*["---"] * 3)]
-    for name, curve in results["loss"].items():
-        out.append(row(name, f"{curve[-1][0]:,}", f"{curve[-1][1]:.3f}"))
+        for name, r in results["memory"].items():
+            total = f"**{mib(r['total_bytes'])}**"
+            out.append(row(name, *(mib(r[k]) for k in parts), total, mib(r["peak_rss_bytes"])))
+    if "bytes" in results:
+        out += bytes_tables(results["bytes"], row, mib)
+    if "sync" in results:
+        out += ["", row("sync", "share of wall time waiting", "seconds waited per round"), row(*["---"] * 3)]
+        for name, r in results["sync"].items():
+            out.append(row(name, f"{r['sync_wait_fraction']:.3f}", f"{r['wait_seconds_per_round']:.2f}"))
+    if "loss" in results:
+        out += ["", row("method", "tokens", "final val loss"), row(*["---"] * 3)]
+        for name, curve in results["loss"].items():
+            out.append(row(name, f"{curve[-1][0]:,}", f"{curve[-1][1]:.3f}"))
     scale = results.get("scale", [])
     header = row("peers", "round s", "compute s", "sync wait s", "DHT op ms", "vs 4 peers")
-    out += ["", header, row(*["---"] * 6)]
+    out += ["", header, row(*["---"] * 6)] if scale else []
     for r in scale:
         if r["round_seconds"] is None:
             out.append(row(r["peers"], "failed:", "; ".join(r.get("failures", [])), "", "", ""))
@@ -494,20 +498,22 @@ def plots(results: dict, out: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    for name, curve in results["loss"].items():
-        ax.plot([t for t, _ in curve], [v for _, v in curve], marker="o", label=name)
-    ax.set(xlabel="tokens (all peers)", ylabel="validation loss", title="Validation loss at equal tokens")
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(out / "loss.png", dpi=120)
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    names = list(results["memory"])
-    ax.bar(names, [results["memory"][n]["total_bytes"] / 2**20 for n in names])
-    ax.set(ylabel="MiB", title="Allocated training state per peer")
-    ax.tick_params(axis="x", rotation=20)
-    fig.tight_layout()
-    fig.savefig(out / "memory.png", dpi=120)
+    if "loss" in results:
+        fig, ax = plt.subplots(figsize=(7, 4.5))
+        for name, curve in results["loss"].items():
+            ax.plot([t for t, _ in curve], [v for _, v in curve], marker="o", label=name)
+        ax.set(xlabel="tokens (all peers)", ylabel="validation loss", title="Validation loss at equal tokens")
+        ax.legend()
+        fig.tight_layout()
+        fig.savefig(out / "loss.png", dpi=120)
+    if "memory" in results:
+        fig, ax = plt.subplots(figsize=(7, 4.5))
+        names = list(results["memory"])
+        ax.bar(names, [results["memory"][n]["total_bytes"] / 2**20 for n in names])
+        ax.set(ylabel="MiB", title="Allocated training state per peer")
+        ax.tick_params(axis="x", rotation=20)
+        fig.tight_layout()
+        fig.savefig(out / "memory.png", dpi=120)
     plt.close("all")
 
 

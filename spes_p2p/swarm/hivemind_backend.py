@@ -351,11 +351,16 @@ def _start_dht(kwargs: dict, initial_peers: Sequence[str], timeout: float):
     until ``timeout`` has passed since the first try."""
     deadline = time.monotonic() + timeout
     while True:
+        dht = None
         try:
             dht = _DHT(**kwargs)
             dht.wait_until_ready(timeout=timeout + 5)
             return dht
-        except P2PDaemonError as exc:
+        except (P2PDaemonError, RuntimeError) as exc:
+            if isinstance(exc, RuntimeError) and "bootstrap failed" not in str(exc):
+                raise  # (hivemind's RuntimeError when no initial peer answered a DHT ping is retried)
+            if dht is not None:
+                dht.join(5.0)  # (its process ends once it has failed)
             error = _daemon_error(exc, initial_peers)
             if not isinstance(error, BootstrapError) or time.monotonic() + BOOTSTRAP_RETRY_SECONDS > deadline:
                 raise error from None
@@ -459,7 +464,7 @@ def _peer_id_of_key(ssh_public_key: bytes) -> str | None:
 
 def _daemon_error(exc: Exception, initial_peers: Sequence[str]) -> TransportError:
     text = str(exc)
-    if "failed to connect to bootstrap peers" in text:
+    if "failed to connect to bootstrap peers" in text or "bootstrap failed" in text:
         return BootstrapError(
             f"none of the initial peers answered ({', '.join(initial_peers)}); check the addresses, or start "
             "a new swarm with --new-swarm"
