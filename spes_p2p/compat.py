@@ -1,7 +1,10 @@
-"""Imports that need taming: third-party modules with side effects, and lazy re-exports of our own."""
+"""Imports that need taming (third-party modules with side effects, lazy re-exports of our own), and the one
+Linux call we make."""
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import logging
 
 
@@ -33,3 +36,9 @@ def setup_logging(level: str) -> None:
 
     os.environ.setdefault("HIVEMIND_LOGLEVEL", level.upper())
     logging.basicConfig(level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+
+def die_with_parent(signum: int) -> None:
+    """Linux: ask the kernel to send this process ``signum`` when its parent dies (elsewhere: nothing)."""
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signum)  # PR_SET_PDEATHSIG

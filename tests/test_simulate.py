@@ -1,5 +1,6 @@
 """`spes simulate`: late joins, crashes of sole holders, network faults, and resume after a kill."""
 
+import contextlib
 import json
 import os
 import signal
@@ -298,3 +299,43 @@ def test_churn_with_real_processes_restarts_peers_with_their_ids_and_leaves_no_p
         if str(out) in " ".join(p.info["cmdline"] or [])
     ]
     assert not left, left
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGKILL], ids=["SIGTERM", "SIGKILL"])
+def test_a_killed_simulator_leaves_no_process_running(tmp_path, signum):
+    """SIGTERM stops a simulation as Ctrl-C does (it stops its peers, exit status 130); after a SIGKILL, the
+    kernel sends each peer process SIGTERM (they die with their parent) and they leave in order."""
+    out = tmp_path / "sim"
+    args = "--peers 2 --shards 1 --rounds 100 --steps-per-round 5 --compute virtual=0.2 --max-corpus-mb 1"
+    spes_cli = str(Path(sys.executable).parent / "spes")
+    sim = subprocess.Popen(
+        [spes_cli, "simulate", *args.split(), "--out", str(out)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
+
+    def of_the_run() -> list[psutil.Process]:  # (every process of the run names a file of OUT)
+        found = []
+        for p in psutil.process_iter(["cmdline"]):
+            if p.pid != sim.pid and str(out) in " ".join(p.info["cmdline"] or []):
+                found.append(p)
+        return found
+
+    def wait_for(predicate, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while not predicate():
+            assert time.monotonic() < deadline, [p.info["cmdline"] for p in of_the_run()]
+            time.sleep(0.5)
+
+    try:
+        rows = [out / "peers" / name / "metrics.jsonl" for name in ("peer0", "peer1")]
+        wait_for(lambda: all(r.exists() for r in rows), timeout=180)  # both peers train
+        sim.send_signal(signum)
+        assert sim.wait(timeout=60) == (130 if signum == signal.SIGTERM else -signal.SIGKILL)
+        wait_for(lambda: not of_the_run(), timeout=60)
+    finally:
+        sim.kill()
+        for p in of_the_run():
+            with contextlib.suppress(psutil.Error):
+                p.kill()

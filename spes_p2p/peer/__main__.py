@@ -1,15 +1,17 @@
 """``python -m spes_p2p.peer SETTINGS.toml``: one peer, all of its settings in one file, logging to stderr.
 
-The simulator starts its peer processes this way; ``spes-join`` runs the same life cycle
-(``spes_p2p.peer.life.live``) with a terminal view. Exit status: 0 after a clean exit, 1 on an error.
+The simulator starts its peer processes this way, and they leave the swarm (SIGTERM) when the simulator
+dies, even by SIGKILL; ``spes-join`` runs the same life cycle (``spes_p2p.peer.life.live``) with a terminal
+view. Exit status: 0 after a clean exit, 1 on an error.
 """
 
 from __future__ import annotations
 
+import signal
 import sys
 from pathlib import Path
 
-from spes_p2p.compat import setup_logging
+from spes_p2p.compat import die_with_parent, setup_logging
 from spes_p2p.errors import SpesError
 
 
@@ -18,6 +20,7 @@ def main(argv: list[str], transport_for=None) -> int:
     if len(argv) != 2:
         print("usage: python -m spes_p2p.peer SETTINGS.toml", file=sys.stderr)
         return 2
+    die_with_parent(signal.SIGTERM)
     from spes_p2p.settings import load_settings
 
     try:

@@ -15,9 +15,11 @@ Layout of the output folder::
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import threading
@@ -400,6 +402,11 @@ def simulation(**changes) -> Settings:
 def run(settings: Settings, on_tick: Callable[[dict], None] | None = None) -> dict:
     """Runs the simulation to its last round (``[run] rounds``); returns the summary (also written to
     OUT/summary.json)."""
+    with _terminate_as_interrupt():
+        return _run(settings, on_tick)
+
+
+def _run(settings: Settings, on_tick: Callable[[dict], None] | None) -> dict:
     out = writable_folder(Path(settings.run.out), "--out")
     fleet_class = _fleet_class(settings)
     fleet_class.check_machine(settings)  # before an earlier run's results are removed
@@ -433,6 +440,24 @@ def run(settings: Settings, on_tick: Callable[[dict], None] | None = None) -> di
     summary = summarize(settings, fleet.peers_dir, events, names, killed, seconds, failures, leftovers)
     plot_losses(fleet.peers_dir, events, out / "loss.png")
     return summary
+
+
+@contextlib.contextmanager
+def _terminate_as_interrupt():
+    """SIGTERM stops a simulation as Ctrl-C does: its peers are stopped and what it created is removed (the
+    default would end this process at once, leaving its peers running)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def interrupt(signum, frame):
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGTERM, interrupt)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def _fleet_class(settings: Settings) -> type[Fleet]:

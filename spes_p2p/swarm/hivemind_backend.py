@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import ctypes
 import functools
 import hashlib
 import logging
@@ -51,6 +50,7 @@ from hivemind.proto import crypto_pb2
 from hivemind.utils.crypto import RSAPrivateKey, RSAPublicKey
 from hivemind.utils.timed_storage import get_dht_time
 
+from spes_p2p.compat import die_with_parent
 from spes_p2p.errors import ConfigError
 from spes_p2p.swarm.forwarding import Forwarding, Keys
 from spes_p2p.swarm.guard import Guard
@@ -97,12 +97,6 @@ def _signing_key(identity_path: Path):
     key = RSAPrivateKey.__new__(RSAPrivateKey)
     key.__setstate__({"_private_key": proto.data})  # the pickling path: DER bytes -> key
     return key
-
-
-def _die_with_parent() -> None:
-    """Linux: ask the kernel to kill this process when its parent dies (no orphaned DHT after a crash)."""
-    with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
 
 
 class HivemindTransport(Transport):
@@ -374,7 +368,7 @@ class _DHT(hivemind.DHT):
     """hivemind's DHT process, made to die with this process even when it is SIGKILLed."""
 
     def run(self) -> None:
-        _die_with_parent()
+        die_with_parent(signal.SIGKILL)  # (no orphaned DHT after a crash)
         relays_without_discovery()
         # Ctrl-C reaches the terminal's whole process group. Leaving it (with p2pd, started below) lets the
         # parent release its claims through this DHT before shutting it down in order.
