@@ -56,7 +56,12 @@ MODES = {
 }
 SECTIONS = ("memory", "bytes", "sync", "loss", "scale", "wan")
 SCALE_STEP_SECONDS = 0.5  # virtual compute in the scale section: 10 s of "training" a round at 20 steps
-SCALE_HEARTBEAT = {"swarm__heartbeat_seconds": 5.0, "swarm__record_ttl_seconds": 20.0}  # a swarm's defaults
+# heartbeats at a swarm's defaults; 32 peer processes starting at once on 2 cores take a while to join
+SCALE_SWARM = {
+    "swarm__heartbeat_seconds": 5.0,
+    "swarm__record_ttl_seconds": 20.0,
+    "swarm__join_timeout_seconds": 120.0,
+}
 SCALE_GROUP = 4  # holders of each expert shard, and peers averaging each dense block together
 # wan: a round's compute as a GPU would take it: H = 100 steps of the tiny preset at 20 ms a step (an
 # estimate: its 1,024-token step is a few GFLOPs, so kernel launches, not FLOPs, set its time on a GPU)
@@ -305,7 +310,7 @@ def bench_scale(out: Path, peers: list[int], rounds: int, steps: int) -> list[di
             sim__compute=f"virtual={SCALE_STEP_SECONDS}",
             model__shards=max(1, n // SCALE_GROUP),
             sync__dense_group_size=SCALE_GROUP,
-            **SCALE_HEARTBEAT,
+            **SCALE_SWARM,
         )
         summary = sim["summary"]
         rows.append(

@@ -190,6 +190,19 @@ def test_join_and_claim_cover_every_shard(member, net):
     assert record.units == members[2].units_held and record.addresses == ["/memory/p2p/p2"]
 
 
+def test_a_failed_read_of_the_swarm_is_not_everyone_leaving(member, net, monkeypatch):
+    """A DHT read that times out finds nothing: a peer whose own record is out keeps its last view, rather
+    than stop waiting for every participant or count every unit uncovered."""
+    members = [member(net, f"p{i}") for i in range(3)]
+    for m in members:
+        m.join()
+    before = members[0].view()
+    monkeypatch.setattr(members[0].transport, "read", lambda key: {})
+    assert members[0].view() is before and set(before.peers) == {"p0", "p1", "p2"}
+    assert members[0].live_peers() == {"p0", "p1", "p2"}
+    assert members[0].rebalance() == set() and coverage(members[0]) == coverage(members[1])
+
+
 def test_silent_peer_expires_and_its_sole_unit_is_taken_over(member, net, clock):
     members = [member(net, f"p{i}") for i in range(3)]
     for m in members:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections import Counter
 from dataclasses import dataclass, field
 
@@ -43,6 +44,7 @@ ENDING_ROUNDS = 2  # rounds a former holder still announces a unit it gave up
 # The manifest record never changes, and counts only while its peer's record is live: it lives this many
 # record TTLs, and is refreshed once half of that has passed (not every heartbeat).
 MANIFEST_TTLS = 4
+LIVE_MAX_AGE = 1.0  # seconds a view answers "who is live?" before it is read again
 
 
 def mismatch(transport: Transport, run_id: str, ours: Manifest, peer: str, theirs: manifests.ManifestRecord):
@@ -143,6 +145,8 @@ class SwarmMember:
         self.transport, self.manifest, self.cfg = transport, manifest, cfg
         self._manifest_record = manifest.record()
         self._manifest_due = float("-inf")  # when the manifest record is next refreshed (transport time)
+        self._published = False  # whether this peer's active record is out (until it leaves)
+        self._viewed_at = float("-inf")  # when last_view was read (time.monotonic)
         self._state = threading.RLock()
         self._publishing = threading.Lock()
         self.held: set[str] = set()
@@ -173,7 +177,8 @@ class SwarmMember:
         """Raises SwarmMismatch when the other live peers share another manifest, naming what differs. A few
         that differ while others share ours are left out of this peer's views (one stranger's record does
         not lock newcomers out)."""
-        live, me = self.live_peers(), self.transport.peer_id
+        live = parse_peers(self.transport.read(peers_key(self.cfg.run_id)), self.transport.guard)
+        me = self.transport.peer_id
         records = manifests.read_records(self.transport, self.cfg.run_id)
         others = {p: r for p, r in records.items() if p != me and p in live}
         differ = {p: r for p, r in sorted(others.items()) if r.hash != self.manifest.hash}
@@ -213,13 +218,27 @@ class SwarmMember:
             self.round, self.loss, self.tokens_per_s = round_, loss, tokens_per_s
 
     def live_peers(self) -> set[str]:
-        """Peer ids with a live, active record (one DHT read)."""
-        return set(parse_peers(self.transport.read(peers_key(self.cfg.run_id)), self.transport.guard))
+        """The peers of the last view, when it is under ``LIVE_MAX_AGE`` seconds old; else a new view's.
+        (Waits check liveness often, from several threads: one read serves them all.)"""
+        if time.monotonic() - self._viewed_at > LIVE_MAX_AGE:
+            self.view()
+        return set(self.last_view.peers)
 
     def view(self) -> SwarmView:
+        """The swarm now (one DHT read); the last view when the read failed."""
         view = read_view(self.transport, self.cfg.run_id, self.units, self.manifest.hash)
-        self.last_view = view  # (one reference swap: readers see the old view or this one)
+        if self._read_failed(view.peers):
+            return self.last_view
+        self.last_view, self._viewed_at = view, time.monotonic()  # (readers see the old view or this one)
         return view
+
+    def _read_failed(self, live) -> bool:
+        """Once this peer has published its record, every read of the swarm finds it: a read that does not
+        (the DHT timed out, on a saturated machine) must not read as "everyone left"."""
+        if self._published and self.transport.peer_id not in live:
+            logger.warning("a read of the swarm's records found nobody; using the last view")
+            return True
+        return False
 
     def served(self, unit: str, ok: bool) -> None:
         """Whether a refresh of ``unit`` (not trained here) got it from one of its holders. A unit none of
@@ -303,6 +322,7 @@ class SwarmMember:
                     del self.ending[unit]
                 record = self._peer_record("active", addresses)
             self._publish([(peers_key(self.cfg.run_id), record)], self.cfg.record_ttl)
+            self._published = True
             if self.transport.now() >= self._manifest_due:
                 ttl = MANIFEST_TTLS * self.cfg.record_ttl
                 self._manifest_due = self.transport.now() + ttl / 2
@@ -317,6 +337,7 @@ class SwarmMember:
         with self._publishing:
             with self._state:
                 self.held, self.ending = set(), {}
+                self._published = False
                 record = self._peer_record("left", addresses)
             self._publish([(peers_key(self.cfg.run_id), record)], self.cfg.record_ttl + 1.0)
 
