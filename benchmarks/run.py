@@ -238,14 +238,12 @@ def bench_sync(out: Path, rounds: int, steps: int) -> dict:
     result = {}
     for overlap in (True, False):
         sim = simulate(out, f"sync-overlap-{overlap}", "hivemind", 4, rounds, steps, method__overlap=overlap)
-        waited = computed = 0.0
-        for rows in sim["rows"].values():
-            for r in rows[1:]:  # the first round includes the start-up
-                waited += r["sync_wait_seconds"]
-                computed += r["compute_seconds"]
+        rows = sim["rows"].values()
+        steady = [r for rs in rows for r in rs[1:-1]]
         result["overlap" if overlap else "no_overlap"] = {
-            "sync_wait_fraction": waited / max(waited + computed, 1e-9),
-            "wait_seconds_per_round": waited / max(1, sum(len(r) - 1 for r in sim["rows"].values())),
+            "sync_wait_fraction": _wait_fraction(rows),
+            "sync_wait_fraction_with_last": _wait_fraction(rows, with_last=True),
+            "wait_seconds_per_round": sum(r["sync_wait_seconds"] for r in steady) / max(1, len(steady)),
         }
         print(f"sync overlap={overlap}: {result['overlap' if overlap else 'no_overlap']}", flush=True)
     return result
@@ -345,7 +343,11 @@ def bench_wan(out: Path, peers: int, rounds: int) -> dict:
         )
         natted = f"peer{peers - 1}"
         result[name] = {
-            "all": {**_round_times(sim), "sync_wait_fraction": _wait_fraction(sim["rows"].values())},
+            "all": {
+                **_round_times(sim),
+                "sync_wait_fraction": _wait_fraction(sim["rows"].values()),
+                "sync_wait_fraction_with_last": _wait_fraction(sim["rows"].values(), with_last=True),
+            },
             "uncovered": sim["summary"]["uncovered_unit_rounds"],
         }
         if nat:
@@ -355,6 +357,7 @@ def bench_wan(out: Path, peers: int, rounds: int) -> dict:
             result[name]["natted"] = {
                 "peer": natted,
                 "sync_wait_fraction": _wait_fraction([rows]),
+                "sync_wait_fraction_with_last": _wait_fraction([rows], with_last=True),
                 "experts": sorted({u for r in rows for u in r["units"] if u.startswith("experts/")}),
                 "rounds": len(rows),
                 # rounds in which another peer averaged this one's update into a unit
@@ -378,8 +381,11 @@ def _round_times(sim: dict) -> dict:
     }
 
 
-def _wait_fraction(peers_rows) -> float:
-    later = [r for rows in peers_rows for r in rows[1:]]
+def _wait_fraction(peers_rows, with_last: bool = False) -> float:
+    """The share of wall time the training loop waited on the sync, over rounds 2 to n - 1: the first
+    includes the start-up, and the last has no next round's compute to overlap its sync with (a run's drain,
+    once per run, not once per round); ``with_last`` counts it too."""
+    later = [r for rows in peers_rows for r in rows[1 : None if with_last else -1]]
     waited = sum(r["sync_wait_seconds"] for r in later)
     return waited / max(waited + sum(r["compute_seconds"] for r in later), 1e-9)
 
@@ -431,9 +437,10 @@ def tables(results: dict) -> str:
     if "bytes" in results:
         out += bytes_tables(results["bytes"], row, mib)
     if "sync" in results:
-        out += ["", row("sync", "share of wall time waiting", "seconds waited per round"), row(*["---"] * 3)]
+        heads = ("share of wall time waiting", "with the last round", "seconds waited per round")
+        out += ["", row("sync", *heads), row(*["---"] * 4)]
         for name, r in results["sync"].items():
-            out.append(row(name, f"{r['sync_wait_fraction']:.3f}", f"{r['wait_seconds_per_round']:.2f}"))
+            out.append(row(name, *_shares(r), f"{r['wait_seconds_per_round']:.2f}"))
     if "loss" in results:
         out += ["", row("method", "tokens", "final val loss"), row(*["---"] * 3)]
         for name, curve in results["loss"].items():
@@ -450,17 +457,20 @@ def tables(results: dict) -> str:
         out.append(row(r["peers"], *times, f"{r['dht_ms']:.1f}", f"{ratio:.2f}x"))
     wan = results.get("wan")
     if wan:
-        out += ["", row("wan", "sync-wait share", "round s", "sync wait s"), row(*["---"] * 4)]
+        heads = ("sync-wait share", "with the last round", "round s", "sync wait s")
+        out += ["", row("wan", *heads), row(*["---"] * 5)]
         for name in ("public", "nat"):
             r = wan[name]["all"]
-            out.append(row(f"{name}: all peers", f"{r['sync_wait_fraction']:.3f}", *_two(r)))
+            times = f"{r['round_seconds']:.2f}", f"{r['sync_wait_seconds']:.2f}"
+            out.append(row(f"{name}: all peers", *_shares(r), *times))
         natted = wan["nat"]["natted"]
-        out.append(row(f"nat: {natted['peer']} (behind NAT)", f"{natted['sync_wait_fraction']:.3f}", "", ""))
+        out.append(row(f"nat: {natted['peer']} (behind NAT)", *_shares(natted), "", ""))
     return "\n".join(out)
 
 
-def _two(r: dict) -> tuple[str, str]:
-    return f"{r['round_seconds']:.2f}", f"{r['sync_wait_seconds']:.2f}"
+def _shares(r: dict) -> tuple[str, str]:
+    """The sync-wait share of rounds 2 to n - 1, and of rounds 2 to n."""
+    return f"{r['sync_wait_fraction']:.3f}", f"{r['sync_wait_fraction_with_last']:.3f}"
 
 
 def bytes_tables(rows: list[dict], row, mib) -> list[str]:
