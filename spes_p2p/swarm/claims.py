@@ -97,9 +97,9 @@ def plan_moves(
 # holders of block b move to block perm(b), for a permutation of the blocks that every peer computes alike
 # from the epoch number (round // rotate_every). A permutation maps a covered set of blocks onto a covered
 # set, so rotation alone never leaves a block without an owner; the claim policy above repairs what churn
-# uncovers. Holder records carry the epoch they were made in, so a view read while some peers have rotated
-# and others not yet is first carried forward to one epoch (``holders_at_epoch``): every peer plans from the
-# same view.
+# uncovers. Peer records carry the epoch their claims were made in, so a view read while some peers have
+# rotated and others not yet is first carried forward to one epoch (``holders_at_epoch``): every peer plans
+# from the same view.
 
 BLOCK_ORDERS = ("cyclic", "random")
 
