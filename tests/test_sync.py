@@ -388,6 +388,25 @@ def test_the_deadline_adapts_within_its_bounds():
     assert d.seconds() == 30.0
 
 
+def test_a_deadline_that_cut_off_a_peer_still_training_waits_longer_next_round():
+    """p1 and p2 train the unit; p2 is behind (it has not announced when the deadline passes): the deadline
+    grows round after round, so a peer that ran ahead falls back into step instead of landing alone. A holder
+    that never announces (a fake one) stops stretching it after MISS_LIMIT rounds."""
+    _, engines = make_swarm("none", deadline=5.0, peers=("p0", "p1"))  # deadline_min 0.2
+    engines["p0"].deadline.observe(0.5)  # a 1 s deadline
+    unit, holders = "experts/0", ["p0", "p1", "p2"]
+    start, waits = tensors(0)[unit], []
+    for round_ in range(MISS_LIMIT + 1):
+        waits.append(engines["p0"].deadline.seconds())
+        ends = {p: {"w1": start["w1"] + 0.01 * (i + 1)} for i, p in enumerate(engines)}
+        results = exchange_concurrently(engines, round_, unit, {p: start for p in engines}, ends, holders)
+        assert results["p0"].missing == ["p2"] and results["p0"].participants == ["p0", "p1"]
+        start = results["p0"].new_weights
+    assert waits[0] < waits[1] < waits[2] < waits[3]  # each wait the whole deadline: 1.3x or more a round
+    counted = engines["p0"]._exchange
+    assert counted.behind["p2"] == MISS_LIMIT + 1 and "p2" not in counted.misses  # (it is waited for still)
+
+
 def test_a_lone_holders_int8_updates_do_not_accumulate_rounding():
     """A sole holder applies its own coded update every round: with error feedback its weights stay within
     one round's rounding of where its training took them, over 30 rounds."""

@@ -6,8 +6,10 @@
    takes the others' result);
 2. the other participants' announced updates are fetched (``fetching.UpdateFetcher``), several at a time,
    until all have answered, left or been refused, or the round's deadline passed; a participant that missed
-   ``MISS_LIMIT`` rounds in a row is fetched when it has announced, but no longer waited for. Late updates
-   of the last ``staleness`` rounds count too, from those rounds' participants only;
+   ``MISS_LIMIT`` rounds in a row is fetched when it has announced, but no longer waited for. A deadline
+   that passed before a participant even announced (it is behind: this peer ran ahead) makes the next round
+   wait longer, so the peers fall back into step. Late updates of the last ``staleness`` rounds count too,
+   from those rounds' participants only;
 3. ``aggregate.decide`` says how the round ends: combined updates, or re-synchronized end weights.
 """
 
@@ -95,6 +97,8 @@ class Exchange:
         self.off_base: dict[str, int] = {}  # unit -> rounds in a row we were outnumbered on our base
         self.misses: dict[str, int] = {}  # peer -> rounds in a row it announced and did not deliver
         self.missed_in: dict[str, int] = {}  # peer -> the last round counted in ``misses``
+        self.behind: dict[str, int] = {}  # peer -> rounds in a row the deadline passed before it announced
+        self.behind_in: dict[str, int] = {}  # peer -> the last round counted in ``behind``
         self.feedback: dict[str, ErrorFeedback] = {}  # unit -> what our last update's coding lost
         self.outer: dict[str, OuterStep] = {}
         self.reduce_scatter = ReduceScatter(self)
@@ -274,7 +278,10 @@ class Exchange:
         if not poll(one_pass, deadline, POLL_SECONDS):
             logger.info("round %d %s: deadline passed without %s", round_, unit, sorted(waiting))
         self.inputs.extend(f.contribution.tensors for f in got.values())
-        if got:
+        behind = {p for p in waiting - announcing if self.behind.get(p, 0) < MISS_LIMIT}
+        if behind:  # cut off while still training: this peer ran ahead, and waits longer next round to fall
+            self.deadline.observe(time.monotonic() - started)  # back into step (a fake holder: MISS_LIMIT)
+        elif got:
             self.deadline.observe(last_answer - started)
         missing = sorted(set(others) - set(got) - refused)
         self._count_misses(round_, others, got, missing, announcing)
@@ -282,14 +289,18 @@ class Exchange:
 
     def _count_misses(self, round_: int, others, got, missing, announcing) -> None:
         """Once a round per peer: one that announced its update and did not deliver it (silent, or slow)
-        counts a miss; an answer resets the count. A peer merely behind (not announced yet) counts nothing:
-        honest peers held up by someone else do not stop waiting for each other."""
+        counts a miss; an answer resets the count. A peer merely behind (not announced yet) counts no miss:
+        honest peers held up by someone else do not stop waiting for each other. It counts in ``behind``,
+        which stretches the next deadline for at most ``MISS_LIMIT`` rounds in a row."""
         for peer in others:
             if peer in got:
-                self.misses[peer] = 0
+                self.misses[peer] = self.behind[peer] = 0
             elif peer in missing and peer in announcing and self.missed_in.get(peer, -1) < round_:
                 self.misses[peer] = self.misses.get(peer, 0) + 1
                 self.missed_in[peer] = round_
+            elif peer in missing and peer not in announcing and self.behind_in.get(peer, -1) < round_:
+                self.behind[peer] = self.behind.get(peer, 0) + 1
+                self.behind_in[peer] = round_
 
     def _late_updates(self, round_: int, unit: str, deadline: Deadline) -> list[Contribution]:
         """Updates of the last ``staleness`` rounds that came after those rounds closed, on our old base,
