@@ -225,20 +225,14 @@ class SwarmMember:
         return set(self.last_view.peers)
 
     def view(self) -> SwarmView:
-        """The swarm now (one DHT read); the last view when the read failed."""
+        """The swarm now (one DHT read). Once this peer's record is out, every read finds it: one that does
+        not (a DHT timeout, on a saturated machine) must not read as "everyone left": the last view stands."""
         view = read_view(self.transport, self.cfg.run_id, self.units, self.manifest.hash)
-        if self._read_failed(view.peers):
+        if self._published and self.transport.peer_id not in view.peers:
+            logger.warning("a read of the swarm's records found nobody; using the last view")
             return self.last_view
         self.last_view, self._viewed_at = view, time.monotonic()  # (readers see the old view or this one)
         return view
-
-    def _read_failed(self, live) -> bool:
-        """Once this peer has published its record, every read of the swarm finds it: a read that does not
-        (the DHT timed out, on a saturated machine) must not read as "everyone left"."""
-        if self._published and self.transport.peer_id not in live:
-            logger.warning("a read of the swarm's records found nobody; using the last view")
-            return True
-        return False
 
     def served(self, unit: str, ok: bool) -> None:
         """Whether a refresh of ``unit`` (not trained here) got it from one of its holders. A unit none of
