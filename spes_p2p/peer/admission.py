@@ -25,7 +25,7 @@ from spes_p2p.settings import Settings
 from spes_p2p.swarm import manifest as manifests
 from spes_p2p.swarm.manifest import PROTOCOL, Manifest, ManifestRecord
 from spes_p2p.swarm.member import SwarmMismatch
-from spes_p2p.swarm.records import PeerRecord, decode_entries, parse_peers, peers_key
+from spes_p2p.swarm.records import PeerRecord, decode_entries, peers_key, read_peers
 from spes_p2p.swarm.transport import Transport
 from spes_p2p.swarm.waiting import Deadline, poll
 from spes_p2p.train.tokenizer import atomic_write_bytes
@@ -107,7 +107,7 @@ def _live_manifests(
     transport: Transport, run_id: str, seconds: float, stop: threading.Event
 ) -> dict[str, ManifestRecord]:
     def seen() -> dict[str, ManifestRecord] | None:
-        live = parse_peers(transport.read(peers_key(run_id)), transport.guard)
+        live = read_peers(transport, run_id)
         records = {p: r for p, r in manifests.read_records(transport, run_id).items() if p in live}
         return records or None
 

@@ -11,7 +11,7 @@ from spes_p2p.settings import Settings
 from spes_p2p.swarm import manifest as manifests
 from spes_p2p.swarm.manifest import Manifest, ManifestError
 from spes_p2p.swarm.member import read_view
-from spes_p2p.swarm.records import parse_peers, peers_key
+from spes_p2p.swarm.records import read_peers
 from spes_p2p.swarm.transport import Transport
 from spes_p2p.swarm.waiting import Deadline
 from spes_p2p.train.tokenizer import atomic_write_bytes
@@ -38,7 +38,7 @@ class SwarmReader:
 
     def read(self) -> dict:
         """The swarm as `spes status --json` prints it; SwarmUnavailable when no peer of it is alive."""
-        live = parse_peers(self.transport.read(peers_key(self.run_id)), self.transport.guard)
+        live = read_peers(self.transport, self.run_id)
         if not live:
             raise SwarmUnavailable(nobody_alive(self.transport, self.run_id, 0))
         if self.manifest is None:
@@ -112,7 +112,7 @@ def write_invite(path: Path, settings: Settings, manifest: Manifest, addresses: 
 
 def live_addresses(transport: Transport, run_id: str) -> list[str]:
     """Every dialable address of the swarm's live peers (client-mode peers cannot be dialed)."""
-    peers = parse_peers(transport.read(peers_key(run_id)), transport.guard)
+    peers = read_peers(transport, run_id)
     return [
         a for p in sorted(peers.values(), key=lambda p: p.peer_id) if not p.client_mode for a in p.addresses
     ]

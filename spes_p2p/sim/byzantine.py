@@ -32,7 +32,7 @@ from safetensors.torch import load, save
 from spes_p2p.sim.config import BYZANTINE_MODES as MODES
 from spes_p2p.swarm.messages import RPC_UPDATE, RPC_WEIGHTS, UpdateRequest
 from spes_p2p.swarm.payload import buffers_digest, metadata_of
-from spes_p2p.swarm.records import Announcement, Holding, PeerRecord, RecordError
+from spes_p2p.swarm.records import Announcement, Holding, PeerRecord, RecordError, peers_key
 from spes_p2p.swarm.transport import Entry, Handler, Transport, TransportError
 
 logger = logging.getLogger(__name__)
@@ -194,7 +194,7 @@ class ByzantineTransport(Transport):
             fake = msgspec.structs.replace(
                 record, peer_id=sybil.peer_id, addresses=[], holds={target: Holding()}
             )
-            sybil.publish(f"{run_id}/peers", fake.encode(), expires_at)
+            sybil.publish(peers_key(run_id), fake.encode(), expires_at)
         return msgspec.structs.replace(record, holds={u: Holding() for u in self.units}).encode()
 
     def _forge_tombstones(self, run_id: str, record: PeerRecord) -> None:
@@ -202,15 +202,15 @@ class ByzantineTransport(Transport):
         victim's id, expiring in an hour (the DHT keeps the entry that expires last)."""
         dht, key = self.inner.dht, self.inner._validator.local_public_key
         far = self.inner.now() + 3600
-        victims = set(self.inner.read(f"{run_id}/peers")) - {self.peer_id}
+        victims = set(self.inner.read(peers_key(run_id))) - {self.peer_id}
         logger.info("forging tombstones of %s", sorted(victims))
         for victim in victims:
             subkey = victim.encode() + key
             left = msgspec.structs.replace(record, peer_id=victim, addresses=[], holds={}, state="left")
-            dht.store(f"{run_id}/peers", left.encode(), far, subkey=subkey, return_future=True)
+            dht.store(peers_key(run_id), left.encode(), far, subkey=subkey, return_future=True)
 
     def _send_garbage_requests(self, run_id: str) -> None:
-        for peer in set(self.inner.read(f"{run_id}/peers")) - {self.peer_id}:
+        for peer in set(self.inner.read(peers_key(run_id))) - {self.peer_id}:
             for name in (RPC_UPDATE, RPC_WEIGHTS):
                 try:
                     self.inner.request(peer, name, os.urandom(64), timeout=2)

@@ -29,8 +29,8 @@ from spes_p2p.swarm.records import (
     Holding,
     PeerRecord,
     Record,
-    parse_peers,
     peers_key,
+    read_peers,
 )
 from spes_p2p.swarm.transport import Transport
 from spes_p2p.swarm.waiting import Deadline
@@ -101,7 +101,7 @@ class SwarmView:
 def read_view(transport: Transport, run_id: str, units: list[str], manifest: str = "") -> SwarmView:
     """Live peers (those sharing ``manifest``, when given) and, for every unit, its live holders (one DHT
     read); invalid records are skipped and reported to the transport's guard."""
-    peers = parse_peers(transport.read(peers_key(run_id)), transport.guard)
+    peers = read_peers(transport, run_id)
     peers = {p: r for p, r in peers.items() if not manifest or r.manifest == manifest}
     for peer, record in peers.items():
         transport.learn(peer, record.addresses)  # (a signed record: the peer itself says where it is)
@@ -177,7 +177,7 @@ class SwarmMember:
         """Raises SwarmMismatch when the other live peers share another manifest, naming what differs. A few
         that differ while others share ours are left out of this peer's views (one stranger's record does
         not lock newcomers out)."""
-        live = parse_peers(self.transport.read(peers_key(self.cfg.run_id)), self.transport.guard)
+        live = read_peers(self.transport, self.cfg.run_id)
         me = self.transport.peer_id
         records = manifests.read_records(self.transport, self.cfg.run_id)
         others = {p: r for p, r in records.items() if p != me and p in live}

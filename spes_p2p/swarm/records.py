@@ -23,7 +23,7 @@ import msgspec
 
 from spes_p2p.swarm.codecs import MAX_PARTS
 from spes_p2p.swarm.guard import Guard
-from spes_p2p.swarm.transport import MAX_RECORD_BYTES
+from spes_p2p.swarm.transport import MAX_RECORD_BYTES, Transport
 
 MAX_ADDRESSES = 16
 MAX_UNITS = 256
@@ -152,3 +152,9 @@ def parse_peers(entries: dict, guard: Guard | None = None) -> dict[str, PeerReco
         elif record.state == "active":
             peers[peer_id] = record
     return peers
+
+
+def read_peers(transport: Transport, run_id: str) -> dict[str, PeerRecord]:
+    """The swarm's valid, active peer records by peer id (one DHT read); invalid ones are reported to the
+    transport's guard."""
+    return parse_peers(transport.read(peers_key(run_id)), transport.guard)
