@@ -70,7 +70,7 @@ def loss_table(preset: str, rounds: int, steps: int, out: Path) -> list[dict]:
             model__preset=preset,
             run__rounds=rounds,
             method__steps_per_round=steps,
-            sim__backend="memory",
+            swarm__backend="memory",
             model__dense_blocks=blocks,
             peer__active_blocks=1,
             method__rotate_every_rounds=2,

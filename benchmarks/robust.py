@@ -19,7 +19,7 @@ from spes_p2p.sim import run, simulation
 from spes_p2p.swarm.config import AGGREGATES
 
 SWARM = {
-    "sim__backend": "memory",
+    "swarm__backend": "memory",
     "sim__peers": 4,
     "model__shards": 2,
     "run__rounds": 12,

@@ -215,7 +215,7 @@ def simulate(out: Path, name: str, backend: str, peers: int, rounds: int, steps:
             "model__shards": 2,
             "run__rounds": rounds,
             "method__steps_per_round": steps,
-            "sim__backend": backend,
+            "swarm__backend": backend,
             "run__out": str(folder),
             **changes,
         }

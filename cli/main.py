@@ -126,7 +126,7 @@ def memory(settings, as_json, running) -> None:
 
 
 @spes.command()
-@settings_options("swarm.run_id", "swarm.initial_peers", "run.log_level", default_file=True)
+@settings_options("swarm.run_id", "swarm.initial_peers", "swarm.backend", "run.log_level", default_file=True)
 @JSON
 @click.option("--watch", is_flag=True, help="Keep the table on screen, refreshed every --every seconds.")
 @click.option("--every", type=click.FloatRange(min=0.5), default=5.0, show_default=True)
@@ -154,7 +154,7 @@ def status(settings, as_json, watch, every) -> None:
 
 
 @spes.command()
-@settings_options("swarm.run_id", "swarm.initial_peers", "run.log_level", default_file=True)
+@settings_options("swarm.run_id", "swarm.initial_peers", "swarm.backend", "run.log_level", default_file=True)
 @click.option(
     "--out", required=True, type=click.Path(dir_okay=False, path_type=Path), help="The invite file."
 )
@@ -210,7 +210,7 @@ def simulate(settings, cleanup: bool) -> None:
     s = settings
     out = Path(s.run.out)
     console.print(
-        f"simulating {s.sim.peers} peers ({s.sim.backend}, {s.sim.compute} compute), {s.model.shards} "
+        f"simulating {s.sim.peers} peers ({s.swarm.backend}, {s.sim.compute} compute), {s.model.shards} "
         f"shards, {s.run.rounds} rounds of {s.method.steps_per_round} steps; output in {out}"
     )
     with SimLive(console, s.run.rounds) as live:

@@ -147,6 +147,10 @@ class Settings:
                 "not measured: write virtual=SECONDS (e.g. virtual=30)",
                 "sim",
             )
+        try:
+            self.sim.check_backend(self.swarm.backend)
+        except FieldError as exc:
+            raise FieldError(exc.field, exc.problem, "swarm") from None
         shards = self.run.shard_list() or ()
         bad = [s for s in shards if not 0 <= s < self.model.shards]
         if bad:

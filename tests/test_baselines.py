@@ -11,7 +11,7 @@ from spes_p2p.sim.summary import read_rows
 
 pytestmark = pytest.mark.timeout(300)
 SLOW = pytest.mark.slow  # trains a swarm
-SIM = {"sim__peers": 3, "model__shards": 2, "run__rounds": 4, "sim__backend": "memory"}
+SIM = {"sim__peers": 3, "model__shards": 2, "run__rounds": 4, "swarm__backend": "memory"}
 SIM |= {
     "method__steps_per_round": 5,
     "train__batch_size": 4,

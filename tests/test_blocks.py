@@ -252,7 +252,7 @@ def test_a_dense_block_held_quantized_is_fetched_in_its_own_codec(refresh):
 
 # ----------------------------------------------------------------------------------- simulated swarms
 
-SIM = {"sim__peers": 4, "model__shards": 2, "run__rounds": 6, "sim__backend": "memory"}
+SIM = {"sim__peers": 4, "model__shards": 2, "run__rounds": 6, "swarm__backend": "memory"}
 SIM |= {
     "method__steps_per_round": 5,
     "train__batch_size": 4,

@@ -10,7 +10,7 @@ from spes_p2p.sim.summary import read_rows
 
 pytestmark = [pytest.mark.timeout(300), pytest.mark.slow]
 SWARM = {
-    "sim__backend": "memory",
+    "swarm__backend": "memory",
     "sim__peers": 4,
     "model__shards": 2,
     "model__dense_blocks": 1,  # every peer holds the dense part: the attacker is one of 4 in its exchange
@@ -75,7 +75,7 @@ def test_records_forged_under_the_others_ids_move_nobody_on_hivemind(tmp_path):
     every honest peer from the others' views and release their claims."""
     # 6 rounds: a peer held up on a busy machine may skip rounds (it catches up by download), and the two
     # honest peers must still meet after round 0
-    swarm = {**SWARM, "sim__backend": "hivemind", "sim__peers": 3, "run__rounds": 6}
+    swarm = {**SWARM, "swarm__backend": "hivemind", "sim__peers": 3, "run__rounds": 6}
     clean = run(simulation(run__out=str(tmp_path / "clean"), **swarm))
     summary = run(simulation(run__out=str(tmp_path / "forge"), sim__byzantine=("2:forge",), **swarm))
     assert not clean["failures"] and not summary["failures"]
@@ -92,13 +92,13 @@ def test_records_forged_under_the_others_ids_move_nobody_on_hivemind(tmp_path):
 
 
 def test_byzantine_settings_are_checked():
-    assert SimConfig(byzantine=("1:nan", "2:late"), backend="memory").byzantine_peers == {1: "nan", 2: "late"}
+    assert SimConfig(byzantine=("1:nan", "2:late")).byzantine_peers == {1: "nan", 2: "late"}
     with pytest.raises(ConfigError, match="write I:MODE"):
-        SimConfig(byzantine=("1:evil",), backend="memory")
+        SimConfig(byzantine=("1:evil",))
     with pytest.raises(ConfigError, match="must be memory for claimall"):
-        SimConfig(byzantine=("1:claimall",), backend="hivemind")
+        simulation(sim__byzantine=("1:claimall",), swarm__backend="hivemind")
     with pytest.raises(ConfigError, match="must be hivemind for forge"):
-        SimConfig(byzantine=("1:forge",), backend="memory")
-    assert SimConfig(byzantine=("1:nan",), backend="hivemind").byzantine_peers == {1: "nan"}
+        simulation(sim__byzantine=("1:forge",), swarm__backend="memory")
+    assert simulation(sim__byzantine=("1:nan",), swarm__backend="libp2p").sim.byzantine_peers == {1: "nan"}
     with pytest.raises(ConfigError, match="names no peer 9"):
-        SimConfig(byzantine=("9:nan",), backend="memory")
+        SimConfig(byzantine=("9:nan",))

@@ -91,7 +91,7 @@ def test_toml_written_by_the_library_reads_back_to_the_same_settings(tmp_path):
         ),
         ("[sim]\njoins = ['-1@2']\n", r"peers.toml:2: \[sim\] joins take at least one newcomer"),
         ("[sim]\nkills = ['9@2']\n", r"peers.toml:2: \[sim\] kills name no peer 9"),
-        ("[sim]\ndrop = 0.1\n", r"\[sim\] backend must be memory"),
+        ("[sim]\ndrop = 0.1\n", r"\[swarm\] backend must be memory"),
         ("[run]\nowned_shards = '7'\n", r"peers.toml:2: \[run\] owned_shards names shard 7"),
         (
             "[swarm]\nallowlist = ['/p2p/Qm1']\n",

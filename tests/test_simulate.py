@@ -30,14 +30,16 @@ SMALL = {
 
 
 def test_event_parsing():
-    cfg = SimConfig(kills=("1@3", "sole@2"), joins=("2@1",), partitions=("0,1/2,3@2-4",), backend="memory")
+    cfg = SimConfig(kills=("1@3", "sole@2"), joins=("2@1",), partitions=("0,1/2,3@2-4",))
     assert cfg.kill_events == [Event(SOLE, 2), Event(1, 3)] and cfg.join_events == [Event(2, 1)]
     (p,) = cfg.partition_events
     assert p.groups == ((0, 1), (2, 3)) and (p.start, p.end) == (2, 4)
     with pytest.raises(ConfigError, match="NUMBER@ROUND"):
         SimConfig(joins=("1-3",))
-    with pytest.raises(ConfigError, match="must be memory"):
-        SimConfig(backend="hivemind", drop=0.1)
+    with pytest.raises(ConfigError, match="backend must be memory"):
+        simulation(swarm__backend="hivemind", sim__drop=0.1)
+    with pytest.raises(ConfigError, match="backend must be hivemind for --netns"):
+        simulation(swarm__backend="libp2p", sim__netns=True)
 
 
 def test_late_join_and_a_killed_sole_holder_on_the_memory_backend(tmp_path):
@@ -46,7 +48,7 @@ def test_late_join_and_a_killed_sole_holder_on_the_memory_backend(tmp_path):
             sim__peers=3,
             model__shards=2,
             run__rounds=8,  # the newcomer joins well before the end, while the holders it downloads from live
-            sim__backend="memory",
+            swarm__backend="memory",
             sim__kills=("sole@2",),  # (while the first three peers hold the two shards 2 + 1)
             sim__joins=("1@4",),
             run__out=str(tmp_path),
@@ -81,7 +83,7 @@ def test_a_peer_that_fails_stops_the_simulation_and_is_reported(tmp_path, monkey
         return real_live(settings, stop, ui, transport)
 
     monkeypatch.setattr(life, "live", live)
-    summary = run(simulation(sim__peers=3, sim__backend="memory", run__out=str(tmp_path), **SMALL))
+    summary = run(simulation(sim__peers=3, swarm__backend="memory", run__out=str(tmp_path), **SMALL))
     assert summary["failures"] == ["peer1: its disk is full"]
     assert summary["rounds_completed"] == 0
 
@@ -99,7 +101,7 @@ def test_network_faults_are_survived_and_corrupt_payloads_counted(tmp_path):
             sim__peers=4,
             model__shards=2,
             run__rounds=4,
-            sim__backend="memory",
+            swarm__backend="memory",
             sim__drop=0.05,
             sim__delay_ms=5.0,
             sim__corrupt=0.1,
@@ -129,7 +131,7 @@ def test_a_peer_cut_off_for_a_round_is_back_on_the_swarms_weights_bit_for_bit(tm
             model__shards=1,
             model__dense_blocks=1,
             run__rounds=6,
-            sim__backend="memory",
+            swarm__backend="memory",
             sim__partitions=("0/1,2@1-1",),
             run__out=str(tmp_path),
             **SMALL,
@@ -257,7 +259,7 @@ def test_churn_on_the_memory_backend_brings_every_killed_peer_back_with_its_id(t
             model__shards=1,
             model__dense_blocks=1,
             run__rounds=10,  # kills in rounds 1 to 4, then rounds for the restarts to come back in
-            sim__backend="memory",
+            swarm__backend="memory",
             sim__churn=0.2,
             train__seed=163,
             run__out=str(tmp_path),

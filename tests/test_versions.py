@@ -21,7 +21,7 @@ from spes_p2p.swarm.versions import is_version_round
 UNIT = "experts/0"
 SWARM = {  # a small swarm of 4 peers in one process, 2 shards, rounds of 5 steps
     "sim__peers": 4,
-    "sim__backend": "memory",
+    "swarm__backend": "memory",
     "model__shards": 2,
     "method__steps_per_round": 5,
     "train__batch_size": 4,

@@ -63,7 +63,7 @@ def test_a_virtual_swarm_syncs_for_real_without_training(tmp_path, virtual_peers
     summary = run(
         simulation(
             sim__peers=4,
-            sim__backend="memory",
+            swarm__backend="memory",
             sim__compute="virtual=0.01",
             run__rounds=rounds,
             run__out=str(tmp_path),
@@ -98,7 +98,7 @@ def test_a_virtual_update_costs_the_bytes_of_a_real_one(tmp_path):
         summary = run(
             simulation(
                 sim__peers=3,
-                sim__backend="memory",
+                swarm__backend="memory",
                 sim__compute=compute,
                 model__shards=1,
                 model__dense_blocks=1,
@@ -119,7 +119,7 @@ def test_a_virtual_update_costs_the_bytes_of_a_real_one(tmp_path):
 
 def test_a_virtual_peer_checkpoints_and_resumes(tmp_path, virtual_peers):
     s = simulation(
-        sim__backend="memory",
+        swarm__backend="memory",
         sim__compute="virtual=0",
         train__checkpoint_every=H,
         model__shards=2,  # (a lone peer trains one; the other is a frozen copy, held in int8)

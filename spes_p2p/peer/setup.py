@@ -56,9 +56,15 @@ def sync_engine(settings: Settings, transport: Transport, specs: dict, local_cop
 
 
 def open_transport(settings: Settings, *, new_swarm: bool, client: bool = False) -> Transport:
-    """The hivemind transport; a new swarm dials nobody, a joining peer needs initial peers. A peer nobody
-    can dial (``--client-mode``, ``--use-relay``) is reached through relays: its initial peers."""
+    """The transport of the swarm's backend; a new swarm dials nobody, a joining peer needs initial peers.
+    A peer nobody can dial (``--client-mode``, ``--use-relay``) is reached through relays: its initial
+    peers (hivemind backend only)."""
     net = settings.network
+    if settings.swarm.backend == "memory":
+        raise ConfigError(
+            "--backend memory runs only inside spes simulate (every peer in one process): pick hivemind or "
+            "libp2p"
+        )
     initial = [] if new_swarm else list(settings.swarm.initial_peers)
     if not new_swarm and not initial:
         raise ConfigError(
@@ -71,13 +77,29 @@ def open_transport(settings: Settings, *, new_swarm: bool, client: bool = False)
             "a peer that nobody can dial (--client-mode or --use-relay) cannot found a swarm: found it on a "
             "reachable machine, then join this one with --peers ADDR"
         )
+    identity = None if client else Path(net.identity).expanduser()
+    if settings.swarm.backend == "libp2p":
+        if relayed:
+            raise ConfigError(
+                "--client-mode and --use-relay need --backend hivemind: the libp2p backend has no relays yet"
+            )
+        from spes_p2p.swarm.libp2p_backend import Libp2pTransport  # (never with hivemind in one process)
+
+        return Libp2pTransport(
+            initial_peers=initial,
+            listen=net.listen,
+            announce=net.announce,
+            identity_path=identity,
+            client_mode=client,
+            startup_timeout=settings.swarm.join_timeout_seconds,
+        )
     from spes_p2p.swarm.hivemind_backend import HivemindTransport  # heavy: imported only when used
 
     return HivemindTransport(
         initial_peers=initial,
         listen=net.listen,
         announce=net.announce,
-        identity_path=None if client else Path(net.identity).expanduser(),
+        identity_path=identity,
         client_mode=client or net.client_mode,
         relays=initial if relayed else (),
         startup_timeout=settings.swarm.join_timeout_seconds,

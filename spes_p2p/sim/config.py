@@ -9,7 +9,6 @@ from dataclasses import dataclass
 
 from spes_p2p.fields import FieldError, Section, check, setting
 
-BACKENDS = ("hivemind", "memory")
 MEMORY_ONLY_MODES = ("claimall",)  # its fake holders are peers of the in-process network
 HIVEMIND_ONLY_MODES = ("forge",)  # the memory backend has no signatures to forge
 BYZANTINE_MODES = (
@@ -67,11 +66,6 @@ class SimConfig(Section):
     """[sim]: a local swarm: its peers, and the crashes, late joins and faults to inflict on it."""
 
     peers: int = setting(4, "Peers at the start.")
-    backend: str = setting(
-        "hivemind",
-        "hivemind: real peer processes on 127.0.0.1; memory: every peer in this process.",
-        choices=BACKENDS,
-    )
     kills: tuple[str, ...] = setting(
         (),
         "SIGKILL peer I (or 'sole': a peer that alone holds a shard) when the swarm reaches ROUND.",
@@ -124,19 +118,12 @@ class SimConfig(Section):
         for kill in self.kill_events:
             check(kill.count == SOLE or 0 <= kill.count < total, "kills", f"name no peer {kill.count}")
         self.partition_events  # noqa: B018 - parsed here so that a bad one is refused up front
-        faults = self.drop or self.delay_ms or self.corrupt or self.partitions
-        check(
-            not faults or self.backend == "memory",
-            "backend",
-            "must be memory for drop, delay, corrupt, partitions",
-        )
         check(
             0 <= self.drop < 1 and 0 <= self.corrupt < 1,
             "drop",
             "drop and corrupt are probabilities in [0, 1)",
         )
         check(self.delay_ms >= 0, "delay_ms", "must be at least 0")
-        check(not self.netns or self.backend == "hivemind", "netns", "needs --backend hivemind")
         check(not (self.bandwidth or self.nat) or self.netns, "netns", "is needed for bandwidth and nat")
         check(
             not self.bandwidth or re.fullmatch(r"\d+(\.\d+)?[kmg]?bit", self.bandwidth) is not None,
@@ -152,18 +139,19 @@ class SimConfig(Section):
         for index in self.overrides:
             check(index < total, "peer_settings", f"names no peer {index}")
         self.step_seconds  # noqa: B018 - parsed here so that a bad one is refused up front
-        for index, mode in self.byzantine_peers.items():
+        for index in self.byzantine_peers:
             check(0 <= index < total, "byzantine", f"names no peer {index}")
-            check(
-                mode not in MEMORY_ONLY_MODES or self.backend == "memory",
-                "backend",
-                f"must be memory for {mode}",
-            )
-            check(
-                mode not in HIVEMIND_ONLY_MODES or self.backend == "hivemind",
-                "backend",
-                f"must be hivemind for {mode}",
-            )
+
+    def check_backend(self, backend: str) -> None:
+        """What needs which ``[swarm] backend`` (a FieldError of field ``backend``)."""
+        faults = self.drop or self.delay_ms or self.corrupt or self.partitions
+        needs = [("memory", "drop, delay, corrupt, partitions")] if faults else []
+        needs += [("hivemind", "--netns")] if self.netns else []
+        for mode in self.byzantine_peers.values():
+            needs += [("memory", mode)] if mode in MEMORY_ONLY_MODES else []
+            needs += [("hivemind", mode)] if mode in HIVEMIND_ONLY_MODES else []
+        for needed, what in needs:
+            check(backend == needed, "backend", f"must be {needed} for {what}")
 
     @property
     def virtual(self) -> bool:

@@ -38,7 +38,8 @@ def running(settings: Settings, rounds: int = ROUNDS, peers: int | None = None) 
     if ("method", "steps_per_round") not in settings.given:
         local["method__steps_per_round"] = STEPS_PER_ROUND
     with tempfile.TemporaryDirectory(prefix="spes-memory-") as out:
-        changes = {**local, "sim__backend": "memory", "sim__peers": n, "run__rounds": rounds, "run__out": out}
+        changes = {**local, "swarm__backend": "memory", "sim__peers": n, "run__rounds": rounds}
+        changes["run__out"] = out
         s = settings.override(**changes, sim__kills=(), sim__joins=())
         summary = run(s)
         if summary["failures"]:

@@ -461,7 +461,7 @@ def _terminate_as_interrupt():
 
 
 def _fleet_class(settings: Settings) -> type[Fleet]:
-    if settings.sim.backend == "memory":
+    if settings.swarm.backend == "memory":
         return MemoryFleet
     if settings.sim.netns:
         from spes_p2p.sim.netfleet import NetnsFleet

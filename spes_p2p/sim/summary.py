@@ -84,7 +84,7 @@ def _config(settings: Settings) -> dict:
         "preset": settings.model.preset,
         "rounds": settings.run.rounds,
         "steps_per_round": settings.method.steps_per_round,
-        "backend": settings.sim.backend,
+        "backend": settings.swarm.backend,
         "codec": settings.sync.codec,
         "compute": settings.sim.compute,  # virtual: no model ran, there is no loss
     }

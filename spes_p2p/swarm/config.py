@@ -14,6 +14,7 @@ OUTER_RULES = ("fedavg", "nesterov")
 AGGREGATES = ("mean", "clipped_mean", "trimmed_mean", "median")
 DENSE_EXCHANGES = ("reduce_scatter", "all_to_all")
 FROZEN_REFRESHES = ("changes", "weights")
+BACKENDS = ("hivemind", "libp2p", "memory")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -26,6 +27,13 @@ class SwarmConfig(Section):
         "A running peer's multiaddr, ending in /p2p/<peer id> (repeatable).",
         flag="--peers",
         metavar="MULTIADDR",
+    )
+    backend: str = setting(
+        "hivemind",
+        "The swarm's network stack: hivemind (its Go daemon, p2pd), libp2p (py-libp2p, pure Python), or "
+        "memory (spes simulate only: every peer in one process).",
+        choices=BACKENDS,
+        scope=SWARM,
     )
     manifest: str = setting(
         "", "The swarm's manifest hash (an invite carries it): join only the swarm whose manifest has it."

@@ -31,7 +31,6 @@ import hashlib
 import logging
 import os
 import signal
-import socket
 import tempfile
 import threading
 import time
@@ -58,6 +57,7 @@ from spes_p2p.swarm.hivemind_relays import CIRCUIT, Relays, relays_without_disco
 from spes_p2p.swarm.transport import (
     ANSWER_WRITE_TIMEOUT,
     DEFAULT_MAX_MESSAGE_BYTES,
+    HELLO,
     REQUEST_READ_TIMEOUT,
     BootstrapError,
     Entry,
@@ -71,7 +71,10 @@ from spes_p2p.swarm.transport import (
     Transport,
     TransportError,
     TransportStats,
+    WrongBackend,
+    check_ports_free,
     check_record_size,
+    tcp_probe,
 )
 
 logger = logging.getLogger(__name__)
@@ -79,6 +82,7 @@ logger = logging.getLogger(__name__)
 DHT_TIMEOUT = 10.0  # one DHT store or get
 STARTUP_TIMEOUT = 20.0  # starting p2pd and reaching the initial peers
 BOOTSTRAP_RETRY_SECONDS = 3.0
+HELLO_TIMEOUT = 10.0  # asking an initial peer which backend it runs
 _OK, _FAILED = P2P.MESSAGE_MARKER, P2P.ERROR_MARKER
 
 
@@ -100,6 +104,8 @@ def _signing_key(identity_path: Path):
 
 
 class HivemindTransport(Transport):
+    backend = "hivemind"
+
     def __init__(
         self,
         *,
@@ -152,6 +158,7 @@ class HivemindTransport(Transport):
         keys = Keys(self.peer_id, key.get_public_key().to_bytes(), key.sign, _signed_by)
         self.forwarding = Forwarding(self, keys, self._handlers.get)
         self.forwarding.serve(relay=not self.relays.relayed)
+        self.serve(HELLO, lambda caller, request: self.backend.encode())
 
     # -------------------------------------------------------------------------------------------- DHT
 
@@ -302,15 +309,7 @@ class HivemindTransport(Transport):
         return any(str(p.peer_id) == peer_id and any(CIRCUIT not in str(a) for a in p.addrs) for p in peers)
 
     def probe(self, address: str, timeout: float) -> bool:
-        """A TCP connection to the address's host and port (nothing is sent): what a peer's dial needs."""
-        parts = address.split("/")
-        if len(parts) < 5 or parts[1] not in ("ip4", "ip6", "dns", "dns4", "dns6") or parts[3] != "tcp":
-            return False
-        try:
-            with socket.create_connection((parts[2], int(parts[4])), timeout=timeout):
-                return True
-        except (OSError, ValueError):
-            return False
+        return tcp_probe(address, timeout)
 
     # ------------------------------------------------------------------------------------- lifecycle
 
@@ -344,6 +343,7 @@ def _start_dht(kwargs: dict, initial_peers: Sequence[str], timeout: float):
     """Starts the DHT; an initial peer that does not answer (a busy or restarting machine) is retried
     until ``timeout`` has passed since the first try."""
     deadline = time.monotonic() + timeout
+    asked = False  # which backend the initial peers run, once
     while True:
         dht = None
         try:
@@ -356,12 +356,45 @@ def _start_dht(kwargs: dict, initial_peers: Sequence[str], timeout: float):
             if dht is not None:
                 dht.join(5.0)  # (its process ends once it has failed)
             error = _daemon_error(exc, initial_peers)
+            if isinstance(error, BootstrapError) and not asked:
+                asked, other = True, _backend_of(initial_peers)
+                if other not in (None, HivemindTransport.backend):
+                    raise WrongBackend(
+                        f"the swarm at {', '.join(initial_peers)} uses the {other} backend; join it with "
+                        f"--backend {other}"
+                    ) from None
             if not isinstance(error, BootstrapError) or time.monotonic() + BOOTSTRAP_RETRY_SECONDS > deadline:
                 raise error from None
             logger.warning("no initial peer answered yet; retrying in %.0fs", BOOTSTRAP_RETRY_SECONDS)
             time.sleep(BOOTSTRAP_RETRY_SECONDS)
         except TimeoutError:
             raise BootstrapError(f"the peer did not start within {timeout:.0f}s") from None
+
+
+def _backend_of(initial_peers: Sequence[str]) -> str | None:
+    """The backend an initial peer says it runs (``HELLO``), asked through a p2p daemon of its own; None
+    when none answers (the swarm's DHT did not answer either: it is down, or runs an older version)."""
+
+    async def ask() -> str | None:
+        p2p = await P2P.create(initial_peers=list(initial_peers))
+        try:
+            for address in initial_peers:
+                with contextlib.suppress(Exception):
+                    peer = PeerID.from_base58(address.rsplit("/p2p/", 1)[-1])
+                    _, reader, writer = await p2p.call_binary_stream_handler(peer, HELLO)
+                    await P2P.send_raw_data(b"", writer)
+                    answer = await _read_frame(reader, 64)
+                    writer.close()
+                    if answer[:1] == _OK:
+                        return answer[1:].decode(errors="replace")
+            return None
+        finally:
+            await p2p.shutdown()
+
+    try:
+        return asyncio.run(asyncio.wait_for(ask(), HELLO_TIMEOUT))
+    except Exception:  # no daemon, no answer: the caller reports the bootstrap failure itself
+        return None
 
 
 class _DHT(hivemind.DHT):
@@ -400,26 +433,6 @@ def _as_bytes(value) -> bytes | None:
         return msgspec.msgpack.encode(value)
     except (TypeError, ValueError, OverflowError):
         return None
-
-
-def check_ports_free(listen: Sequence[str]) -> None:
-    """A fixed TCP port another program (or peer) already listens on is a ListenError. p2pd binds with
-    SO_REUSEPORT, so a second peer on the first one's port would otherwise start and share its connections."""
-    for addr in listen:  # (a malformed one is the daemon's to report)
-        parts = addr.split("/")
-        if len(parts) < 5 or parts[1] not in ("ip4", "ip6") or parts[3] != "tcp":
-            continue
-        if not parts[4].isdigit() or not 0 < int(parts[4]) < 65536:
-            continue
-        family = socket.AF_INET if parts[1] == "ip4" else socket.AF_INET6
-        with socket.socket(family, socket.SOCK_STREAM) as probe:
-            try:
-                probe.bind((parts[2], int(parts[4])))
-            except OSError as exc:
-                raise ListenError(
-                    f"cannot listen on {addr}: {exc.strerror.lower()} (another peer or program holds port "
-                    f"{parts[4]}); pick another --listen port, or tcp/0 for any free one"
-                ) from None
 
 
 def _owner_peer_id(subkey) -> str | None:

@@ -91,6 +91,8 @@ class MemoryNetwork:
 
 
 class MemoryTransport(Transport):
+    backend = "memory"
+
     def __init__(self, network: MemoryNetwork, peer_id: str) -> None:
         self.network, self.peer_id = network, peer_id
         self.handlers: dict[str, tuple[Handler, int]] = {}

@@ -17,6 +17,7 @@ Errors (all ``TransportError``, a ``SpesError``)::
 
     TransportError
      +-- BootstrapError     no initial peer answered
+     |    +-- WrongBackend  the initial peers run the other backend (``HELLO`` says which)
      +-- ListenError        cannot listen on the requested address (port in use, bad address)
      +-- PeerUnreachable    the remote peer cannot be reached, or it has no such handler
      +-- RequestTimeout     no complete answer within the timeout
@@ -27,13 +28,15 @@ Errors (all ``TransportError``, a ``SpesError``)::
 
 from __future__ import annotations
 
+import socket
 import threading
 import time
 from abc import ABC, abstractmethod
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import ClassVar
 
 from spes_p2p.errors import SpesError
 from spes_p2p.swarm.guard import Guard
@@ -48,6 +51,9 @@ MAX_STREAMS_PER_PEER = 8
 REQUEST_READ_TIMEOUT = 10.0
 ANSWER_WRITE_TIMEOUT = 300.0
 
+# Every backend answers this request with its name, so a peer of the other backend learns which to use.
+HELLO = "spes.hello"
+
 Handler = Callable[[str, bytes], bytes]  # (caller's peer id, request) -> response
 
 
@@ -56,6 +62,10 @@ class TransportError(SpesError):
 
 
 class BootstrapError(TransportError):
+    pass
+
+
+class WrongBackend(BootstrapError):
     pass
 
 
@@ -157,6 +167,7 @@ class Transport(ABC):
     """One peer's connection to the swarm. Thread-safe; every call returns within its timeout. Its
     ``guard`` says whose entries ``read`` returns and whose requests are served (``readable``, ``admits``)."""
 
+    backend: ClassVar[str]  # its name, as --backend spells it
     peer_id: str
     stats: TransportStats
     guard: Guard
@@ -213,3 +224,35 @@ class Transport(ABC):
     @abstractmethod
     def shutdown(self, timeout: float = 5.0) -> None:
         """Stops serving and leaves the network within ``timeout`` seconds."""
+
+
+def check_ports_free(listen: Sequence[str]) -> None:
+    """A fixed TCP port another program (or peer) already listens on is a ListenError. p2pd binds with
+    SO_REUSEPORT, so a second peer on the first one's port would otherwise start and share its connections."""
+    for addr in listen:  # (a malformed one is the daemon's to report)
+        parts = addr.split("/")
+        if len(parts) < 5 or parts[1] not in ("ip4", "ip6") or parts[3] != "tcp":
+            continue
+        if not parts[4].isdigit() or not 0 < int(parts[4]) < 65536:
+            continue
+        family = socket.AF_INET if parts[1] == "ip4" else socket.AF_INET6
+        with socket.socket(family, socket.SOCK_STREAM) as probe:
+            try:
+                probe.bind((parts[2], int(parts[4])))
+            except OSError as exc:
+                raise ListenError(
+                    f"cannot listen on {addr}: {exc.strerror.lower()} (another peer or program holds port "
+                    f"{parts[4]}); pick another --listen port, or tcp/0 for any free one"
+                ) from None
+
+
+def tcp_probe(address: str, timeout: float) -> bool:
+    """Whether a TCP connection to a multiaddr's host and port opens (nothing is sent): what a dial needs."""
+    parts = address.split("/")
+    if len(parts) < 5 or parts[1] not in ("ip4", "ip6", "dns", "dns4", "dns6") or parts[3] != "tcp":
+        return False
+    try:
+        with socket.create_connection((parts[2], int(parts[4])), timeout=timeout):
+            return True
+    except (OSError, ValueError):
+        return False

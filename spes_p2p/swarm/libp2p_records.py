@@ -1,0 +1,164 @@
+"""Records on the libp2p backend: signed entries, each stored by the peers closest to its key.
+
+py-libp2p's Kademlia keeps one value per key (the one its validator selects), with no expiry, and answers a
+read from a stale local copy first. Our records are one entry per writer under a shared key, each with its
+own expiry. So the libp2p backend uses Kademlia to find the peers closest to a key, and those peers keep
+the entries with this module:
+
+- ``SignedEntry``: the key, the value, its expiry, the writer's public key and its signature over the first
+  three. The writer's peer id is derived from the key (``writer``): nobody writes under another's id, and a
+  peer that stores or forwards an entry cannot change it.
+- ``RecordStore``: the entries a peer keeps for the swarm: per (key, writer) the one that expires last,
+  expired ones dropped, bounded in bytes in all and per writer.
+- ``Fetch`` / ``Found``: the wire messages of a read (a store sends one ``SignedEntry``).
+"""
+
+from __future__ import annotations
+
+import functools
+import threading
+from collections import Counter
+from typing import Annotated
+
+import msgspec
+from libp2p.crypto.keys import PrivateKey
+from libp2p.crypto.serialization import deserialize_public_key
+from libp2p.peer.id import ID
+
+from spes_p2p.swarm.records import RecordError, Strict
+from spes_p2p.swarm.transport import MAX_EXPIRY_AHEAD, MAX_RECORD_BYTES, Entry
+
+MAX_KEY_CHARS = 256
+MAX_WRITERS_PER_KEY = 1024
+STORE_BYTES = 64 << 20  # all entries a peer keeps for others
+WRITER_BYTES = 2 << 20  # ... of which one writer's
+ENTRY_OVERHEAD = 1024  # a public key, a signature and msgpack around the value
+_DOMAIN = b"spes-record/1"
+
+
+class SignedEntry(Strict):
+    MAX_BYTES = MAX_RECORD_BYTES + MAX_KEY_CHARS + ENTRY_OVERHEAD
+    ERROR = RecordError
+
+    key: Annotated[str, msgspec.Meta(max_length=MAX_KEY_CHARS)]
+    value: Annotated[bytes, msgspec.Meta(max_length=MAX_RECORD_BYTES)]
+    expires_at: float
+    public_key: Annotated[bytes, msgspec.Meta(max_length=ENTRY_OVERHEAD // 2)]
+    signature: Annotated[bytes, msgspec.Meta(max_length=ENTRY_OVERHEAD // 2)]
+
+    @classmethod
+    def sign(cls, key: str, value: bytes, expires_at: float, private_key: PrivateKey) -> SignedEntry:
+        signature = private_key.sign(_signed_bytes(key, value, expires_at))
+        return cls(key, value, expires_at, private_key.get_public_key().serialize(), signature)
+
+    def writer(self) -> str | None:
+        """The peer id whose key signed this entry; None when the signature does not verify."""
+        peer = _peer_id_of(self.public_key)
+        if peer is None:
+            return None
+        try:
+            ok = deserialize_public_key(self.public_key).verify(
+                _signed_bytes(self.key, self.value, self.expires_at), self.signature
+            )
+        except Exception:  # a malformed key or signature of any kind is simply not valid
+            return None
+        return peer if ok else None
+
+    @property
+    def size(self) -> int:
+        return len(self.key) + len(self.value) + len(self.public_key) + len(self.signature)
+
+
+class Fetch(Strict):
+    MAX_BYTES = MAX_KEY_CHARS + 64
+    ERROR = RecordError
+
+    key: Annotated[str, msgspec.Meta(max_length=MAX_KEY_CHARS)]
+
+
+class Found(Strict):
+    MAX_BYTES = 32 << 20
+    ERROR = RecordError
+
+    entries: Annotated[list[SignedEntry], msgspec.Meta(max_length=MAX_WRITERS_PER_KEY)]
+
+
+def _signed_bytes(key: str, value: bytes, expires_at: float) -> bytes:
+    return msgspec.msgpack.encode((_DOMAIN, key, value, expires_at))
+
+
+@functools.lru_cache(maxsize=4096)
+def _peer_id_of(public_key: bytes) -> str | None:
+    try:
+        return str(ID.from_pubkey(deserialize_public_key(public_key)))
+    except Exception:  # not a key py-libp2p can read
+        return None
+
+
+def valid_entry(entry: SignedEntry, key: str, now: float) -> str | None:
+    """The writer of ``entry`` when it is a signed, live entry of ``key`` that does not outlive every honest
+    TTL by ``MAX_EXPIRY_AHEAD``; None otherwise."""
+    if entry.key != key or not now < entry.expires_at <= now + MAX_EXPIRY_AHEAD:
+        return None
+    return entry.writer()
+
+
+def latest(found: list[tuple[str, SignedEntry]]) -> dict[str, Entry]:
+    """Per writer, the entry that expires last."""
+    entries: dict[str, Entry] = {}
+    for writer, entry in found:
+        if writer not in entries or entry.expires_at > entries[writer].expires_at:
+            entries[writer] = Entry(entry.value, entry.expires_at)
+    return entries
+
+
+class RecordStore:
+    """The entries this peer keeps for the swarm (thread-safe). Entries arrive already checked
+    (``valid_entry``); the store keeps the later of two by one writer and bounds what it holds."""
+
+    def __init__(self, max_bytes: int = STORE_BYTES, max_writer_bytes: int = WRITER_BYTES) -> None:
+        self.max_bytes, self.max_writer_bytes = max_bytes, max_writer_bytes
+        self._entries: dict[str, dict[str, SignedEntry]] = {}
+        self._bytes: Counter[str] = Counter()  # writer -> bytes held for it
+        self._lock = threading.Lock()
+
+    def put(self, writer: str, entry: SignedEntry, now: float) -> bool:
+        """Keeps ``entry`` unless the writer's entry under its key expires later, or the store is full."""
+        with self._lock:
+            entries = self._entries.get(entry.key, {})
+            old = entries.get(writer)
+            if old is not None and old.expires_at >= entry.expires_at:
+                return old == entry
+            grows = entry.size - (old.size if old is not None else 0)
+            if not self._fits(writer, grows):
+                self._expire(now)
+                if not self._fits(writer, grows):
+                    return False
+            if old is None and len(entries) >= MAX_WRITERS_PER_KEY:
+                return False
+            self._entries.setdefault(entry.key, {})[writer] = entry
+            self._bytes[writer] += grows
+            return True
+
+    def _fits(self, writer: str, grows: int) -> bool:
+        total = self._bytes.total() + grows <= self.max_bytes
+        return total and self._bytes[writer] + grows <= self.max_writer_bytes
+
+    def get(self, key: str, now: float) -> list[SignedEntry]:
+        with self._lock:
+            return [e for e in self._entries.get(key, {}).values() if e.expires_at > now]
+
+    def _expire(self, now: float) -> None:
+        for key in list(self._entries):
+            entries = self._entries[key]
+            for writer in [w for w, e in entries.items() if e.expires_at <= now]:
+                self._bytes[writer] -= entries.pop(writer).size
+                if not self._bytes[writer]:
+                    del self._bytes[writer]
+            if not entries:
+                del self._entries[key]
+
+    def sweep(self, now: float) -> None:
+        """Drops every expired entry."""
+        with self._lock:
+            self._expire(now)
