@@ -252,9 +252,11 @@ deadline_max = 30.0
 """
 
 
-def test_spes_join_trains_and_holders_agree(swarm):
+@pytest.mark.parametrize("backend", ["hivemind", "libp2p"])
+def test_spes_join_trains_and_holders_agree(swarm, backend):
     (swarm.root / "peers.toml").write_text(TRAIN_TOML)
     train = ["--rounds", "3", "--min-peers", "3", "--heartbeat", "1", "--record-ttl", "15"]
+    train += ["--backend", backend]
     swarm.start("a", "--new-swarm", "--out", str(swarm.root / "out-a"), *train)
     first = swarm.address("a")
     for name in "bc":

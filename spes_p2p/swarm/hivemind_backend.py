@@ -118,7 +118,7 @@ class HivemindTransport(Transport):
         startup_timeout: float = STARTUP_TIMEOUT,
     ) -> None:
         self.stats = TransportStats()
-        self._streams = StreamSlots()
+        self.streams = StreamSlots()
         self.guard = Guard()
         self.relays = Relays(relays)
         self._handlers: dict[str, tuple[Handler, int]] = {}
@@ -223,7 +223,7 @@ class HivemindTransport(Transport):
 
         async def rpc_handler(info, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
             caller = str(info.peer_id)
-            with self._streams.slot(caller) as admitted:
+            with self.streams.slot(caller) as admitted:
                 try:
                     if not self.admits(caller):
                         response = _FAILED + b"this peer does not serve you"
@@ -234,9 +234,9 @@ class HivemindTransport(Transport):
                         response = await self._answer(name, handler, caller, request)
                     else:
                         response = _FAILED + b"too many requests in progress from this peer"
+                    self.stats.requests_served += 1
                     await asyncio.wait_for(P2P.send_raw_data(response, writer), ANSWER_WRITE_TIMEOUT)
                     self.stats.bytes_sent += len(response) - 1
-                    self.stats.requests_served += 1
                 except (asyncio.IncompleteReadError, ConnectionError, MessageTooLarge, TimeoutError) as exc:
                     logger.info("dropped a %s request from %s: %s", name, caller, exc or type(exc).__name__)
                 finally:

@@ -69,8 +69,10 @@ logger = logging.getLogger(__name__)
 BACKEND = "libp2p"
 REPLICAS = 5  # peers that keep each key's entries
 DHT_TIMEOUT = 10.0  # one publish or read
+LOOKUP_SECONDS = 3.0  # finding the peers closest to a key
 STARTUP_TIMEOUT = 20.0
 DIAL_TIMEOUT = 5.0
+CLOSE_SECONDS = 2.0  # to close connections and listeners on shutdown
 BOOTSTRAP_RETRY_SECONDS = 3.0
 HANDLER_THREADS = 32  # handlers run at once (the rest wait for a thread)
 _STORE, _FETCH = "spes.records.store", "spes.records.fetch"
@@ -116,7 +118,7 @@ class Libp2pTransport(Transport):
         logging.getLogger("libp2p").setLevel(logging.CRITICAL)  # (it logs every peer gone as an error)
         self.stats = TransportStats()
         self.guard = Guard()
-        self._streams = StreamSlots()
+        self.streams = StreamSlots()
         self._handlers: dict[str, tuple[Handler, int]] = {}
         self._store = RecordStore()
         self._known: set[str] = set()
@@ -152,6 +154,8 @@ class Libp2pTransport(Transport):
             async with background_trio_service(self.dht):
                 ready()
                 await stopping.wait()
+            with trio.move_on_after(CLOSE_SECONDS):  # (leaving host.run alone would not close the sockets)
+                await self.host.close()
 
     # ------------------------------------------------------------------------------------- bootstrap
 
@@ -311,7 +315,9 @@ class Libp2pTransport(Transport):
 
     async def _closest(self, key: str) -> list[ID]:
         """The REPLICAS peers closest to ``key`` that Kademlia knows of, this one included."""
-        found = await self.dht.peer_routing.find_closest_peers_network(key.encode(), count=REPLICAS)
+        found = self.dht.routing_table.find_local_closest_peers(key.encode(), REPLICAS)
+        with trio.move_on_after(LOOKUP_SECONDS):  # (past it: the closest this peer knows of itself)
+            found = await self.dht.peer_routing.find_closest_peers_network(key.encode(), count=REPLICAS)
         return sort_peer_ids_by_distance(key.encode(), [self.host.get_id(), *found])[:REPLICAS]
 
     async def _ask(self, peer: ID, name: str, payload: bytes, max_response: int) -> bytes | None:
@@ -363,7 +369,7 @@ class Libp2pTransport(Transport):
 
     async def _on_stream(self, name: str, handler: Handler, limit: int, inline: bool, stream) -> None:
         caller = str(stream.muxed_conn.peer_id)
-        with self._streams.slot(caller) as admitted:
+        with self.streams.slot(caller) as admitted:
             try:
                 if not self.admits(caller):
                     response = _FAILED + b"this peer does not serve you"
@@ -374,10 +380,10 @@ class Libp2pTransport(Transport):
                         request = await _read_frame(stream, limit)
                     self.stats.bytes_received += len(request)
                     response = await self._answer(name, handler, caller, request, inline)
+                self.stats.requests_served += 1
                 with trio.fail_after(ANSWER_WRITE_TIMEOUT):
                     await _write_frame(stream, response)
                 self.stats.bytes_sent += len(response) - 1
-                self.stats.requests_served += 1
             except Exception as exc:  # a slow, oversized or broken request is dropped, not answered
                 logger.info("dropped a %s request from %s: %s", name, caller, exc or type(exc).__name__)
             finally:

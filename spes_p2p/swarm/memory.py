@@ -18,6 +18,7 @@ from concurrent.futures import TimeoutError as FutureTimeout
 from spes_p2p.swarm.guard import Guard
 from spes_p2p.swarm.transport import (
     DEFAULT_MAX_MESSAGE_BYTES,
+    HELLO,
     Entry,
     Handler,
     MessageTooLarge,
@@ -100,6 +101,7 @@ class MemoryTransport(Transport):
         self.guard = Guard()
         self.stats = TransportStats()
         self.alive = True
+        self.serve(HELLO, lambda caller, request: self.backend.encode())
 
     def addresses(self) -> list[str]:
         return [f"/memory/p2p/{self.peer_id}"]

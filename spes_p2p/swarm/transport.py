@@ -171,6 +171,7 @@ class Transport(ABC):
     peer_id: str
     stats: TransportStats
     guard: Guard
+    streams: StreamSlots  # each remote peer's requests this one is serving now
 
     def readable(self, peer: str, entry: Entry, now: float) -> bool:
         """Whether ``read`` returns ``peer``'s entry: it is live, does not outlive every honest TTL by

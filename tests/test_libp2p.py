@@ -1,0 +1,159 @@
+"""The libp2p backend beyond the Transport contract: a peer on it never imports hivemind, a peer of the
+other backend is told which one the swarm uses, and the record store's checks and bounds.
+
+Each test runs its libp2p code in a process of its own: this test process may have imported hivemind, and
+the two cannot share a process (both register the protobuf package ``crypto.pb``).
+"""
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from spes_p2p.sim.runner import stop_process_groups
+
+BIN = Path(sys.executable).parent
+PEER = Path(__file__).with_name("backend_peer.py")
+
+
+def python(code: str, timeout: float = 120) -> str:
+    """Runs ``code`` in a fresh interpreter; its stdout, once it exited with 0."""
+    proc = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, timeout=timeout
+    )
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    return proc.stdout
+
+
+def test_signed_entries_and_the_record_store():
+    python(
+        """
+        from libp2p.crypto.ed25519 import create_new_key_pair
+        from spes_p2p.swarm.libp2p_records import RecordStore, SignedEntry, valid_entry
+        from spes_p2p.swarm.transport import MAX_EXPIRY_AHEAD
+
+        me, other = create_new_key_pair(), create_new_key_pair()
+        now = 1000.0
+        entry = SignedEntry.sign("k", b"v", now + 30, me.private_key)
+        writer = valid_entry(entry, "k", now)
+        assert writer is not None and valid_entry(SignedEntry.decode(entry.encode()), "k", now) == writer
+        tampered = [
+            SignedEntry("k", b"w", entry.expires_at, entry.public_key, entry.signature),  # another value
+            SignedEntry("k", b"v", now + 60, entry.public_key, entry.signature),  # a later expiry
+            SignedEntry("k", b"v", entry.expires_at, other.public_key.serialize(), entry.signature),
+            SignedEntry("k", b"v", entry.expires_at, b"not a key", entry.signature),
+        ]
+        assert [valid_entry(e, "k", now) for e in tampered] == [None] * 4
+        assert valid_entry(entry, "another key", now) is None
+        assert valid_entry(entry, "k", now + 31) is None  # expired
+        far = SignedEntry.sign("k", b"v", now + MAX_EXPIRY_AHEAD + 1, me.private_key)
+        assert valid_entry(far, "k", now) is None
+
+        store = RecordStore(max_bytes=10_000, max_writer_bytes=3_000)
+        assert store.put(writer, entry, now) and store.get("k", now) == [entry]
+        earlier = SignedEntry.sign("k", b"old", now + 10, me.private_key)
+        assert not store.put(writer, earlier, now) and store.get("k", now) == [entry]
+        later = SignedEntry.sign("k", b"new", now + 40, me.private_key)
+        assert store.put(writer, later, now) and store.get("k", now) == [later]
+        big = [SignedEntry.sign(f"k{i}", b"x" * 1000, now + 30, me.private_key) for i in range(3)]
+        assert [store.put(writer, e, now) for e in big] == [True, True, False]  # one writer's budget
+        assert store.get("k", now + 41) == []  # expired entries are not answered
+        fresh = [SignedEntry.sign(f"n{i}", b"x" * 1000, now + 100, me.private_key) for i in range(2)]
+        assert [store.put(writer, e, now + 31) for e in fresh] == [True, True]  # (the expired made room)
+        assert store.get("k0", now + 31) == [] and store.get("k", now + 31) == [later]
+        crowd = [SignedEntry.sign(f"o{i}", b"x" * 1000, now + 100, other.private_key) for i in range(9)]
+        small = RecordStore(max_bytes=5_000)  # (another writer, against the store's total budget)
+        assert [small.put("them", e, now) for e in crowd] == [True] * 4 + [False] * 5
+        print("ok")
+        """
+    )
+
+
+def test_a_request_that_never_arrives_is_dropped():
+    python(
+        """
+        from spes_p2p.swarm import libp2p_backend
+        from spes_p2p.swarm.libp2p_backend import Libp2pTransport
+        from libp2p.peer.id import ID
+
+        libp2p_backend.REQUEST_READ_TIMEOUT = 0.5
+        a = Libp2pTransport()
+        b = Libp2pTransport(initial_peers=a.addresses())
+        a.serve("patient", lambda caller, data: data)
+
+        async def open_and_say_nothing():
+            stream = await b.host.new_stream(ID.from_base58(a.peer_id), ["patient"])
+            try:
+                return await stream.read(100)
+            except Exception as exc:  # the end of the stream, once a drops it
+                return type(exc).__name__
+
+        assert b._loop.call(open_and_say_nothing, timeout=30) == "StreamEOF"
+        assert a.streams.in_progress(b.peer_id) == 0
+        b.shutdown(); a.shutdown()
+        print("ok")
+        """
+    )
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(200)
+def test_a_libp2p_peer_never_imports_hivemind(tmp_path):
+    """A real peer (the life cycle of spes-join) trains a round on the libp2p backend in a process where any
+    import of hivemind fails."""
+    python(
+        f"""
+        import sys
+        from importlib.abc import MetaPathFinder
+
+        class NoHivemind(MetaPathFinder):
+            def find_spec(self, name, path=None, target=None):
+                if name.partition(".")[0] == "hivemind":
+                    raise ImportError("a libp2p peer imported " + name)
+
+        sys.meta_path.insert(0, NoHivemind())
+        from spes_p2p.sim import simulation
+        from spes_p2p.peer.__main__ import main
+
+        settings = simulation(
+            swarm__backend="libp2p", run__new_swarm=True, run__rounds=1, run__min_peers=1,
+            run__out={str(tmp_path / "out")!r}, network__identity={str(tmp_path / "peer.key")!r},
+            method__steps_per_round=5, train__batch_size=4, train__seq_len=64, data__max_corpus_mb=1.0,
+        )
+        config = {str(tmp_path / "peer.toml")!r}
+        open(config, "w").write(settings.to_toml())
+        assert main(["peer", config]) == 0
+        assert not [m for m in sys.modules if m.partition(".")[0] == "hivemind"]
+        print("ok")
+        """,
+        timeout=180,
+    )
+    assert (tmp_path / "out" / "model.safetensors").exists()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize("swarm, newcomer", [("hivemind", "libp2p"), ("libp2p", "hivemind")])
+def test_a_peer_of_the_other_backend_is_told_which_one_the_swarm_uses(tmp_path, swarm, newcomer):
+    founder = subprocess.Popen(
+        [sys.executable, str(PEER), swarm], stdout=subprocess.PIPE, text=True, start_new_session=True
+    )
+    try:
+        address = founder.stdout.readline().strip()
+        assert "/p2p/" in address, address
+        status = subprocess.run(
+            [str(BIN / "spes"), "status", "--backend", newcomer, "--peers", address],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            cwd=tmp_path,
+            env={**os.environ, "HOME": str(tmp_path)},
+        )
+        said = " ".join(status.stderr.split())
+        assert status.returncode != 0, status.stdout
+        assert f"uses the {swarm} backend; join it with --backend {swarm}" in said, said
+    finally:
+        stop_process_groups([founder])
