@@ -58,7 +58,7 @@ def run_round(engines, start, ends, peers=None, holders=HOLDERS):
 
 def make_swarm(codec="int8", deadline=10.0, peers=("p0", "p1", "p2", "p3"), aggregate="mean", **sync):
     net = MemoryNetwork(seed=0)
-    cfg = SyncConfig(codec=codec, deadline_min=0.2, deadline_max=deadline, **sync)
+    cfg = SyncConfig(codec=codec, **{"deadline_min": 0.2, "deadline_max": deadline, **sync})
     return net, {p: SyncEngine(net.join(p), "t", cfg, SPECS, aggregate=aggregate) for p in peers}
 
 
@@ -421,3 +421,50 @@ def test_a_lone_holders_int8_updates_do_not_accumulate_rounding():
         synced = engines["p0"].exchange(round_, "experts/0", synced, end, 100, ["p0"]).new_weights
     one_round = (drift.abs().max() * 2 / 127).item()  # int8's step on an update of this size
     assert (synced["w1"] - true["w1"]).abs().max() < one_round
+
+
+@pytest.mark.parametrize("drop", [0.0, 1.0], ids=["gossip", "all-gossip-lost"])
+def test_announcements_come_by_gossip_and_the_dht_covers_what_gossip_loses(drop):
+    net, engines = make_swarm("none", deadline_min=2.0)  # (gossip lost: a DHT read every 0.5 s)
+    net.gossip_drop = drop
+    start = tensors(0)
+    deltas = {p: tensors(i + 1, scale=0.01) for i, p in enumerate(engines)}
+    ends = {p: {u: {n: start[u][n] + deltas[p][u][n] for n in start[u]} for u in start} for p in engines}
+    results = run_round(engines, start, ends)
+    for unit, members in HOLDERS.items():
+        got = [results[(p, unit)].new_weights for p in members]
+        assert all(torch.equal(g[n], got[0][n]) for g in got for n in got[0]), unit
+        assert all(sorted(results[(p, unit)].participants) == members for p in members)
+    heard = {p: set(engines[p]._exchange.gossip.heard(0, "experts/0")) for p in HOLDERS["experts/0"]}
+    if drop:
+        assert heard == {"p0": set(), "p2": set()} and net.faults["gossip dropped"] > 0
+    else:  # (whoever posted first was told before the other subscribed: it heard nothing, or the other)
+        assert heard["p0"] <= {"p2"} and heard["p2"] <= {"p0"} and heard["p0"] | heard["p2"]
+
+
+def test_gossip_for_another_unit_or_past_a_peers_share_is_not_kept():
+    from spes_p2p.swarm.gossip import MAX_HEARD_PER_PEER, Told, topic_of
+
+    net, engines = make_swarm(peers=("p0", "p1"))
+    gossip = engines["p0"]._exchange.gossip
+    gossip.follow("experts/0")
+    liar = net.peers["p1"]
+
+    def told(round_, unit="experts/0"):
+        hexes = {"sha256": "0" * 64, "base": "0" * 64}
+        return Told(unit, Announcement(round=round_, tokens=1, bytes=1, codec="int8", **hexes)).encode()
+
+    liar.gossip(topic_of("t", "experts/0"), told(0, unit="experts/1"))  # another unit, on this topic
+    liar.gossip(topic_of("t", "experts/0"), b"\x93garbage")
+    assert gossip.heard(0, "experts/0") == {} and liar.peer_id not in engines["p0"].transport.guard.banned()
+    assert engines["p0"].transport.guard.rejections["p1"] == 1  # (each kind counts once per peer)
+    for round_ in range(MAX_HEARD_PER_PEER + 10):
+        liar.gossip(topic_of("t", "experts/0"), told(round_))
+    kept = [r for r in range(MAX_HEARD_PER_PEER + 10) if gossip.heard(r, "experts/0")]
+    assert kept == list(range(MAX_HEARD_PER_PEER))
+    gossip.forget_before(MAX_HEARD_PER_PEER)  # old rounds forgotten make room again
+    liar.gossip(topic_of("t", "experts/0"), told(MAX_HEARD_PER_PEER + 5))
+    assert set(gossip.heard(MAX_HEARD_PER_PEER + 5, "experts/0")) == {"p1"}
+    gossip.follow_only([])
+    liar.gossip(topic_of("t", "experts/0"), told(MAX_HEARD_PER_PEER + 6))
+    assert gossip.heard(MAX_HEARD_PER_PEER + 6, "experts/0") == {}

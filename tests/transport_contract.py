@@ -23,6 +23,7 @@ from spes_p2p.swarm.memory import FakeClock, MemoryNetwork
 from spes_p2p.swarm.transport import (
     HELLO,
     MAX_EXPIRY_AHEAD,
+    MAX_GOSSIP_BYTES,
     MAX_RECORD_BYTES,
     MAX_STREAMS_PER_PEER,
     BootstrapError,
@@ -304,6 +305,37 @@ def check_bad_addresses_and_ports_are_named(net: Net) -> None:
         s.listen()
         _raises(ListenError, lambda: net.peer(listen=[f"/ip4/127.0.0.1/tcp/{s.getsockname()[1]}"]), "in use")
     _raises(ConfigError, lambda: net.peer(listen=["/ip4/127.0.0.1/tcp/notaport"]), "malformed")
+
+
+def check_gossip_reaches_the_topics_other_subscribers(net: Net) -> None:
+    a = net.peer()
+    b, c = net.peer(join=a), net.peer(join=a)
+    heard: dict[str, list] = {t.peer_id: [] for t in (a, b, c)}
+    topic = "contract/topic"
+    on = [t.subscribe(topic, lambda s, data, me=t.peer_id: heard[me].append((s, data))) for t in (a, b, c)]
+    if not any(on):
+        assert not b.gossip(topic, b"first")
+        raise NotApplicable("this backend has no gossip: announcements come from the DHT alone")
+    _raises(MessageTooLarge, lambda: b.gossip(topic, b"x" * (MAX_GOSSIP_BYTES + 1)))
+    _until(lambda: b"first" in _said(heard[a.peer_id]) & _said(heard[c.peer_id]), b, topic)
+    assert {sender for sender, _ in heard[a.peer_id] + heard[c.peer_id]} == {b.peer_id}
+    assert not heard[b.peer_id]  # (its own message is not delivered to itself)
+    c.unsubscribe(topic)
+    _until(lambda: b"second" in _said(heard[a.peer_id]), b, topic, b"second")
+    assert b"second" not in _said(heard[c.peer_id])
+
+
+def _said(messages: list) -> set[bytes]:
+    return {data for _, data in messages}
+
+
+def _until(done, sender: Transport, topic: str, data: bytes = b"first") -> None:
+    """Gossips ``data`` again every half second (gossip may lose it) until ``done()``, for 30 s at most."""
+    deadline = time.monotonic() + 30
+    while not done():
+        assert time.monotonic() < deadline, "gossip never arrived"
+        sender.gossip(topic, data)
+        time.sleep(0.5)
 
 
 CHECKS = {name[len("check_") :]: f for name, f in dict(globals()).items() if name.startswith("check_")}

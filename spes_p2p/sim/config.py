@@ -84,6 +84,9 @@ class SimConfig(Section):
     drop: float = setting(0.0, "Memory backend: probability that a request is lost.")
     delay_ms: float = setting(0.0, "Memory backend: milliseconds added to every request.", flag="--delay")
     corrupt: float = setting(0.0, "Memory backend: probability that an answer has a byte flipped.")
+    gossip_drop: float = setting(
+        0.0, "Memory backend: probability that a gossip message misses one of its subscribers."
+    )
     byzantine: tuple[str, ...] = setting(
         (),
         f"Peer I turns malicious, in MODE: {', '.join(BYZANTINE_MODES)} (docs/security.md).",
@@ -119,9 +122,9 @@ class SimConfig(Section):
             check(kill.count == SOLE or 0 <= kill.count < total, "kills", f"name no peer {kill.count}")
         self.partition_events  # noqa: B018 - parsed here so that a bad one is refused up front
         check(
-            0 <= self.drop < 1 and 0 <= self.corrupt < 1,
+            all(0 <= p < 1 for p in (self.drop, self.corrupt, self.gossip_drop)),
             "drop",
-            "drop and corrupt are probabilities in [0, 1)",
+            "drop, corrupt and gossip_drop are probabilities in [0, 1)",
         )
         check(self.delay_ms >= 0, "delay_ms", "must be at least 0")
         check(not (self.bandwidth or self.nat) or self.netns, "netns", "is needed for bandwidth and nat")
@@ -144,8 +147,8 @@ class SimConfig(Section):
 
     def check_backend(self, backend: str) -> None:
         """What needs which ``[swarm] backend`` (a FieldError of field ``backend``)."""
-        faults = self.drop or self.delay_ms or self.corrupt or self.partitions
-        needs = [("memory", "drop, delay, corrupt, partitions")] if faults else []
+        faults = self.drop or self.delay_ms or self.corrupt or self.gossip_drop or self.partitions
+        needs = [("memory", "drop, delay, corrupt, gossip_drop, partitions")] if faults else []
         needs += [("hivemind", "--netns")] if self.netns else []
         for mode in self.byzantine_peers.values():
             needs += [("memory", mode)] if mode in MEMORY_ONLY_MODES else []

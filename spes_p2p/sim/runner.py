@@ -187,6 +187,7 @@ class MemoryFleet(Fleet):
         sim = settings.sim
         self.net = MemoryNetwork(seed=settings.train.seed)
         self.net.drop, self.net.delay, self.net.corrupt = sim.drop, sim.delay_ms / 1000, sim.corrupt
+        self.net.gossip_drop = sim.gossip_drop
         self.lives: dict[int, Life] = {}  # peer -> its current life
         self.history: list[tuple[int, Life]] = []  # every life, killed ones too
         self.errors: list[str] = []

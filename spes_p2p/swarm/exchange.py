@@ -38,6 +38,7 @@ from spes_p2p.swarm.aggregate import (
 from spes_p2p.swarm.codecs import TensorSpec
 from spes_p2p.swarm.config import SyncConfig
 from spes_p2p.swarm.fetching import Gone, Got, Refused, UpdateFetcher
+from spes_p2p.swarm.gossip import Gossip
 from spes_p2p.swarm.outcome import MISS_LIMIT, UnitRound, tensors_hash
 from spes_p2p.swarm.payload import ErrorFeedback, encode, payload_meta
 from spes_p2p.swarm.records import Announcement, updates_key
@@ -88,7 +89,8 @@ class Exchange:
     ) -> None:
         self.transport, self.run_id, self.cfg, self.specs = transport, run_id, cfg, specs
         self.aggregate, self.outbox, self.abort = aggregate, outbox, abort
-        self.fetcher = UpdateFetcher(transport, run_id, cfg, specs, pool, abort)
+        self.gossip = Gossip(transport, run_id)
+        self.fetcher = UpdateFetcher(transport, run_id, cfg, specs, pool, abort, self.gossip)
         self.live_peers = live_peers  # who is still in the swarm: no round waits for peers that left
         self.deadline = AdaptiveDeadline(cfg.deadline_min, cfg.deadline_max)
         self.base_hashes: dict[tuple[int, str], str] = {}  # (round, unit) -> our start-weights hash
@@ -124,6 +126,7 @@ class Exchange:
         the others do not wait for) our update is neither announced nor aggregated. A ``grouped`` unit (the
         dense part: ``participants`` is a group in its agreed order, without us when we do not count) goes
         by reduce-scatter when the swarm says so and the group has three members or more."""
+        self.gossip.follow(unit)
         try:
             if grouped and self.cfg.dense_exchange == "reduce_scatter" and len(participants) >= 3:
                 result = self.reduce_scatter.run(round_, unit, start, end, tokens, participants, counted)
@@ -204,6 +207,7 @@ class Exchange:
 
     def forget_before(self, round_: int, keep: int) -> None:
         horizon = round_ - keep - self.cfg.staleness
+        self.fetcher.forget_before(horizon)
         self.base_hashes = {k: v for k, v in self.base_hashes.items() if k[0] > horizon}
         self.applied = {k for k in self.applied if k[1] > horizon}
         self.participants = {k: v for k, v in self.participants.items() if k[0] > horizon}
@@ -244,6 +248,7 @@ class Exchange:
         )
         key = updates_key(self.run_id, round_, unit)
         self.transport.publish(key, announcement.encode(), self.transport.now() + ANNOUNCE_TTL)
+        self.gossip.tell(unit, announcement)
 
     # ----------------------------------------------------------------------------------- the others
 

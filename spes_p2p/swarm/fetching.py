@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import math
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -21,6 +23,7 @@ import torch
 from spes_p2p.swarm.aggregate import Contribution, Fetched
 from spes_p2p.swarm.codecs import HEADER_ALLOWANCE, TensorSpec, max_payload_bytes, piece_spec
 from spes_p2p.swarm.config import SyncConfig
+from spes_p2p.swarm.gossip import Gossip
 from spes_p2p.swarm.messages import RPC_UPDATE, UpdateRequest
 from spes_p2p.swarm.payload import PayloadError, decode, metadata_of, payload_meta
 from spes_p2p.swarm.records import Announcement, decode_entries, updates_key
@@ -30,6 +33,7 @@ from spes_p2p.swarm.waiting import Deadline
 logger = logging.getLogger(__name__)
 
 MIN_REQUEST_SECONDS = 0.5  # a batch started just before the deadline still gets this long
+FALLBACK_READ_SECONDS = 1.0  # between DHT reads of a round's announcements, when gossip brings them
 
 
 @dataclass(frozen=True)
@@ -74,16 +78,32 @@ class UpdateFetcher:
         specs: dict[str, dict[str, TensorSpec]],
         pool: ThreadPoolExecutor,
         abort: threading.Event,
+        gossip: Gossip,
     ) -> None:
         self.transport, self.run_id, self.cfg, self.specs = transport, run_id, cfg, specs
-        self.pool, self.abort = pool, abort
+        self.pool, self.abort, self.gossip = pool, abort, gossip
+        self._read: dict[tuple[int, str], dict[str, Announcement]] = {}  # (round, unit) -> the DHT's
+        self._read_at: dict[tuple[int, str], float] = {}  # ... when last read
         self.rejected = 0
         self._lock = threading.Lock()
 
     def announcements(self, round_: int, unit: str) -> dict[str, Announcement]:
-        entries = self.transport.read(updates_key(self.run_id, round_, unit))
-        announced = decode_entries(entries, Announcement, "update announcement", self.transport.guard)
-        return {p: a for p, a in announced.items() if a.round == round_}
+        """The round's announcements of ``unit``: those heard by gossip, and those in the DHT, read at every
+        call without gossip, and with it at most every ``FALLBACK_READ_SECONDS`` (at least four times in
+        the shortest round deadline); the DHT's win."""
+        key, now = (round_, unit), time.monotonic()
+        every = min(FALLBACK_READ_SECONDS, self.cfg.deadline_min / 4)
+        if not self.gossip.works or now >= self._read_at.get(key, -math.inf) + every:
+            entries = self.transport.read(updates_key(self.run_id, round_, unit))
+            announced = decode_entries(entries, Announcement, "update announcement", self.transport.guard)
+            self._read[key] = {p: a for p, a in announced.items() if a.round == round_}
+            self._read_at[key] = now
+        return {**self.gossip.heard(round_, unit), **self._read[key]}
+
+    def forget_before(self, round_: int) -> None:
+        self._read = {k: v for k, v in self._read.items() if k[0] >= round_}
+        self._read_at = {k: v for k, v in self._read_at.items() if k[0] >= round_}
+        self.gossip.forget_before(round_)
 
     def updates(
         self,

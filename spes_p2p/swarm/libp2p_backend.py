@@ -17,6 +17,7 @@ and a peer of the wrong backend is told which one the swarm uses.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import time
@@ -34,6 +35,8 @@ from libp2p.kad_dht.kad_dht import DHTMode, KadDHT
 from libp2p.kad_dht.utils import sort_peer_ids_by_distance
 from libp2p.peer.id import ID
 from libp2p.peer.peerinfo import PeerInfo, info_from_p2p_addr
+from libp2p.pubsub.gossipsub import PROTOCOL_ID_V11, GossipSub
+from libp2p.pubsub.pubsub import Pubsub
 from libp2p.tools.anyio_service import background_trio_service
 
 from spes_p2p.errors import ConfigError
@@ -44,9 +47,11 @@ from spes_p2p.swarm.transport import (
     ANSWER_WRITE_TIMEOUT,
     DEFAULT_MAX_MESSAGE_BYTES,
     HELLO,
+    MAX_GOSSIP_BYTES,
     REQUEST_READ_TIMEOUT,
     BootstrapError,
     Entry,
+    GossipHandler,
     Handler,
     ListenError,
     MessageTooLarge,
@@ -58,6 +63,7 @@ from spes_p2p.swarm.transport import (
     TransportError,
     TransportStats,
     WrongBackend,
+    check_gossip_size,
     check_ports_free,
     check_record_size,
     tcp_probe,
@@ -151,7 +157,13 @@ class Libp2pTransport(Transport):
         async with self.host.run(self._listen):
             mode = DHTMode.CLIENT if self._client_mode else DHTMode.SERVER
             self.dht = KadDHT(self.host, mode)
-            async with background_trio_service(self.dht):
+            self._router = GossipSub([PROTOCOL_ID_V11], 6, 4, 12, heartbeat_interval=1)
+            self._pubsub = Pubsub(self.host, self._router)
+            async with (
+                background_trio_service(self.dht),
+                background_trio_service(self._pubsub),
+                background_trio_service(self._router),
+            ):
                 ready()
                 await stopping.wait()
             with trio.move_on_after(CLOSE_SECONDS):  # (leaving host.run alone would not close the sockets)
@@ -445,6 +457,51 @@ class Libp2pTransport(Transport):
         finally:
             with trio.move_on_after(1.0):
                 await _close(stream)
+
+    # ------------------------------------------------------------------------------------- gossip
+
+    def subscribe(self, topic: str, on_message: GossipHandler) -> bool:
+        try:
+            self._loop.call(self._subscribe, topic, on_message, timeout=DIAL_TIMEOUT)
+        except (TimeoutError, LoopClosed) as exc:
+            logger.warning("cannot subscribe to %s: %s", topic, exc)
+            return False
+        return True
+
+    async def _subscribe(self, topic: str, on_message: GossipHandler) -> None:
+        if topic not in self._pubsub.topic_ids:
+            self._loop.spawn(self._deliver, await self._pubsub.subscribe(topic), on_message)
+
+    async def _deliver(self, subscription, on_message: GossipHandler) -> None:
+        """Hands ``on_message`` what others gossip on the subscription's topic, until it is unsubscribed.
+        (Pubsub checked each message's signature against its sender's key.)"""
+        async for message in subscription:
+            try:
+                sender = str(ID(message.from_id))
+            except Exception:  # (not a peer id: nobody to blame)
+                continue
+            if sender == self.peer_id or not self.guard.allows(sender):
+                continue
+            if len(message.data) > MAX_GOSSIP_BYTES:
+                self.guard.reject(sender, "gossip", f"{len(message.data)} bytes", counts_toward_ban=False)
+                continue
+            try:
+                on_message(sender, bytes(message.data))
+            except Exception:  # the handler's bug must not end the subscription
+                logger.exception("a gossip handler failed")
+
+    def unsubscribe(self, topic: str) -> None:
+        with contextlib.suppress(TimeoutError, LoopClosed):
+            self._loop.call(self._pubsub.unsubscribe, topic, timeout=DIAL_TIMEOUT)
+
+    def gossip(self, topic: str, data: bytes) -> bool:
+        check_gossip_size(data)
+        try:
+            self._loop.call(self._pubsub.publish, topic, bytes(data), timeout=DIAL_TIMEOUT)
+        except Exception as exc:  # gossip is best effort: the DHT carries what matters
+            logger.debug("gossip on %s failed: %s", topic, exc)
+            return False
+        return True
 
     def probe(self, address: str, timeout: float) -> bool:
         return tcp_probe(address, timeout)

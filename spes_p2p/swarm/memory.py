@@ -2,7 +2,9 @@
 
 Deterministic for a given seed, and instant unless told otherwise. Fault hooks act on requests: ``drop``
 (the call times out), ``delay`` (seconds added to each call), ``corrupt`` (one byte of the answer flipped)
-and ``partition`` (peers in different groups neither reach each other nor see each other's records).
+and ``partition`` (peers in different groups neither reach each other nor see each other's records), and
+on gossip: ``gossip_drop`` (a message does not reach one subscriber). Gossip is delivered at once, on the
+sender's thread.
 The clock is injectable, so record expiry can be tested without waiting.
 """
 
@@ -20,6 +22,7 @@ from spes_p2p.swarm.transport import (
     DEFAULT_MAX_MESSAGE_BYTES,
     HELLO,
     Entry,
+    GossipHandler,
     Handler,
     MessageTooLarge,
     PeerUnreachable,
@@ -29,6 +32,7 @@ from spes_p2p.swarm.transport import (
     Transport,
     TransportError,
     TransportStats,
+    check_gossip_size,
     check_record_size,
 )
 
@@ -60,7 +64,9 @@ class MemoryNetwork:
         self.corrupt = 0.0  # probability that a response has one byte flipped
         self.groups: dict[str, int] = {}  # peer id -> partition group; empty: fully connected
         self.unreachable: set[str] = set()  # peers nobody can dial (they dial out), as behind NAT
-        self.faults = {"dropped": 0, "corrupted": 0, "partitioned": 0}
+        self.gossip_drop = 0.0  # probability that a gossip message does not reach one of its subscribers
+        self.topics: dict[str, dict[str, GossipHandler]] = {}  # topic -> subscriber -> its handler
+        self.faults = {"dropped": 0, "corrupted": 0, "partitioned": 0, "gossip dropped": 0}
         self.handlers = ThreadPoolExecutor(64, thread_name_prefix="spes-memory-handler")  # as a server's
         self.log: list[
             tuple[str, str, str, bytes, int]
@@ -202,6 +208,32 @@ class MemoryTransport(Transport):
         except Exception as exc:  # a failing remote handler is the remote's problem, reported to the caller
             raise RemoteError(f"{me} failed to answer {name}: {exc}") from None
 
+    def subscribe(self, topic: str, on_message: GossipHandler) -> bool:
+        self._check_alive()
+        with self.network.lock:
+            self.network.topics.setdefault(topic, {})[self.peer_id] = on_message
+        return True
+
+    def unsubscribe(self, topic: str) -> None:
+        with self.network.lock:
+            self.network.topics.get(topic, {}).pop(self.peer_id, None)
+
+    def gossip(self, topic: str, data: bytes) -> bool:
+        self._check_alive()
+        check_gossip_size(data)
+        net = self.network
+        with net.lock:
+            subscribers = dict(net.topics.get(topic, {}))
+        for peer, on_message in subscribers.items():
+            target = net.peers.get(peer)
+            if peer == self.peer_id or target is None or not net.connected(self.peer_id, peer):
+                continue
+            if net._roll(net.gossip_drop):
+                net.faults["gossip dropped"] += 1
+            elif target.guard.allows(self.peer_id):
+                on_message(self.peer_id, bytes(data))
+        return True
+
     def probe(self, address: str, timeout: float) -> bool:
         """A memory address names a peer: it opens when that peer is on the network and this side of any
         partition (``unreachable`` lists peers that nobody can dial, as if behind NAT)."""
@@ -219,6 +251,8 @@ class MemoryTransport(Transport):
         self.alive = False
         with self.network.lock:
             self.network.peers.pop(self.peer_id, None)
+            for subscribers in self.network.topics.values():
+                subscribers.pop(self.peer_id, None)
 
 
 def _flip_one_byte(data: bytes, net: MemoryNetwork) -> bytes:

@@ -120,8 +120,9 @@ class SyncEngine:
 
     def forget_before(self, round_: int, held: list[str] = ()) -> None:
         """Drops what was kept for rounds older than ``KEEP_ROUNDS`` before ``round_`` (versions of units
-        not ``held`` too)."""
+        not ``held`` too, and their gossip)."""
         self.outbox.forget_before(round_)
+        self._exchange.gossip.follow_only(held)
         self.versions.forget(set(held), round_ - KEEP_ROUNDS)
         self._exchange.forget_before(round_, KEEP_ROUNDS)
 

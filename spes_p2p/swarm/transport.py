@@ -10,8 +10,11 @@ A Transport gives a peer three things, whatever the backend:
   ``REQUEST_READ_TIMEOUT``, drops an answer not taken within ``ANSWER_WRITE_TIMEOUT``, and serves each
   remote peer at most ``MAX_STREAMS_PER_PEER`` requests at once (``StreamSlots``);
 - its own peer id and dialable addresses, and a bounded ``shutdown``;
+- gossip, where the backend has it (libp2p; memory): small messages (at most ``MAX_GOSSIP_BYTES``) to the
+  peers subscribed to a topic (``subscribe`` / ``gossip``). It is lossy by nature: whatever rides on it
+  must also be found another way (update announcements stay in the DHT);
 - a ``guard`` (``spes_p2p.swarm.guard``): entries of peers it does not allow are not read, and their
-  requests are refused.
+  requests and gossip are refused.
 
 Errors (all ``TransportError``, a ``SpesError``)::
 
@@ -48,6 +51,7 @@ DEFAULT_MAX_MESSAGE_BYTES = 1 << 30
 # at most), and seconds to take the answer before the stream is dropped.
 MAX_EXPIRY_AHEAD = 600.0  # an entry set to outlive every honest TTL by this much is not read
 MAX_STREAMS_PER_PEER = 8
+MAX_GOSSIP_BYTES = 4096  # (py-libp2p's gossipsub silently drops messages of 1 MiB or more)
 REQUEST_READ_TIMEOUT = 10.0
 ANSWER_WRITE_TIMEOUT = 300.0
 
@@ -55,6 +59,7 @@ ANSWER_WRITE_TIMEOUT = 300.0
 HELLO = "spes.hello"
 
 Handler = Callable[[str, bytes], bytes]  # (caller's peer id, request) -> response
+GossipHandler = Callable[[str, bytes], None]  # (sender's peer id, message)
 
 
 class TransportError(SpesError):
@@ -155,6 +160,12 @@ class StreamSlots:
                 self.release(peer)
 
 
+def check_gossip_size(data: bytes) -> None:
+    """Raises MessageTooLarge past MAX_GOSSIP_BYTES."""
+    if len(data) > MAX_GOSSIP_BYTES:
+        raise MessageTooLarge(f"a {len(data)}-byte gossip message exceeds {MAX_GOSSIP_BYTES}")
+
+
 def check_record_size(data: bytes) -> None:
     """Raises MessageTooLarge past MAX_RECORD_BYTES."""
     if len(data) > MAX_RECORD_BYTES:
@@ -217,6 +228,20 @@ class Transport(ABC):
         max_response_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
     ) -> bytes:
         """Sends ``payload`` to ``peer_id``'s handler ``name`` and returns its answer."""
+
+    def subscribe(self, topic: str, on_message: GossipHandler) -> bool:
+        """Calls ``on_message(sender, data)`` for every message another peer (one the guard allows) gossips
+        on ``topic``, on a thread of the transport's: keep it quick. False: this backend has no gossip."""
+        return False
+
+    def unsubscribe(self, topic: str) -> None:  # noqa: B027 - a backend without gossip has nothing to stop
+        """Ends ``subscribe``'s deliveries on ``topic``."""
+
+    def gossip(self, topic: str, data: bytes) -> bool:
+        """Sends ``data`` to the peers subscribed to ``topic``, best effort: it may be lost on the way.
+        MessageTooLarge past ``MAX_GOSSIP_BYTES``; False when nothing was sent (no gossip here)."""
+        check_gossip_size(data)
+        return False
 
     @abstractmethod
     def probe(self, address: str, timeout: float) -> bool:

@@ -75,9 +75,12 @@ class TrioLoop:
             raise LoopClosed("the network loop has stopped") from None
 
     def spawn(self, fn: Callable[..., Awaitable[Any]], *args: Any) -> None:
-        """Starts ``fn(*args)`` in the background on the loop (its errors are its own business)."""
+        """Starts ``fn(*args)`` in the background on the loop, from any thread (the loop's too)."""
         token, nursery = self._token, self._nursery
         if token is None or nursery is None:
+            return
+        if threading.current_thread() is self._thread:
+            nursery.start_soon(fn, *args)
             return
         try:
             trio.from_thread.run_sync(nursery.start_soon, fn, *args, trio_token=token)
