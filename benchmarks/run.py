@@ -13,6 +13,8 @@ Sections (each a function below; all figures are measured in this run):
             4 peers, equal total tokens
   scale     round time, sync wait and DHT latency for 4 to 32 peer processes with virtual compute (a step
             sleeps; updates are synthetic, of the model's real shapes), groups of 4 holders per unit
+  backends  hivemind and libp2p side by side: start and join time, DHT write and read latency, stream
+            throughput (benchmarks/backends.py), and the round time of the same 4-peer swarm on each
   wan       the share of wall time waiting on the sync when each peer sits in its own network namespace
             behind a 50 Mbit/s link (root), with a round's compute set to a GPU's (virtual compute), for
             public peers and for a peer behind NAT (reached through a relay)
@@ -44,6 +46,7 @@ MODES = {
         "sync": {"rounds": 4, "steps": 10},
         "scale": {"peers": [4, 8], "rounds": 3, "steps": 10},
         "wan": {"peers": 4, "rounds": 3},
+        "backends": {"rounds": 4, "steps": 10},
     },
     "full": {
         "memory_preset": "small",
@@ -52,9 +55,11 @@ MODES = {
         "sync": {"rounds": 8, "steps": 20},
         "scale": {"peers": [4, 8, 16, 32], "rounds": 6, "steps": 20},
         "wan": {"peers": 4, "rounds": 8},
+        "backends": {"rounds": 8, "steps": 20},
     },
 }
-SECTIONS = ("memory", "bytes", "sync", "loss", "scale", "wan")
+SECTIONS = ("memory", "bytes", "sync", "loss", "scale", "wan", "backends")
+BACKENDS = ("hivemind", "libp2p")
 SCALE_STEP_SECONDS = 0.5  # virtual compute in the scale section: 10 s of "training" a round at 20 steps
 # heartbeats at a swarm's defaults; 32 peer processes starting at once on 2 cores take a while to join
 SCALE_SWARM = {
@@ -369,6 +374,29 @@ def bench_wan(out: Path, peers: int, rounds: int) -> dict:
     return result
 
 
+def bench_backends(out: Path, rounds: int, steps: int) -> dict:
+    """Each backend's network figures (in a process of its own), and the round time of one swarm on each."""
+    result = {}
+    for backend in BACKENDS:
+        child = subprocess.run(
+            [sys.executable, str(Path(__file__).with_name("backends.py")), backend],
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
+        if child.returncode:
+            raise RuntimeError(f"benchmarks/backends.py {backend} failed:\n{child.stderr[-2000:]}")
+        sim = simulate(out, f"backend-{backend}", backend, 4, rounds, steps)
+        result[backend] = {
+            **json.loads(child.stdout.splitlines()[-1]),
+            **_round_times(sim),
+            "failures": sim["summary"]["failures"],
+            "final_loss": sim["summary"]["final_loss"],
+        }
+        print(f"backend {backend}: {result[backend]}", flush=True)
+    return result
+
+
 def _round_times(sim: dict) -> dict:
     later = [r for rs in sim["rows"].values() for r in rs[1:]]  # the first round includes the start-up
     if not later:  # the swarm did not get past its first round: its failures say why
@@ -465,6 +493,22 @@ def tables(results: dict) -> str:
             out.append(row(f"{name}: all peers", *_shares(r), *times))
         natted = wan["nat"]["natted"]
         out.append(row(f"nat: {natted['peer']} (behind NAT)", *_shares(natted), "", ""))
+    backends = results.get("backends")
+    if backends:
+        heads = ("start s", "join s", "DHT write ms", "DHT read ms", "stream MiB/s", "round s", "vs hivemind")
+        out += ["", row("backend", *heads), row(*["---"] * 8)]
+        for name, r in backends.items():
+            ratio = r["round_seconds"] / backends["hivemind"]["round_seconds"] if r["round_seconds"] else None
+            cells = (r["start_seconds"], r["join_seconds"], r["dht_write_ms"], r["dht_read_ms"])
+            out.append(
+                row(
+                    name,
+                    *(f"{c:.2f}" if c < 10 else f"{c:.1f}" for c in cells),
+                    f"{r['stream_mib_per_s']:.0f}",
+                    f"{r['round_seconds']:.2f}" if r["round_seconds"] else "failed",
+                    f"{ratio:.2f}x" if ratio else "",
+                )
+            )
     return "\n".join(out)
 
 
@@ -576,6 +620,7 @@ def main() -> None:
         "loss": lambda: bench_loss(args.out, **mode["loss"]),
         "scale": lambda: bench_scale(args.out, **mode["scale"]),
         "wan": lambda: bench_wan(args.out, **mode["wan"]),
+        "backends": lambda: bench_backends(args.out, **mode["backends"]),
     }
     timings = results.setdefault("section_seconds", {})
     for name in args.only or SECTIONS:

@@ -9,6 +9,7 @@ import psutil
 import pytest
 from hivemind.p2p import PeerID
 
+from spes_p2p.errors import ConfigError
 from spes_p2p.swarm import hivemind_backend
 from spes_p2p.swarm.hivemind_backend import HivemindTransport
 
@@ -60,3 +61,12 @@ def test_a_peer_killed_with_sigkill_leaves_no_dht_process_nor_daemon():
         for p in [proc, *descendants]:
             with contextlib.suppress(psutil.NoSuchProcess, ProcessLookupError):
                 p.kill()
+
+
+def test_an_identity_of_the_libp2p_backend_is_refused_naming_the_fix(tmp_path):
+    from hivemind.proto import crypto_pb2
+
+    key = tmp_path / "ed25519.key"
+    key.write_bytes(crypto_pb2.PrivateKey(key_type=crypto_pb2.Ed25519, data=bytes(64)).SerializeToString())
+    with pytest.raises(ConfigError, match="needs an RSA identity: give it another --identity"):
+        HivemindTransport(identity_path=key)

@@ -105,6 +105,7 @@ def test_network_faults_are_survived_and_corrupt_payloads_counted(tmp_path):
             sim__drop=0.05,
             sim__delay_ms=5.0,
             sim__corrupt=0.1,
+            sim__gossip_drop=0.5,
             sim__partitions=("0,1/2,3@1-1",),
             run__out=str(tmp_path),
             **SMALL,
@@ -116,6 +117,7 @@ def test_network_faults_are_survived_and_corrupt_payloads_counted(tmp_path):
     assert summary["rejected_payloads"] > 0
     faults = {e["kind"]: e["count"] for e in summary["events"] if e["type"] == "fault"}
     assert faults.get("corrupted", 0) >= summary["rejected_payloads"] and faults.get("dropped", 0) > 0
+    assert faults.get("gossip dropped", 0) > 0
     assert {"partition", "heal"} <= {e["type"] for e in summary["events"]}
     assert summary["final_loss"] < summary["initial_loss"]
 

@@ -98,6 +98,12 @@ def ensure_identity(path: Path) -> Path:
 def _signing_key(identity_path: Path):
     """The RSA private key inside a libp2p identity file, as hivemind's RSAPrivateKey."""
     proto = crypto_pb2.PrivateKey.FromString(Path(identity_path).read_bytes())
+    if proto.key_type != crypto_pb2.RSA:
+        kind = crypto_pb2.KeyType.Name(proto.key_type)
+        raise ConfigError(
+            f"{identity_path} holds an {kind} key (made by the libp2p backend); the hivemind backend needs "
+            "an RSA identity: give it another --identity file (one is created if missing)"
+        )
     key = RSAPrivateKey.__new__(RSAPrivateKey)
     key.__setstate__({"_private_key": proto.data})  # the pickling path: DER bytes -> key
     return key

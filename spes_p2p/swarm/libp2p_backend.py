@@ -76,6 +76,8 @@ BACKEND = "libp2p"
 REPLICAS = 5  # peers that keep each key's entries
 DHT_TIMEOUT = 10.0  # one publish or read
 LOOKUP_SECONDS = 3.0  # finding the peers closest to a key
+LOOKUP_REUSE_SECONDS = 5.0  # ... and using what was found again
+MAX_LOOKUPS = 4096  # lookups kept for reuse
 STARTUP_TIMEOUT = 20.0
 DIAL_TIMEOUT = 5.0
 CLOSE_SECONDS = 2.0  # to close connections and listeners on shutdown
@@ -128,6 +130,7 @@ class Libp2pTransport(Transport):
         self._handlers: dict[str, tuple[Handler, int]] = {}
         self._store = RecordStore()
         self._known: set[str] = set()
+        self._lookups: dict[str, tuple[tuple[ID, ...], float]] = {}  # key -> its closest peers, when found
         self._key_pair = load_identity(identity_path)
         self.peer_id = str(ID.from_pubkey(self._key_pair.public_key))
         self._listen = [_maddr(a) for a in listen]
@@ -326,11 +329,20 @@ class Libp2pTransport(Transport):
         return [(writer, e) for e in found if (writer := valid_entry(e, key, now)) is not None]
 
     async def _closest(self, key: str) -> list[ID]:
-        """The REPLICAS peers closest to ``key`` that Kademlia knows of, this one included."""
+        """The REPLICAS peers closest to ``key`` that Kademlia knows of, this one included; a lookup is
+        reused for ``LOOKUP_REUSE_SECONDS`` (a swarm reads its few keys several times a round)."""
+        now = time.monotonic()
+        found, at = self._lookups.get(key, ((), -LOOKUP_REUSE_SECONDS))
+        if now - at < LOOKUP_REUSE_SECONDS:
+            return list(found)
         found = self.dht.routing_table.find_local_closest_peers(key.encode(), REPLICAS)
         with trio.move_on_after(LOOKUP_SECONDS):  # (past it: the closest this peer knows of itself)
             found = await self.dht.peer_routing.find_closest_peers_network(key.encode(), count=REPLICAS)
-        return sort_peer_ids_by_distance(key.encode(), [self.host.get_id(), *found])[:REPLICAS]
+        closest = sort_peer_ids_by_distance(key.encode(), [self.host.get_id(), *found])[:REPLICAS]
+        if len(self._lookups) >= MAX_LOOKUPS:
+            self._lookups.clear()
+        self._lookups[key] = (tuple(closest), now)
+        return closest
 
     async def _ask(self, peer: ID, name: str, payload: bytes, max_response: int) -> bytes | None:
         """One records request to ``peer``: its answer, or None when it gave none in time."""
