@@ -28,9 +28,13 @@ QUICK_ROUNDS = (
 
 
 class Swarm:
-    def __init__(self, root: Path) -> None:
-        self.root, self.procs = root, {}
+    def __init__(self, root: Path, backend: str = "hivemind") -> None:
+        self.root, self.procs, self.backend = root, {}, backend
         self.env = {**os.environ, "HOME": str(root), "PYTHONUNBUFFERED": "1"}
+
+    @property
+    def swarm_flags(self) -> list[str]:
+        return ["--run-id", "test-swarm", "--backend", self.backend]
 
     def start(self, name: str, *args: str) -> subprocess.Popen:
         log = open(self.root / f"{name}.log", "w")
@@ -38,6 +42,8 @@ class Swarm:
             [
                 str(BIN / "spes-join"),
                 *COMMON,
+                "--backend",
+                self.backend,
                 "--identity",
                 str(self.root / f"{name}.key"),
                 "--addr-file",
@@ -67,7 +73,7 @@ class Swarm:
 
     def status(self, via: str) -> dict:
         out = subprocess.run(
-            [str(BIN / "spes"), "status", "--peers", self.address(via), "--run-id", "test-swarm", "--json"],
+            [str(BIN / "spes"), "status", "--peers", self.address(via), "--json", *self.swarm_flags],
             capture_output=True,
             text=True,
             timeout=60,
@@ -254,9 +260,9 @@ deadline_max = 30.0
 
 @pytest.mark.parametrize("backend", ["hivemind", "libp2p"])
 def test_spes_join_trains_and_holders_agree(swarm, backend):
+    swarm.backend = backend
     (swarm.root / "peers.toml").write_text(TRAIN_TOML)
     train = ["--rounds", "3", "--min-peers", "3", "--heartbeat", "1", "--record-ttl", "15"]
-    train += ["--backend", backend]
     swarm.start("a", "--new-swarm", "--out", str(swarm.root / "out-a"), *train)
     first = swarm.address("a")
     for name in "bc":
@@ -322,14 +328,16 @@ def test_a_volunteer_joins_with_nothing_but_the_invite(swarm, tmp_path):
     assert swarm.procs["a"].wait(timeout=120) == 0
 
 
-def test_invite_and_status_of_a_running_swarm(swarm):
+@pytest.mark.parametrize("backend", ["hivemind", "libp2p"])
+def test_invite_and_status_of_a_running_swarm(swarm, backend):
+    swarm.backend = backend
     (swarm.root / "peers.toml").write_text(QUICK_ROUNDS)
     swarm.start("a", "--new-swarm")
     first = swarm.address("a")
     summary = swarm.wait_for("a", lambda s: len(s["peers"]) == 1)
     assert summary["peers"][0]["reachable"] in ("unknown", "yes")  # (alone: nobody to dial it back)
     out = subprocess.run(
-        [str(BIN / "spes"), "invite", "--peers", first, "--run-id", "test-swarm", "--out", "inv.toml"],
+        [str(BIN / "spes"), "invite", "--peers", first, "--out", "inv.toml", *swarm.swarm_flags],
         capture_output=True,
         text=True,
         timeout=60,
@@ -337,9 +345,10 @@ def test_invite_and_status_of_a_running_swarm(swarm):
         env=swarm.env,
     )
     assert out.returncode == 0, out.stderr
-    assert f'manifest = "{summary["manifest"]}"' in (swarm.root / "inv.toml").read_text()
+    invite = (swarm.root / "inv.toml").read_text()
+    assert f'manifest = "{summary["manifest"]}"' in invite and f'backend = "{backend}"' in invite
     missing = subprocess.run(
-        [str(BIN / "spes"), "status", "--peers", first, "--run-id", "no-such-swarm"],
+        [str(BIN / "spes"), "status", "--peers", first, "--run-id", "no-such-swarm", "--backend", backend],
         capture_output=True,
         text=True,
         timeout=60,

@@ -281,14 +281,15 @@ def test_churn_on_the_memory_backend_brings_every_killed_peer_back_with_its_id(t
     assert all(not p["killed"] for p in summary["peers"])  # everyone is back at the end
 
 
-def test_churn_with_real_processes_restarts_peers_with_their_ids_and_leaves_no_process(tmp_path):
+@pytest.mark.parametrize("backend", ["hivemind", "libp2p"])
+def test_churn_with_real_processes_restarts_peers_with_their_ids_and_leaves_no_process(tmp_path, backend):
     """Seed 8 draws one kill, of peer2 in round 1: its whole process tree dies, and a new process with
     --resume (its run folder, its identity key) comes back with the same peer id. Nothing of the run is
     left running afterwards. Rounds of 20 steps: with fewer, the two others finish the run before a restart
     is back."""
     out = tmp_path / "sim"
     args = "--peers 3 --shards 1 --rounds 11 --steps-per-round 20 --batch-size 4 --seq-len 64"
-    summary, _ = simulate_cli(args + " --max-corpus-mb 1 --churn 0.15 --seed 8", out)
+    summary, _ = simulate_cli(args + f" --max-corpus-mb 1 --churn 0.15 --seed 8 --backend {backend}", out)
     assert not summary["failures"] and not summary["leftovers"], summary["failures"]
     assert summary["churn"]["restarts"] == summary["churn"]["back_with_id"] >= 1, summary["churn"]
     name = next(e["peer"] for e in summary["events"] if e["type"] == "restart")
@@ -307,12 +308,14 @@ def test_churn_with_real_processes_restarts_peers_with_their_ids_and_leaves_no_p
     assert not left, left
 
 
+@pytest.mark.parametrize("backend", ["hivemind", "libp2p"])
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGKILL], ids=["SIGTERM", "SIGKILL"])
-def test_a_killed_simulator_leaves_no_process_running(tmp_path, signum):
+def test_a_killed_simulator_leaves_no_process_running(tmp_path, signum, backend):
     """SIGTERM stops a simulation as Ctrl-C does (it stops its peers, exit status 130); after a SIGKILL, the
     kernel sends each peer process SIGTERM (they die with their parent) and they leave in order."""
     out = tmp_path / "sim"
     args = "--peers 2 --shards 1 --rounds 100 --steps-per-round 5 --compute virtual=0.2 --max-corpus-mb 1"
+    args += f" --backend {backend}"
     spes_cli = str(Path(sys.executable).parent / "spes")
     sim = subprocess.Popen(
         [spes_cli, "simulate", *args.split(), "--out", str(out)],

@@ -86,6 +86,15 @@ class ByzantineTransport(Transport):
     def probe(self, address: str, timeout: float) -> bool:
         return self.inner.probe(address, timeout)
 
+    def subscribe(self, topic: str, on_message) -> bool:
+        return self.inner.subscribe(topic, on_message)
+
+    def unsubscribe(self, topic: str) -> None:
+        self.inner.unsubscribe(topic)
+
+    def gossip(self, topic: str, data: bytes) -> bool:
+        return self.inner.gossip(topic, data)
+
     def shutdown(self, timeout: float = 5.0) -> None:
         self.stopped.set()
         for sybil in self.sybils:
@@ -220,7 +229,7 @@ class ByzantineTransport(Transport):
 
 def main(argv: list[str]) -> int:
     """``python -m spes_p2p.sim.byzantine SETTINGS.toml MODE``: the peer process of a malicious peer in a
-    simulation on the hivemind backend (``python -m spes_p2p.peer``, over an attacking transport)."""
+    simulation of peer processes (``python -m spes_p2p.peer``, over an attacking transport)."""
     from spes_p2p.peer.__main__ import main as peer_main
     from spes_p2p.peer.setup import open_transport
 
