@@ -5,14 +5,11 @@ run on a trio loop in a thread of this process (``swarm/trio_loop.py``); every T
 call into that loop. A process that uses this backend never imports hivemind (both register the protobuf
 package ``crypto.pb``, so they cannot share a process).
 
-Records: Kademlia finds the ``REPLICAS`` peers closest to a key (this one among them, when it is); each
-keeps the signed entries written under that key (``swarm/libp2p_records.py``), and a read asks all of them
-and keeps each writer's entry that expires last. The identity is an ed25519 key in a file, so a restarted
-peer keeps its peer id and can overwrite its own entries.
-
-Streams: one libp2p stream per request, in hivemind's framing (an 8-byte big-endian length, then the
-payload; an answer starts with a status byte), so the two backends can answer each other's ``spes.hello``
-and a peer of the wrong backend is told which one the swarm uses.
+Records (``swarm/libp2p_records.py``): Kademlia finds the peers closest to a key, and they keep the
+signed entries written under it. Requests (``swarm/libp2p_streams.py``): one libp2p stream each, in
+hivemind's framing, so the two backends answer each other's ``spes.hello`` and a peer of the wrong backend
+is told which one the swarm uses. Gossip: gossipsub. The identity is an ed25519 key in a file, so a
+restarted peer keeps its peer id and can overwrite its own entries.
 """
 
 from __future__ import annotations
@@ -30,25 +27,19 @@ from libp2p import new_host
 from libp2p.crypto.ed25519 import create_new_key_pair
 from libp2p.crypto.keys import KeyPair
 from libp2p.crypto.serialization import deserialize_private_key
-from libp2p.custom_types import TProtocol
 from libp2p.kad_dht.kad_dht import DHTMode, KadDHT
-from libp2p.kad_dht.utils import sort_peer_ids_by_distance
 from libp2p.peer.id import ID
 from libp2p.peer.peerinfo import PeerInfo, info_from_p2p_addr
-from libp2p.pubsub.gossipsub import PROTOCOL_ID_V11, GossipSub
-from libp2p.pubsub.pubsub import Pubsub
 from libp2p.tools.anyio_service import background_trio_service
 
 from spes_p2p.errors import ConfigError
 from spes_p2p.swarm.guard import Guard
-from spes_p2p.swarm.libp2p_records import Fetch, Found, RecordStore, SignedEntry, latest, valid_entry
-from spes_p2p.swarm.records import RecordError
+from spes_p2p.swarm.libp2p_gossip import Topics
+from spes_p2p.swarm.libp2p_records import RecordKeeping, SignedEntry, latest
+from spes_p2p.swarm.libp2p_streams import OK, Requests
 from spes_p2p.swarm.transport import (
-    ANSWER_WRITE_TIMEOUT,
     DEFAULT_MAX_MESSAGE_BYTES,
     HELLO,
-    MAX_GOSSIP_BYTES,
-    REQUEST_READ_TIMEOUT,
     BootstrapError,
     Entry,
     GossipHandler,
@@ -73,19 +64,11 @@ from spes_p2p.swarm.trio_loop import LoopClosed, TrioLoop
 logger = logging.getLogger(__name__)
 
 BACKEND = "libp2p"
-REPLICAS = 5  # peers that keep each key's entries
 DHT_TIMEOUT = 10.0  # one publish or read
-LOOKUP_SECONDS = 3.0  # finding the peers closest to a key
-LOOKUP_REUSE_SECONDS = 5.0  # ... and using what was found again
-MAX_LOOKUPS = 4096  # lookups kept for reuse
 STARTUP_TIMEOUT = 20.0
 DIAL_TIMEOUT = 5.0
 CLOSE_SECONDS = 2.0  # to close connections and listeners on shutdown
 BOOTSTRAP_RETRY_SECONDS = 3.0
-HANDLER_THREADS = 32  # handlers run at once (the rest wait for a thread)
-_STORE, _FETCH = "spes.records.store", "spes.records.fetch"
-_OK, _FAILED = b"\x00", b"\x01"
-_HEADER = 8
 
 
 def load_identity(path: Path | None) -> KeyPair:
@@ -127,16 +110,12 @@ class Libp2pTransport(Transport):
         self.stats = TransportStats()
         self.guard = Guard()
         self.streams = StreamSlots()
-        self._handlers: dict[str, tuple[Handler, int]] = {}
-        self._store = RecordStore()
         self._known: set[str] = set()
-        self._lookups: dict[str, tuple[tuple[ID, ...], float]] = {}  # key -> its closest peers, when found
         self._key_pair = load_identity(identity_path)
         self.peer_id = str(ID.from_pubkey(self._key_pair.public_key))
         self._listen = [_maddr(a) for a in listen]
         self._announce = [_maddr(a) for a in announce]
         self._client_mode = client_mode
-        self._workers = trio.CapacityLimiter(HANDLER_THREADS)
         check_ports_free(listen)
         self._loop = TrioLoop(self._main, name=f"spes-libp2p-{self.peer_id[-6:]}")
         try:
@@ -146,8 +125,6 @@ class Libp2pTransport(Transport):
         except TimeoutError:
             raise ListenError(f"the libp2p host did not start within {startup_timeout:.0f}s") from None
         self.serve(HELLO, lambda caller, request: BACKEND.encode())
-        self._serve_inline(_STORE, self._on_store, SignedEntry.MAX_BYTES)
-        self._serve_inline(_FETCH, self._on_fetch, Fetch.MAX_BYTES)
         if initial_peers:
             try:
                 self._bootstrap(list(initial_peers), startup_timeout)
@@ -160,12 +137,13 @@ class Libp2pTransport(Transport):
         async with self.host.run(self._listen):
             mode = DHTMode.CLIENT if self._client_mode else DHTMode.SERVER
             self.dht = KadDHT(self.host, mode)
-            self._router = GossipSub([PROTOCOL_ID_V11], 6, 4, 12, heartbeat_interval=1)
-            self._pubsub = Pubsub(self.host, self._router)
+            self._requests = Requests(self.host, self.guard, self.stats, self.streams)
+            self._records = RecordKeeping(self.dht, self._requests, self.guard, self.now)
+            self._topics = Topics(self.host, self.guard, self._loop.spawn)
             async with (
                 background_trio_service(self.dht),
-                background_trio_service(self._pubsub),
-                background_trio_service(self._router),
+                background_trio_service(self._topics.pubsub),
+                background_trio_service(self._topics.router),
             ):
                 ready()
                 await stopping.wait()
@@ -271,33 +249,17 @@ class Libp2pTransport(Transport):
         entry = SignedEntry.sign(key, bytes(value), expires_at, self._key_pair.private_key)
         started = time.perf_counter()
         try:
-            return self._loop.call(self._publish, entry, timeout=DHT_TIMEOUT) > 0
+            return self._loop.call(self._records.publish, entry, timeout=DHT_TIMEOUT) > 0
         except (TimeoutError, LoopClosed) as exc:
             logger.warning("DHT store of %s failed: %s", key, exc)
             return False
         finally:
             self.stats.dht_op(started)
 
-    async def _publish(self, entry: SignedEntry) -> int:
-        stored = 0
-        data = entry.encode()
-
-        async def store(peer: ID) -> None:
-            nonlocal stored
-            if str(peer) == self.peer_id:
-                stored += self._store.put(self.peer_id, entry, self.now())
-            else:
-                stored += await self._ask(peer, _STORE, data, 1) == _OK
-
-        async with trio.open_nursery() as nursery:
-            for peer in await self._closest(entry.key):
-                nursery.start_soon(store, peer)
-        return stored
-
     def read(self, key: str) -> dict[str, Entry]:
         started = time.perf_counter()
         try:
-            found = self._loop.call(self._read, key, timeout=DHT_TIMEOUT)
+            found = self._loop.call(self._records.read, key, timeout=DHT_TIMEOUT)
         except (TimeoutError, LoopClosed) as exc:
             logger.warning("DHT get of %s failed: %s", key, exc)
             return {}
@@ -306,127 +268,10 @@ class Libp2pTransport(Transport):
         now = self.now()
         return {peer: entry for peer, entry in latest(found).items() if self.readable(peer, entry, now)}
 
-    async def _read(self, key: str) -> list[tuple[str, SignedEntry]]:
-        found: set[SignedEntry] = set()
-        request = Fetch(key).encode()
-
-        async def fetch(peer: ID) -> None:
-            if str(peer) == self.peer_id:
-                found.update(self._store.get(key, self.now()))
-                return
-            answer = await self._ask(peer, _FETCH, request, Found.MAX_BYTES)
-            if answer is None:
-                return
-            try:
-                found.update(Found.decode(answer).entries)
-            except RecordError as exc:
-                self.guard.reject(str(peer), "records answer", str(exc))
-
-        async with trio.open_nursery() as nursery:
-            for peer in await self._closest(key):
-                nursery.start_soon(fetch, peer)
-        now = self.now()
-        return [(writer, e) for e in found if (writer := valid_entry(e, key, now)) is not None]
-
-    async def _closest(self, key: str) -> list[ID]:
-        """The REPLICAS peers closest to ``key`` that Kademlia knows of, this one included; a lookup is
-        reused for ``LOOKUP_REUSE_SECONDS`` (a swarm reads its few keys several times a round)."""
-        now = time.monotonic()
-        found, at = self._lookups.get(key, ((), -LOOKUP_REUSE_SECONDS))
-        if now - at < LOOKUP_REUSE_SECONDS:
-            return list(found)
-        found = self.dht.routing_table.find_local_closest_peers(key.encode(), REPLICAS)
-        with trio.move_on_after(LOOKUP_SECONDS):  # (past it: the closest this peer knows of itself)
-            found = await self.dht.peer_routing.find_closest_peers_network(key.encode(), count=REPLICAS)
-        closest = sort_peer_ids_by_distance(key.encode(), [self.host.get_id(), *found])[:REPLICAS]
-        if len(self._lookups) >= MAX_LOOKUPS:
-            self._lookups.clear()
-        self._lookups[key] = (tuple(closest), now)
-        return closest
-
-    async def _ask(self, peer: ID, name: str, payload: bytes, max_response: int) -> bytes | None:
-        """One records request to ``peer``: its answer, or None when it gave none in time."""
-        with trio.move_on_after(DHT_TIMEOUT / 2):
-            try:
-                answer = await self._exchange(peer, name, payload, max_response + 1)
-            except Exception as exc:  # an unreachable or slow replica: the others answer
-                logger.debug("%s to %s failed: %s", name, peer, exc)
-                return None
-            return answer[1:] if answer[:1] == _OK else None
-        return None
-
-    def _on_store(self, caller: str, request: bytes) -> bytes:
-        try:
-            entry = SignedEntry.decode(request)
-        except RecordError as exc:
-            self.guard.reject(caller, "record", str(exc))
-            raise RemoteError(f"malformed record: {exc}") from None
-        writer = valid_entry(entry, entry.key, self.now())
-        if writer is None or not self.guard.allows(writer):
-            self.guard.reject(caller, "record", "a bad signature, expiry or writer")
-            raise RemoteError("record refused: a bad signature, expiry or writer")
-        return _OK if self._store.put(writer, entry, self.now()) else _FAILED
-
-    def _on_fetch(self, caller: str, request: bytes) -> bytes:
-        try:
-            key = Fetch.decode(request).key
-        except RecordError as exc:
-            raise RemoteError(f"malformed fetch: {exc}") from None
-        return Found(self._store.get(key, self.now())).encode()
-
     # ------------------------------------------------------------------------------------- streams
 
     def serve(self, name: str, handler: Handler, max_request_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> None:
-        self._register(name, handler, max_request_bytes, inline=False)
-
-    def _serve_inline(self, name: str, handler: Handler, max_request_bytes: int) -> None:
-        """A handler quick enough to run on the loop itself (the records protocol)."""
-        self._register(name, handler, max_request_bytes, inline=True)
-
-    def _register(self, name: str, handler: Handler, limit: int, *, inline: bool) -> None:
-        self._handlers[name] = (handler, limit)
-
-        async def on_stream(stream) -> None:
-            await self._on_stream(name, handler, limit, inline, stream)
-
-        self.host.set_stream_handler(TProtocol(name), on_stream)
-
-    async def _on_stream(self, name: str, handler: Handler, limit: int, inline: bool, stream) -> None:
-        caller = str(stream.muxed_conn.peer_id)
-        with self.streams.slot(caller) as admitted:
-            try:
-                if not self.admits(caller):
-                    response = _FAILED + b"this peer does not serve you"
-                elif not admitted:
-                    response = _FAILED + b"too many requests in progress from this peer"
-                else:
-                    with trio.fail_after(REQUEST_READ_TIMEOUT):
-                        request = await _read_frame(stream, limit)
-                    self.stats.bytes_received += len(request)
-                    response = await self._answer(name, handler, caller, request, inline)
-                self.stats.requests_served += 1
-                with trio.fail_after(ANSWER_WRITE_TIMEOUT):
-                    await _write_frame(stream, response)
-                self.stats.bytes_sent += len(response) - 1
-            except Exception as exc:  # a slow, oversized or broken request is dropped, not answered
-                logger.info("dropped a %s request from %s: %s", name, caller, exc or type(exc).__name__)
-            finally:
-                with trio.move_on_after(1.0):
-                    await _close(stream)
-
-    async def _answer(self, name: str, handler: Handler, caller: str, request: bytes, inline: bool) -> bytes:
-        try:
-            if inline:
-                return _OK + handler(caller, request)
-            return _OK + await trio.to_thread.run_sync(
-                handler, caller, request, limiter=self._workers, abandon_on_cancel=True
-            )
-        except RemoteError as exc:  # a refusal (Unavailable) or a malformed request (BadRequest)
-            logger.debug("%s for %s: %s", name, caller, exc)
-            return _FAILED + str(exc).encode()
-        except Exception as exc:  # the caller learns that we failed, and why
-            logger.warning("handler %s failed for %s: %s", name, caller, exc, exc_info=True)
-            return _FAILED + str(exc).encode()
+        self._requests.serve(name, handler, max_request_bytes)
 
     def request(
         self,
@@ -443,7 +288,7 @@ class Libp2pTransport(Transport):
             raise PeerUnreachable(f"{peer_id!r} is not a peer id") from None
         try:
             answer = self._loop.call(
-                self._exchange, peer, name, payload, max_response_bytes + 1, timeout=timeout
+                self._requests.ask, peer, name, payload, max_response_bytes + 1, timeout=timeout
             )
         except TimeoutError:
             raise RequestTimeout(f"{name} to {peer_id} timed out after {timeout:.1f}s") from None
@@ -453,63 +298,31 @@ class Libp2pTransport(Transport):
             raise TransportError(f"{self.peer_id} has shut down") from None
         except Exception as exc:  # dial failures, resets, an unsupported protocol
             raise PeerUnreachable(f"cannot reach {peer_id} for {name}: {exc or type(exc).__name__}") from None
-        if answer[:1] != _OK:
+        if answer[:1] != OK:
             raise RemoteError(f"{peer_id} failed to answer {name}: {answer[1:].decode(errors='replace')}")
         self.stats.bytes_sent += len(payload)
         self.stats.bytes_received += len(answer) - 1
         self.stats.requests_sent += 1
         return answer[1:]
 
-    async def _exchange(self, peer: ID, name: str, payload: bytes, limit: int) -> bytes:
-        """Opens a stream to ``peer``'s handler ``name``, sends ``payload`` and reads the framed answer."""
-        stream = await self.host.new_stream(peer, [TProtocol(name)])
-        try:
-            await _write_frame(stream, payload)
-            return await _read_frame(stream, limit)
-        finally:
-            with trio.move_on_after(1.0):
-                await _close(stream)
-
     # ------------------------------------------------------------------------------------- gossip
 
     def subscribe(self, topic: str, on_message: GossipHandler) -> bool:
         try:
-            self._loop.call(self._subscribe, topic, on_message, timeout=DIAL_TIMEOUT)
+            self._loop.call(self._topics.subscribe, topic, on_message, timeout=DIAL_TIMEOUT)
         except (TimeoutError, LoopClosed) as exc:
             logger.warning("cannot subscribe to %s: %s", topic, exc)
             return False
         return True
 
-    async def _subscribe(self, topic: str, on_message: GossipHandler) -> None:
-        if topic not in self._pubsub.topic_ids:
-            self._loop.spawn(self._deliver, await self._pubsub.subscribe(topic), on_message)
-
-    async def _deliver(self, subscription, on_message: GossipHandler) -> None:
-        """Hands ``on_message`` what others gossip on the subscription's topic, until it is unsubscribed.
-        (Pubsub checked each message's signature against its sender's key.)"""
-        async for message in subscription:
-            try:
-                sender = str(ID(message.from_id))
-            except Exception:  # (not a peer id: nobody to blame)
-                continue
-            if sender == self.peer_id or not self.guard.allows(sender):
-                continue
-            if len(message.data) > MAX_GOSSIP_BYTES:
-                self.guard.reject(sender, "gossip", f"{len(message.data)} bytes", counts_toward_ban=False)
-                continue
-            try:
-                on_message(sender, bytes(message.data))
-            except Exception:  # the handler's bug must not end the subscription
-                logger.exception("a gossip handler failed")
-
     def unsubscribe(self, topic: str) -> None:
         with contextlib.suppress(TimeoutError, LoopClosed):
-            self._loop.call(self._pubsub.unsubscribe, topic, timeout=DIAL_TIMEOUT)
+            self._loop.call(self._topics.unsubscribe, topic, timeout=DIAL_TIMEOUT)
 
     def gossip(self, topic: str, data: bytes) -> bool:
         check_gossip_size(data)
         try:
-            self._loop.call(self._pubsub.publish, topic, bytes(data), timeout=DIAL_TIMEOUT)
+            self._loop.call(self._topics.publish, topic, bytes(data), timeout=DIAL_TIMEOUT)
         except Exception as exc:  # gossip is best effort: the DHT carries what matters
             logger.debug("gossip on %s failed: %s", topic, exc)
             return False
@@ -530,29 +343,3 @@ def _maddr(address: str) -> multiaddr.Multiaddr:
         return multiaddr.Multiaddr(address)
     except Exception as exc:
         raise ConfigError(f"malformed multiaddr {address!r}: {exc}") from None
-
-
-async def _read_exactly(stream, size: int) -> bytes:
-    data = bytearray()
-    while len(data) < size:
-        data += await stream.read(size - len(data))  # (raises StreamEOF at the end of the stream)
-    return bytes(data)
-
-
-async def _read_frame(stream, limit: int) -> bytes:
-    """A length-prefixed message, its length checked against ``limit`` before it is read."""
-    size = int.from_bytes(await _read_exactly(stream, _HEADER), "big")
-    if size > limit:
-        raise MessageTooLarge(f"a {size}-byte message exceeds the {limit}-byte limit")
-    return await _read_exactly(stream, size)
-
-
-async def _write_frame(stream, data: bytes) -> None:
-    await stream.write(len(data).to_bytes(_HEADER, "big") + data)
-
-
-async def _close(stream) -> None:
-    try:
-        await stream.close()
-    except Exception:  # already reset by the other side
-        await stream.reset()

@@ -10,23 +10,35 @@ the entries with this module:
   peer that stores or forwards an entry cannot change it.
 - ``RecordStore``: the entries a peer keeps for the swarm: per (key, writer) the one that expires last,
   expired ones dropped, bounded in bytes in all and per writer.
-- ``Fetch`` / ``Found``: the wire messages of a read (a store sends one ``SignedEntry``).
+- ``Fetch`` / ``Found``: the wire messages of a read (a store sends one ``SignedEntry``);
+- ``RecordKeeping``: the protocol, on the backend's trio loop: a write goes to the ``REPLICAS`` peers
+  closest to its key (this one, when it is among them), a read asks them all and keeps each writer's entry
+  that expires last; and the handlers by which this peer keeps entries for the others.
 """
 
 from __future__ import annotations
 
 import functools
+import logging
 import threading
+import time
 from collections import Counter
+from collections.abc import Callable
 from typing import Annotated
 
 import msgspec
+import trio
 from libp2p.crypto.keys import PrivateKey
 from libp2p.crypto.serialization import deserialize_public_key
+from libp2p.kad_dht.utils import sort_peer_ids_by_distance
 from libp2p.peer.id import ID
 
+from spes_p2p.swarm.guard import Guard
+from spes_p2p.swarm.libp2p_streams import FAILED, OK, Requests
 from spes_p2p.swarm.records import RecordError, Strict
-from spes_p2p.swarm.transport import MAX_EXPIRY_AHEAD, MAX_RECORD_BYTES, Entry
+from spes_p2p.swarm.transport import MAX_EXPIRY_AHEAD, MAX_RECORD_BYTES, Entry, RemoteError
+
+logger = logging.getLogger(__name__)
 
 MAX_KEY_CHARS = 256
 MAX_WRITERS_PER_KEY = 1024
@@ -34,6 +46,12 @@ STORE_BYTES = 64 << 20  # all entries a peer keeps for others
 WRITER_BYTES = 2 << 20  # ... of which one writer's
 ENTRY_OVERHEAD = 1024  # a public key, a signature and msgpack around the value
 _DOMAIN = b"spes-record/1"
+REPLICAS = 5  # peers that keep each key's entries
+LOOKUP_SECONDS = 3.0  # finding the peers closest to a key
+LOOKUP_REUSE_SECONDS = 5.0  # ... and using what was found again
+MAX_LOOKUPS = 4096  # lookups kept for reuse
+ASK_SECONDS = 5.0  # one replica's answer
+STORE, FETCH = "spes.records.store", "spes.records.fetch"
 
 
 class SignedEntry(Strict):
@@ -162,3 +180,99 @@ class RecordStore:
         """Drops every expired entry."""
         with self._lock:
             self._expire(now)
+
+
+class RecordKeeping:
+    def __init__(self, dht, requests: Requests, guard: Guard, now: Callable[[], float]) -> None:
+        self.dht, self.requests, self.guard, self.now = dht, requests, guard, now
+        self.me = dht.host.get_id()
+        self.store = RecordStore()
+        self._lookups: dict[str, tuple[tuple[ID, ...], float]] = {}  # key -> its closest peers, when found
+        requests.serve(STORE, self._on_store, SignedEntry.MAX_BYTES, inline=True)
+        requests.serve(FETCH, self._on_fetch, Fetch.MAX_BYTES, inline=True)
+
+    async def publish(self, entry: SignedEntry) -> int:
+        """How many of the key's closest peers kept ``entry``."""
+        stored = 0
+        data = entry.encode()
+
+        async def store(peer: ID) -> None:
+            nonlocal stored
+            if peer == self.me:
+                stored += self.store.put(str(peer), entry, self.now())
+            else:
+                stored += await self._ask(peer, STORE, data, 1) == OK
+
+        async with trio.open_nursery() as nursery:
+            for peer in await self._closest(entry.key):
+                nursery.start_soon(store, peer)
+        return stored
+
+    async def read(self, key: str) -> list[tuple[str, SignedEntry]]:
+        """Every valid entry the key's closest peers keep, with its writer (several per writer, maybe)."""
+        found: set[SignedEntry] = set()
+        request = Fetch(key).encode()
+
+        async def fetch(peer: ID) -> None:
+            if peer == self.me:
+                found.update(self.store.get(key, self.now()))
+                return
+            answer = await self._ask(peer, FETCH, request, Found.MAX_BYTES)
+            if answer is None:
+                return
+            try:
+                found.update(Found.decode(answer).entries)
+            except RecordError as exc:
+                self.guard.reject(str(peer), "records answer", str(exc))
+
+        async with trio.open_nursery() as nursery:
+            for peer in await self._closest(key):
+                nursery.start_soon(fetch, peer)
+        now = self.now()
+        return [(writer, e) for e in found if (writer := valid_entry(e, key, now)) is not None]
+
+    async def _closest(self, key: str) -> list[ID]:
+        """The REPLICAS peers closest to ``key`` that Kademlia knows of, this one included; a lookup is
+        reused for ``LOOKUP_REUSE_SECONDS`` (a swarm reads its few keys several times a round)."""
+        now = time.monotonic()
+        found, at = self._lookups.get(key, ((), -LOOKUP_REUSE_SECONDS))
+        if now - at < LOOKUP_REUSE_SECONDS:
+            return list(found)
+        found = self.dht.routing_table.find_local_closest_peers(key.encode(), REPLICAS)
+        with trio.move_on_after(LOOKUP_SECONDS):  # (past it: the closest this peer knows of itself)
+            found = await self.dht.peer_routing.find_closest_peers_network(key.encode(), count=REPLICAS)
+        closest = sort_peer_ids_by_distance(key.encode(), [self.me, *found])[:REPLICAS]
+        if len(self._lookups) >= MAX_LOOKUPS:
+            self._lookups.clear()
+        self._lookups[key] = (tuple(closest), now)
+        return closest
+
+    async def _ask(self, peer: ID, name: str, payload: bytes, max_response: int) -> bytes | None:
+        """One records request to ``peer``: its answer, or None when it gave none in time."""
+        with trio.move_on_after(ASK_SECONDS):
+            try:
+                answer = await self.requests.ask(peer, name, payload, max_response + 1)
+            except Exception as exc:  # an unreachable or slow replica: the others answer
+                logger.debug("%s to %s failed: %s", name, peer, exc)
+                return None
+            return answer[1:] if answer[:1] == OK else None
+        return None
+
+    def _on_store(self, caller: str, request: bytes) -> bytes:
+        try:
+            entry = SignedEntry.decode(request)
+        except RecordError as exc:
+            self.guard.reject(caller, "record", str(exc))
+            raise RemoteError(f"malformed record: {exc}") from None
+        writer = valid_entry(entry, entry.key, self.now())
+        if writer is None or not self.guard.allows(writer):
+            self.guard.reject(caller, "record", "a bad signature, expiry or writer")
+            raise RemoteError("record refused: a bad signature, expiry or writer")
+        return OK if self.store.put(writer, entry, self.now()) else FAILED
+
+    def _on_fetch(self, caller: str, request: bytes) -> bytes:
+        try:
+            key = Fetch.decode(request).key
+        except RecordError as exc:
+            raise RemoteError(f"malformed fetch: {exc}") from None
+        return Found(self.store.get(key, self.now())).encode()
