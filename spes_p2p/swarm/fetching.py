@@ -82,8 +82,8 @@ class UpdateFetcher:
     ) -> None:
         self.transport, self.run_id, self.cfg, self.specs = transport, run_id, cfg, specs
         self.pool, self.abort, self.gossip = pool, abort, gossip
-        self._read: dict[tuple[int, str], dict[str, Announcement]] = {}  # (round, unit) -> the DHT's
-        self._read_at: dict[tuple[int, str], float] = {}  # ... when last read
+        # (round, unit) -> when the DHT's announcements were last read, and what they were
+        self._read: dict[tuple[int, str], tuple[float, dict[str, Announcement]]] = {}
         self.rejected = 0
         self._lock = threading.Lock()
 
@@ -93,16 +93,19 @@ class UpdateFetcher:
         the shortest round deadline); the DHT's win."""
         key, now = (round_, unit), time.monotonic()
         every = min(FALLBACK_READ_SECONDS, self.cfg.deadline_min / 4)
-        if not self.gossip.works or now >= self._read_at.get(key, -math.inf) + every:
+        with self._lock:
+            read_at, announced = self._read.get(key, (-math.inf, {}))
+        if not self.gossip.works or now >= read_at + every:
             entries = self.transport.read(updates_key(self.run_id, round_, unit))
-            announced = decode_entries(entries, Announcement, "update announcement", self.transport.guard)
-            self._read[key] = {p: a for p, a in announced.items() if a.round == round_}
-            self._read_at[key] = now
-        return {**self.gossip.heard(round_, unit), **self._read[key]}
+            decoded = decode_entries(entries, Announcement, "update announcement", self.transport.guard)
+            announced = {p: a for p, a in decoded.items() if a.round == round_}
+            with self._lock:
+                self._read[key] = (now, announced)
+        return {**self.gossip.heard(round_, unit), **announced}
 
     def forget_before(self, round_: int) -> None:
-        self._read = {k: v for k, v in self._read.items() if k[0] >= round_}
-        self._read_at = {k: v for k, v in self._read_at.items() if k[0] >= round_}
+        with self._lock:
+            self._read = {k: v for k, v in self._read.items() if k[0] >= round_}
         self.gossip.forget_before(round_)
 
     def updates(

@@ -41,7 +41,7 @@ def topic_of(run_id: str, unit: str) -> str:
 
 class Gossip:
     """The announcements heard, by (round, unit) and peer; thread-safe (the transport delivers on its
-    thread, the sync thread reads)."""
+    thread, the sync thread follows and reads, the training thread forgets)."""
 
     def __init__(self, transport: Transport, run_id: str) -> None:
         self.transport, self.run_id = transport, run_id
@@ -53,16 +53,20 @@ class Gossip:
 
     def follow(self, unit: str) -> None:
         """Hears the announcements of ``unit`` from now on."""
-        if unit not in self.following:
+        with self._lock:
+            new = unit not in self.following
+            self.following.add(unit)
+        if new:
             on_message = lambda sender, data: self._heard_from(unit, sender, data)  # noqa: E731
             self.works = self.transport.subscribe(topic_of(self.run_id, unit), on_message)
-            self.following.add(unit)
 
     def follow_only(self, units) -> None:
         """Stops hearing of the units not in ``units``."""
-        for unit in self.following - set(units):
+        with self._lock:
+            left = self.following - set(units)
+            self.following -= left
+        for unit in left:
             self.transport.unsubscribe(topic_of(self.run_id, unit))
-            self.following.discard(unit)
 
     def tell(self, unit: str, announcement: Announcement) -> None:
         """Gossips our announcement to the unit's other holders (best effort)."""

@@ -1,6 +1,6 @@
 """The seam between the swarm protocol and the network.
 
-A Transport gives a peer three things, whatever the backend:
+A Transport gives a peer these, whatever the backend:
 
 - a small DHT of expiring records, where every peer writes its **own entry** (bytes, at most
   ``MAX_RECORD_BYTES``) under a shared key (``publish``) and anyone reads all live entries of a key
