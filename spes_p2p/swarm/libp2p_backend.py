@@ -69,6 +69,7 @@ STARTUP_TIMEOUT = 20.0
 DIAL_TIMEOUT = 5.0
 CLOSE_SECONDS = 2.0  # to close connections and listeners on shutdown
 BOOTSTRAP_RETRY_SECONDS = 3.0
+MAX_KNOWN = 4096  # peers whose addresses were learned, remembered so as not to learn them at every read
 
 
 def load_identity(path: Path | None) -> KeyPair:
@@ -228,6 +229,8 @@ class Libp2pTransport(Transport):
         """A peer's record says where it is: its addresses go to the peerstore and the routing table."""
         if peer_id in self._known or peer_id == self.peer_id or not addresses:
             return
+        if len(self._known) >= MAX_KNOWN:
+            self._known.clear()  # (learning a peer again costs a routing-table check)
         self._known.add(peer_id)
         try:
             info = PeerInfo(ID.from_base58(peer_id), [_maddr(a.rsplit("/p2p/", 1)[0]) for a in addresses])
