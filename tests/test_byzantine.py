@@ -5,7 +5,7 @@ import pytest
 
 from spes_p2p.errors import ConfigError
 from spes_p2p.sim import run, simulation
-from spes_p2p.sim.config import BYZANTINE_MODES, HIVEMIND_ONLY_MODES, SimConfig
+from spes_p2p.sim.config import BYZANTINE_MODES, SIGNED_MODES, SimConfig
 from spes_p2p.sim.summary import read_rows
 
 pytestmark = [pytest.mark.timeout(300), pytest.mark.slow]
@@ -51,7 +51,7 @@ def clean(tmp_path_factory):
     return summary["final_val_loss"]
 
 
-@pytest.mark.parametrize("mode", [m for m in BYZANTINE_MODES if m not in HIVEMIND_ONLY_MODES])
+@pytest.mark.parametrize("mode", [m for m in BYZANTINE_MODES if m not in SIGNED_MODES])
 def test_one_malicious_peer_neither_stops_nor_steers_the_honest_ones(mode, clean, tmp_path):
     # (claimall: the founder, so that its fake holders are in place before the others claim)
     attacker = 0 if mode == "claimall" else 3
@@ -70,12 +70,13 @@ def test_one_malicious_peer_neither_stops_nor_steers_the_honest_ones(mode, clean
         assert honest & set(summary["units"]["experts/1"]["holders"][last])
 
 
-def test_records_forged_under_the_others_ids_move_nobody_on_hivemind(tmp_path):
+@pytest.mark.parametrize("backend", ["hivemind", "libp2p"])
+def test_records_forged_under_the_others_ids_move_nobody(tmp_path, backend):
     """forge needs signatures to attack: real peer processes. Its tombstones, were they read, would remove
     every honest peer from the others' views and release their claims."""
     # 6 rounds: a peer held up on a busy machine may skip rounds (it catches up by download), and the two
     # honest peers must still meet after round 0
-    swarm = {**SWARM, "swarm__backend": "hivemind", "sim__peers": 3, "run__rounds": 6}
+    swarm = {**SWARM, "swarm__backend": backend, "sim__peers": 3, "run__rounds": 6}
     clean = run(simulation(run__out=str(tmp_path / "clean"), **swarm))
     summary = run(simulation(run__out=str(tmp_path / "forge"), sim__byzantine=("2:forge",), **swarm))
     assert not clean["failures"] and not summary["failures"]
@@ -97,7 +98,7 @@ def test_byzantine_settings_are_checked():
         SimConfig(byzantine=("1:evil",))
     with pytest.raises(ConfigError, match="must be memory for claimall"):
         simulation(sim__byzantine=("1:claimall",), swarm__backend="hivemind")
-    with pytest.raises(ConfigError, match="must be hivemind for forge"):
+    with pytest.raises(ConfigError, match="must be hivemind or libp2p for forge"):
         simulation(sim__byzantine=("1:forge",), swarm__backend="memory")
     assert simulation(sim__byzantine=("1:nan",), swarm__backend="libp2p").sim.byzantine_peers == {1: "nan"}
     with pytest.raises(ConfigError, match="names no peer 9"):

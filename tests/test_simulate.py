@@ -38,8 +38,10 @@ def test_event_parsing():
         SimConfig(joins=("1-3",))
     with pytest.raises(ConfigError, match="backend must be memory"):
         simulation(swarm__backend="hivemind", sim__drop=0.1)
-    with pytest.raises(ConfigError, match="backend must be hivemind for --netns"):
-        simulation(swarm__backend="libp2p", sim__netns=True)
+    with pytest.raises(ConfigError, match="backend must be hivemind or libp2p for --netns"):
+        simulation(swarm__backend="memory", sim__netns=True)
+    with pytest.raises(ConfigError, match="backend must be hivemind for --nat"):
+        simulation(swarm__backend="libp2p", sim__netns=True, sim__nat=1)
 
 
 def test_late_join_and_a_killed_sole_holder_on_the_memory_backend(tmp_path):

@@ -207,16 +207,35 @@ class ByzantineTransport(Transport):
         return msgspec.structs.replace(record, holds={u: Holding() for u in self.units}).encode()
 
     def _forge_tombstones(self, run_id: str, record: PeerRecord) -> None:
-        """For every other peer: a "left" peer record, signed with this peer's key but stored under the
-        victim's id, expiring in an hour (the DHT keeps the entry that expires last)."""
-        dht, key = self.inner.dht, self.inner._validator.local_public_key
-        far = self.inner.now() + 3600
+        """For every other peer: a "left" peer record under the victim's id, made with this peer's key.
+        hivemind: signed by this peer but stored under the victim's subkey, expiring in an hour (the DHT
+        keeps the entry that expires last); libp2p: the victim's public key, this peer's signature, sent
+        to every peer as to a keeper of the key."""
         victims = set(self.inner.read(peers_key(run_id))) - {self.peer_id}
         logger.info("forging tombstones of %s", sorted(victims))
         for victim in victims:
-            subkey = victim.encode() + key
             left = msgspec.structs.replace(record, peer_id=victim, addresses=[], holds={}, state="left")
-            dht.store(peers_key(run_id), left.encode(), far, subkey=subkey, return_future=True)
+            if self.inner.backend == "hivemind":
+                subkey = victim.encode() + self.inner._validator.local_public_key
+                far = self.inner.now() + 3600
+                self.inner.dht.store(peers_key(run_id), left.encode(), far, subkey=subkey, return_future=True)
+            else:
+                self._forge_entry(peers_key(run_id), left.encode(), victim, victims)
+
+    def _forge_entry(self, key: str, value: bytes, victim: str, keepers: set[str]) -> None:
+        from libp2p.peer.id import ID
+
+        from spes_p2p.swarm.libp2p_records import STORE, SignedEntry
+
+        expires = self.inner.now() + 300  # (within every reader's horizon: the signature must refuse it)
+        signed = SignedEntry.sign(key, value, expires, self.inner._key_pair.private_key)
+        victim_key = ID.from_base58(victim).extract_public_key().serialize()
+        stolen = SignedEntry(key, value, expires, victim_key, signed.signature)
+        for keeper in keepers:
+            try:
+                self.inner.request(keeper, STORE, stolen.encode(), timeout=5)
+            except TransportError as exc:  # (refused, as it should be)
+                logger.info("%s refused a forged entry: %s", keeper, exc)
 
     def _send_garbage_requests(self, run_id: str) -> None:
         for peer in set(self.inner.read(peers_key(run_id))) - {self.peer_id}:

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from spes_p2p.fields import FieldError, Section, check, setting
 
 MEMORY_ONLY_MODES = ("claimall",)  # its fake holders are peers of the in-process network
-HIVEMIND_ONLY_MODES = ("forge",)  # the memory backend has no signatures to forge
+SIGNED_MODES = ("forge",)  # the memory backend has no signatures to forge: real peer processes only
 BYZANTINE_MODES = (
     "garbage",
     "nan",
@@ -148,13 +148,14 @@ class SimConfig(Section):
     def check_backend(self, backend: str) -> None:
         """What needs which ``[swarm] backend`` (a FieldError of field ``backend``)."""
         faults = self.drop or self.delay_ms or self.corrupt or self.gossip_drop or self.partitions
-        needs = [("memory", "drop, delay, corrupt, gossip_drop, partitions")] if faults else []
-        needs += [("hivemind", "--netns")] if self.netns else []
+        needs = [(("memory",), "drop, delay, corrupt, gossip_drop, partitions")] if faults else []
+        needs += [(("hivemind", "libp2p"), "--netns")] if self.netns else []
+        needs += [(("hivemind",), "--nat (peers reached through relays)")] if self.nat else []
         for mode in self.byzantine_peers.values():
-            needs += [("memory", mode)] if mode in MEMORY_ONLY_MODES else []
-            needs += [("hivemind", mode)] if mode in HIVEMIND_ONLY_MODES else []
-        for needed, what in needs:
-            check(backend == needed, "backend", f"must be {needed} for {what}")
+            needs += [(("memory",), mode)] if mode in MEMORY_ONLY_MODES else []
+            needs += [(("hivemind", "libp2p"), mode)] if mode in SIGNED_MODES else []
+        for allowed, what in needs:
+            check(backend in allowed, "backend", f"must be {' or '.join(allowed)} for {what}")
 
     @property
     def virtual(self) -> bool:

@@ -223,7 +223,7 @@ class RecordKeeping:
             try:
                 found.update(Found.decode(answer).entries)
             except RecordError as exc:
-                self.guard.reject(str(peer), "records answer", str(exc))
+                self.guard.reject(str(peer), "records answer", str(exc), counts_toward_ban=False)
 
         async with trio.open_nursery() as nursery:
             for peer in await self._closest(key):
@@ -259,14 +259,16 @@ class RecordKeeping:
         return None
 
     def _on_store(self, caller: str, request: bytes) -> bytes:
+        """Keeps a valid entry. A bad one is refused and counted, never toward a ban, as a bad record is
+        where it is read: peers that banned a forger at different times would see different swarms."""
         try:
             entry = SignedEntry.decode(request)
         except RecordError as exc:
-            self.guard.reject(caller, "record", str(exc))
+            self.guard.reject(caller, "record", str(exc), counts_toward_ban=False)
             raise RemoteError(f"malformed record: {exc}") from None
         writer = valid_entry(entry, entry.key, self.now())
         if writer is None or not self.guard.allows(writer):
-            self.guard.reject(caller, "record", "a bad signature, expiry or writer")
+            self.guard.reject(caller, "record", "a bad signature, expiry or writer", counts_toward_ban=False)
             raise RemoteError("record refused: a bad signature, expiry or writer")
         return OK if self.store.put(writer, entry, self.now()) else FAILED
 
