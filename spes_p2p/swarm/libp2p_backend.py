@@ -178,7 +178,8 @@ class Libp2pTransport(Transport):
             time.sleep(BOOTSTRAP_RETRY_SECONDS)
         for peer in reached:
             self._check_backend(peer)
-        self._loop.call(self._populate, timeout=DHT_TIMEOUT)
+        with contextlib.suppress(TimeoutError):  # (the peers' records fill the table later: ``learn``)
+            self._loop.call(self._populate, timeout=DHT_TIMEOUT)
 
     async def _dial_all(self, infos: list[PeerInfo]) -> list[str]:
         reached: list[str] = []
