@@ -92,8 +92,9 @@ class TrioLoop:
         seconds, and waits up to ``timeout`` seconds in all for the thread to end."""
         if threading.current_thread() is self._thread or not self._thread.is_alive():
             return
-        for step in (self._stopping.set, self._nursery.cancel_scope.cancel):
-            token = self._token
+        steps = (lambda: self._stopping.set(), lambda: self._nursery.cancel_scope.cancel())
+        for step in steps:
+            token = self._token  # (None until the loop runs, and once it has ended)
             if token is None:
                 break
             try:
