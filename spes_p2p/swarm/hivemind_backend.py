@@ -55,6 +55,8 @@ from spes_p2p.swarm.forwarding import Forwarding, Keys
 from spes_p2p.swarm.guard import Guard
 from spes_p2p.swarm.hivemind_relays import CIRCUIT, Relays, relays_without_discovery
 from spes_p2p.swarm.transport import (
+    ANSWER_FAILED,
+    ANSWER_OK,
     ANSWER_WRITE_TIMEOUT,
     DEFAULT_MAX_MESSAGE_BYTES,
     HELLO,
@@ -74,6 +76,7 @@ from spes_p2p.swarm.transport import (
     WrongBackend,
     check_ports_free,
     check_record_size,
+    failed_answer,
     tcp_probe,
 )
 
@@ -83,7 +86,7 @@ DHT_TIMEOUT = 10.0  # one DHT store or get
 STARTUP_TIMEOUT = 20.0  # starting p2pd and reaching the initial peers
 BOOTSTRAP_RETRY_SECONDS = 3.0
 HELLO_TIMEOUT = 10.0  # asking an initial peer which backend it runs
-_OK, _FAILED = P2P.MESSAGE_MARKER, P2P.ERROR_MARKER
+_OK, _FAILED = ANSWER_OK, ANSWER_FAILED  # (hivemind's P2P.MESSAGE_MARKER and P2P.ERROR_MARKER)
 
 
 def ensure_identity(path: Path) -> Path:
@@ -208,19 +211,14 @@ class HivemindTransport(Transport):
             self.stats.dht_op(started)
         if found is None or not isinstance(found.value, dict):
             return {}
-        entries: dict[str, Entry] = {}
-        now = self.now()
+        entries = []
         for subkey, item in found.value.items():
             peer, value = _owner_peer_id(subkey), _as_bytes(item.value)
             if peer is None or value is None:
                 logger.debug("ignoring an unsigned or unreadable entry under %s", key)
                 continue
-            entry = Entry(value, item.expiration_time)
-            if self.readable(peer, entry, now) and (
-                peer not in entries or entry.expires_at > entries[peer].expires_at
-            ):
-                entries[peer] = entry
-        return entries
+            entries.append((peer, Entry(value, item.expiration_time)))
+        return self.latest_readable(entries, self.now())
 
     # --------------------------------------------------------------------------------------- streams
 
@@ -254,12 +252,8 @@ class HivemindTransport(Transport):
         self.stats.bytes_received += len(request)
         try:
             return _OK + await self._loop.run_in_executor(None, handler, caller, request)
-        except RemoteError as exc:  # a refusal (Unavailable) or a malformed request (BadRequest)
-            logger.debug("%s for %s: %s", name, caller, exc)
-            return _FAILED + str(exc).encode()
         except Exception as exc:  # the caller learns that we failed, and why
-            logger.warning("handler %s failed for %s: %s", name, caller, exc, exc_info=True)
-            return _FAILED + str(exc).encode()
+            return failed_answer(name, caller, exc)
 
     def request(
         self,

@@ -35,7 +35,7 @@ from libp2p.tools.anyio_service import background_trio_service
 from spes_p2p.errors import ConfigError
 from spes_p2p.swarm.guard import Guard
 from spes_p2p.swarm.libp2p_gossip import Topics
-from spes_p2p.swarm.libp2p_records import RecordKeeping, SignedEntry, latest
+from spes_p2p.swarm.libp2p_records import RecordKeeping, SignedEntry
 from spes_p2p.swarm.libp2p_streams import OK, Requests
 from spes_p2p.swarm.transport import (
     DEFAULT_MAX_MESSAGE_BYTES,
@@ -269,8 +269,7 @@ class Libp2pTransport(Transport):
             return {}
         finally:
             self.stats.dht_op(started)
-        now = self.now()
-        return {peer: entry for peer, entry in latest(found).items() if self.readable(peer, entry, now)}
+        return self.latest_readable(((w, Entry(e.value, e.expires_at)) for w, e in found), self.now())
 
     # ------------------------------------------------------------------------------------- streams
 

@@ -36,7 +36,7 @@ from libp2p.peer.id import ID
 from spes_p2p.swarm.guard import Guard
 from spes_p2p.swarm.libp2p_streams import FAILED, OK, Requests
 from spes_p2p.swarm.records import RecordError, Strict
-from spes_p2p.swarm.transport import MAX_EXPIRY_AHEAD, MAX_RECORD_BYTES, Entry, RemoteError
+from spes_p2p.swarm.transport import MAX_EXPIRY_AHEAD, MAX_RECORD_BYTES, RemoteError
 
 logger = logging.getLogger(__name__)
 
@@ -119,15 +119,6 @@ def valid_entry(entry: SignedEntry, key: str, now: float) -> str | None:
     if entry.key != key or not now < entry.expires_at <= now + MAX_EXPIRY_AHEAD:
         return None
     return entry.writer()
-
-
-def latest(found: list[tuple[str, SignedEntry]]) -> dict[str, Entry]:
-    """Per writer, the entry that expires last."""
-    entries: dict[str, Entry] = {}
-    for writer, entry in found:
-        if writer not in entries or entry.expires_at > entries[writer].expires_at:
-            entries[writer] = Entry(entry.value, entry.expires_at)
-    return entries
 
 
 class RecordStore:

@@ -17,18 +17,20 @@ from libp2p.peer.id import ID
 
 from spes_p2p.swarm.guard import Guard
 from spes_p2p.swarm.transport import (
+    ANSWER_FAILED,
+    ANSWER_OK,
     ANSWER_WRITE_TIMEOUT,
     REQUEST_READ_TIMEOUT,
     Handler,
     MessageTooLarge,
-    RemoteError,
     StreamSlots,
     TransportStats,
+    failed_answer,
 )
 
 logger = logging.getLogger(__name__)
 
-OK, FAILED = b"\x00", b"\x01"
+OK, FAILED = ANSWER_OK, ANSWER_FAILED
 HANDLER_THREADS = 32  # handlers run at once (the rest wait for a thread)
 CLOSE_SECONDS = 1.0  # to close a stream
 _HEADER = 8
@@ -75,12 +77,8 @@ class Requests:
             return OK + await trio.to_thread.run_sync(
                 handler, caller, request, limiter=self.workers, abandon_on_cancel=True
             )
-        except RemoteError as exc:  # a refusal (Unavailable) or a malformed request (BadRequest)
-            logger.debug("%s for %s: %s", name, caller, exc)
-            return FAILED + str(exc).encode()
         except Exception as exc:  # the caller learns that we failed, and why
-            logger.warning("handler %s failed for %s: %s", name, caller, exc, exc_info=True)
-            return FAILED + str(exc).encode()
+            return failed_answer(name, caller, exc)
 
     async def ask(self, peer: ID, name: str, payload: bytes, limit: int) -> bytes:
         """Opens a stream to ``peer``'s handler ``name``, sends ``payload`` and reads the framed answer (its

@@ -31,18 +31,21 @@ Errors (all ``TransportError``, a ``SpesError``)::
 
 from __future__ import annotations
 
+import logging
 import socket
 import threading
 import time
 from abc import ABC, abstractmethod
 from collections import Counter
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import ClassVar
 
 from spes_p2p.errors import SpesError
 from spes_p2p.swarm.guard import Guard
+
+logger = logging.getLogger(__name__)
 
 # DHT records are small by design (and values over about 64 KB break hivemind's DHT loop).
 MAX_RECORD_BYTES = 16 * 1024
@@ -57,6 +60,9 @@ ANSWER_WRITE_TIMEOUT = 300.0
 
 # Every backend answers this request with its name, so a peer of the other backend learns which to use.
 HELLO = "spes.hello"
+# On the network backends an answer starts with a status byte (hivemind's markers), then the handler's
+# answer, or its error message in UTF-8.
+ANSWER_OK, ANSWER_FAILED = b"\x00", b"\x01"
 
 Handler = Callable[[str, bytes], bytes]  # (caller's peer id, request) -> response
 GossipHandler = Callable[[str, bytes], None]  # (sender's peer id, message)
@@ -160,6 +166,17 @@ class StreamSlots:
                 self.release(peer)
 
 
+def failed_answer(name: str, caller: str, exc: Exception) -> bytes:
+    """The answer to a request ``name`` whose handler raised ``exc``: the caller learns why. A refusal
+    (RemoteError: Unavailable, a malformed request) is routine; any other failure is logged with its
+    traceback."""
+    if isinstance(exc, RemoteError):
+        logger.debug("%s for %s: %s", name, caller, exc)
+    else:
+        logger.warning("handler %s failed for %s: %s", name, caller, exc, exc_info=exc)
+    return ANSWER_FAILED + str(exc).encode()
+
+
 def check_gossip_size(data: bytes) -> None:
     """Raises MessageTooLarge past MAX_GOSSIP_BYTES."""
     if len(data) > MAX_GOSSIP_BYTES:
@@ -189,6 +206,16 @@ class Transport(ABC):
         ``MAX_EXPIRY_AHEAD``, and was written by this peer or one its guard allows."""
         live = now < entry.expires_at <= now + MAX_EXPIRY_AHEAD
         return live and (peer == self.peer_id or self.guard.allows(peer))
+
+    def latest_readable(self, entries: Iterable[tuple[str, Entry]], now: float) -> dict[str, Entry]:
+        """Per peer, the entry ``read`` returns: of its readable entries, the one that expires last."""
+        latest: dict[str, Entry] = {}
+        for peer, entry in entries:
+            if self.readable(peer, entry, now) and (
+                peer not in latest or entry.expires_at > latest[peer].expires_at
+            ):
+                latest[peer] = entry
+        return latest
 
     def admits(self, caller: str) -> bool:
         """Whether a request from ``caller`` is served."""
