@@ -45,12 +45,3 @@ def run_guarded(fn):
     except KeyboardInterrupt:
         err_console.print("[yellow]interrupted[/]")
         sys.exit(EXIT_INTERRUPTED)
-
-
-def setup_logging(level: str) -> None:
-    """Our logs and hivemind's through one handler, at ``level``."""
-    import logging
-    import os
-
-    os.environ.setdefault("HIVEMIND_LOGLEVEL", level.upper())
-    logging.basicConfig(level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")

@@ -6,9 +6,10 @@ import json
 from pathlib import Path
 
 import click
-from spes_cli.common import SpesGroup, console, setup_logging
+from spes_cli.common import SpesGroup, console
 from spes_cli.options import settings_options
 
+from spes_p2p.compat import setup_logging
 from spes_p2p.errors import SpesError
 from spes_p2p.sim.config import LOCAL_SWARM_DEFAULTS
 

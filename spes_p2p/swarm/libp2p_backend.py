@@ -107,7 +107,6 @@ class Libp2pTransport(Transport):
         client_mode: bool = False,
         startup_timeout: float = STARTUP_TIMEOUT,
     ) -> None:
-        logging.getLogger("libp2p").setLevel(logging.CRITICAL)  # (it logs every peer gone as an error)
         self.stats = TransportStats()
         self.guard = Guard()
         self.streams = StreamSlots()
