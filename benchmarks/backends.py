@@ -14,24 +14,17 @@ import subprocess
 import sys
 import time
 
+from spes_p2p.compat import setup_logging
+from spes_p2p.swarm.transport import transport_class
+
 PEERS = 4  # this process and 3 servers
 OPS = 20  # DHT writes and reads timed
 BLOB_MIB, BLOBS = 32, 5  # stream throughput: 5 requests of 32 MiB each
 KEY = "bench/peers"
 
 
-def backend_class(backend: str):
-    if backend == "hivemind":
-        from spes_p2p.swarm.hivemind_backend import HivemindTransport
-
-        return HivemindTransport
-    from spes_p2p.swarm.libp2p_backend import Libp2pTransport
-
-    return Libp2pTransport
-
-
 def serve(backend: str, initial: list[str]) -> None:
-    transport = backend_class(backend)(initial_peers=initial)
+    transport = transport_class(backend)(initial_peers=initial)
     transport.serve("blob", lambda caller, request: bytes(int(request)))
     transport.publish(KEY, transport.peer_id.encode(), transport.now() + 600)
     print(transport.addresses()[0], flush=True)
@@ -45,7 +38,7 @@ def measure(backend: str) -> dict:
         founder = _server(backend, [], servers)
         for _ in range(PEERS - 2):
             _server(backend, [founder], servers)
-        cls = backend_class(backend)
+        cls = transport_class(backend)
         started = time.perf_counter()
         alone = cls()
         start_seconds = time.perf_counter() - started
@@ -96,6 +89,7 @@ def _server(backend: str, initial: list[str], servers: list) -> str:
 
 
 if __name__ == "__main__":
+    setup_logging("warning")
     if "--serve" in sys.argv:
         serve(sys.argv[1], sys.argv[3:])
     else:

@@ -31,13 +31,11 @@ def lazy_exports(package: str, exports: dict[str, str]):
 
 
 def setup_logging(level: str) -> None:
-    """Our logs and hivemind's through one handler, at ``level`` (debug, info, warning or error). py-libp2p
-    logs every peer gone and stream closed as an error (we report what fails ourselves): shown at debug."""
+    """Our logs and hivemind's through one handler, at ``level`` (debug, info, warning or error)."""
     import os
 
     os.environ.setdefault("HIVEMIND_LOGLEVEL", level.upper())
     logging.basicConfig(level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    logging.getLogger("libp2p").setLevel(logging.DEBUG if level == "debug" else logging.CRITICAL)
 
 
 def die_with_parent(signum: int) -> None:

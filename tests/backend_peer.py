@@ -9,12 +9,12 @@ from __future__ import annotations
 import sys
 import time
 
+from spes_p2p.compat import setup_logging
+from spes_p2p.swarm.transport import transport_class
+
 if __name__ == "__main__":
-    if sys.argv[1] == "hivemind":
-        from spes_p2p.swarm.hivemind_backend import HivemindTransport as Backend
-    else:
-        from spes_p2p.swarm.libp2p_backend import Libp2pTransport as Backend
-    transport = Backend()
+    setup_logging("warning")
+    transport = transport_class(sys.argv[1])()
     print(transport.addresses()[0], flush=True)
     while True:
         time.sleep(1)

@@ -18,6 +18,7 @@ import traceback
 from pathlib import Path
 from tempfile import TemporaryDirectory
 
+from spes_p2p.compat import setup_logging
 from spes_p2p.errors import ConfigError
 from spes_p2p.swarm.memory import FakeClock, MemoryNetwork
 from spes_p2p.swarm.transport import (
@@ -35,6 +36,7 @@ from spes_p2p.swarm.transport import (
     Transport,
     TransportError,
     Unavailable,
+    transport_class,
 )
 
 LOOPBACK = ["/ip4/127.0.0.1/tcp/0"]
@@ -68,11 +70,7 @@ class Net:
             transport = self.memory.join(identity or f"peer{len(self.peers)}")
             self.peers.append(transport)
             return transport
-        if self.backend == "hivemind":
-            from spes_p2p.swarm.hivemind_backend import HivemindTransport as Backend
-        else:
-            from spes_p2p.swarm.libp2p_backend import Libp2pTransport as Backend
-        transport = Backend(
+        transport = transport_class(self.backend)(
             listen=listen,
             initial_peers=join.addresses() if join else list(initial),
             identity_path=self.folder / f"{identity}.key" if identity else None,
@@ -366,6 +364,7 @@ def run(backend: str, name: str) -> str:
 
 
 if __name__ == "__main__":
+    setup_logging("warning")
     backend = sys.argv[1]
     results = {name: run(backend, name) for name in (sys.argv[2:] or CHECKS)}
     print(json.dumps(results))

@@ -12,7 +12,7 @@ from spes_p2p.errors import ConfigError
 from spes_p2p.settings import Settings
 from spes_p2p.swarm.member import MemberConfig
 from spes_p2p.swarm.sync import SyncEngine
-from spes_p2p.swarm.transport import Transport
+from spes_p2p.swarm.transport import Transport, transport_class
 
 
 def initial_seed(settings: Settings) -> int:
@@ -83,9 +83,7 @@ def open_transport(settings: Settings, *, new_swarm: bool, client: bool = False)
             raise ConfigError(
                 "--client-mode and --use-relay need --backend hivemind: the libp2p backend has no relays yet"
             )
-        from spes_p2p.swarm.libp2p_backend import Libp2pTransport  # (never with hivemind in one process)
-
-        return Libp2pTransport(
+        return transport_class("libp2p")(
             initial_peers=initial,
             listen=net.listen,
             announce=net.announce,
@@ -93,9 +91,7 @@ def open_transport(settings: Settings, *, new_swarm: bool, client: bool = False)
             client_mode=client,
             startup_timeout=settings.swarm.join_timeout_seconds,
         )
-    from spes_p2p.swarm.hivemind_backend import HivemindTransport  # heavy: imported only when used
-
-    return HivemindTransport(
+    return transport_class("hivemind")(
         initial_peers=initial,
         listen=net.listen,
         announce=net.announce,

@@ -62,6 +62,10 @@ from spes_p2p.swarm.transport import (
 from spes_p2p.swarm.trio_loop import LoopClosed, TrioLoop
 
 logger = logging.getLogger(__name__)
+# py-libp2p configures its logger when imported (``LIBP2P_DEBUG``), and logs every peer gone and stream
+# closed as a warning or an error; we report what fails ourselves. Its logs show at our debug level only.
+_QUIET = logging.DEBUG if logger.isEnabledFor(logging.DEBUG) else logging.CRITICAL
+logging.getLogger("libp2p").setLevel(_QUIET)
 
 BACKEND = "libp2p"
 DHT_TIMEOUT = 10.0  # one publish or read

@@ -166,6 +166,20 @@ class StreamSlots:
                 self.release(peer)
 
 
+def transport_class(backend: str) -> type[Transport]:
+    """The class of a network backend, ``hivemind`` or ``libp2p``, imported only when asked for: the two
+    cannot share a process (both register the protobuf package ``crypto.pb``)."""
+    if backend == "hivemind":
+        from spes_p2p.swarm.hivemind_backend import HivemindTransport
+
+        return HivemindTransport
+    if backend == "libp2p":
+        from spes_p2p.swarm.libp2p_backend import Libp2pTransport
+
+        return Libp2pTransport
+    raise ValueError(f"no network backend {backend!r}")
+
+
 def failed_answer(name: str, caller: str, exc: Exception) -> bytes:
     """The answer to a request ``name`` whose handler raised ``exc``: the caller learns why. A refusal
     (RemoteError: Unavailable, a malformed request) is routine; any other failure is logged with its
