@@ -11,10 +11,12 @@ both its peer id and its records, and a reader accepts an entry only under the p
 derives: nobody writes under another peer's id.
 
 Peers that nobody can dial (behind NAT, or in client mode) are reached through relays
-(``swarm/hivemind_relays.py``); two of them exchange requests forwarded whole by a relay
-(``swarm/forwarding.py``), signed with the same identity key. A peer that announces an address
-(``announce``: a forwarded port) tells its p2pd that it is public, so it serves as a relay at once rather
-than after AutoNAT's checks.
+(``swarm/relays.py``); two of them exchange requests forwarded whole by a relay (``swarm/forwarding.py``),
+signed with the same identity key. A relayed peer's p2pd also reserves a slot on each of its relays
+(circuit relay v2, which every reachable p2pd serves), but p2pd ends each circuit after 128 KiB, far less
+than one update: requests go over the connection the relayed peer dialed, or are forwarded. A peer that
+announces an address (``announce``: a forwarded port) tells its p2pd that it is public, so it serves as a
+relay at once rather than after AutoNAT's checks.
 
 Stream framing (both directions) is hivemind's own (``P2P.send_raw_data``): an 8-byte big-endian length, then
 the payload; we read it back with our size limit, checked before the payload is read. An answer starts with
@@ -48,12 +50,13 @@ from hivemind.p2p.p2p_daemon_bindings.utils import P2PDaemonError
 from hivemind.proto import crypto_pb2
 from hivemind.utils.crypto import RSAPrivateKey, RSAPublicKey
 from hivemind.utils.timed_storage import get_dht_time
+from multiaddr import Multiaddr
 
 from spes_p2p.compat import die_with_parent
 from spes_p2p.errors import ConfigError
 from spes_p2p.swarm.forwarding import Forwarding, Keys
 from spes_p2p.swarm.guard import Guard
-from spes_p2p.swarm.hivemind_relays import CIRCUIT, Relays, relays_without_discovery
+from spes_p2p.swarm.relays import CIRCUIT, Relays
 from spes_p2p.swarm.transport import (
     ANSWER_FAILED,
     ANSWER_OK,
@@ -180,7 +183,7 @@ class HivemindTransport(Transport):
     def learn(self, peer_id: str, addresses: list[str]) -> None:
         dial = self.relays.learn(self.peer_id, peer_id, addresses)
         if dial:
-            connect = self._p2p._client.connect(PeerID.from_base58(peer_id), dial)
+            connect = self._p2p._client.connect(PeerID.from_base58(peer_id), [Multiaddr(a) for a in dial])
             asyncio.run_coroutine_threadsafe(_quietly(connect), self._loop)
 
     def now(self) -> float:
@@ -272,7 +275,7 @@ class HivemindTransport(Transport):
 
         async def call_rpc() -> bytes:
             peer = PeerID.from_base58(peer_id)
-            circuit = self.relays.circuit(peer_id)
+            circuit = [Multiaddr(a) for a in self.relays.circuit(peer_id)]
             if circuit:  # reached through a relay: p2pd's peerstore may not know how
                 with contextlib.suppress(Exception):
                     await self._p2p._client.connect(peer, circuit)
@@ -395,6 +398,20 @@ def _backend_of(initial_peers: Sequence[str]) -> str | None:
         return asyncio.run(asyncio.wait_for(ask(), HELLO_TIMEOUT))
     except Exception:  # no daemon, no answer: the caller reports the bootstrap failure itself
         return None
+
+
+def relays_without_discovery() -> None:
+    """p2pd reserves on the given relays at once only with ``-relayDiscovery=0``, which hivemind does not
+    pass: with discovery on, go-libp2p's autorelay waits minutes for more candidates before it reserves.
+    (Called in the DHT's process, before it starts p2pd.)"""
+    make_args = P2P._make_process_args
+
+    def with_static_relays(*args, **kwargs):
+        if kwargs.get("trustedRelays"):
+            kwargs["relayDiscovery"] = False
+        return make_args(*args, **kwargs)
+
+    P2P._make_process_args = staticmethod(with_static_relays)
 
 
 class _DHT(hivemind.DHT):
