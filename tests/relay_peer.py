@@ -1,8 +1,8 @@
-"""A bare hivemind transport in a network namespace, for tests/test_netns.py: serves ``echo`` (answers N
-bytes), publishes its addresses, then asks every other peer for ``size`` bytes (up to 3 tries) and records
-what came back.
+"""A bare transport (hivemind or libp2p) in a network namespace, for tests/test_netns.py: serves ``echo``
+(answers N bytes), publishes its addresses, then asks every other peer for ``size`` bytes (up to 3 tries)
+and records what came back.
 
-    python tests/relay_peer.py FOLDER INDEX LISTEN PEERS SIZE [INITIAL_PEER] [--relayed]
+    python tests/relay_peer.py BACKEND FOLDER INDEX LISTEN PEERS SIZE [INITIAL_PEER] [--relayed]
 """
 
 from __future__ import annotations
@@ -12,13 +12,14 @@ import sys
 import time
 from pathlib import Path
 
-from spes_p2p.swarm.hivemind_backend import HivemindTransport
-from spes_p2p.swarm.transport import TransportError
+from spes_p2p.swarm.transport import TransportError, transport_class
 
 
-def main(folder: Path, index: int, listen: str, peers: int, size: int, initial: str, relayed: bool) -> None:
+def main(
+    backend: str, folder: Path, index: int, listen: str, peers: int, size: int, initial: str, relayed: bool
+) -> None:
     announce = [] if relayed else [listen]
-    transport = HivemindTransport(
+    transport = transport_class(backend)(
         initial_peers=[initial] if initial else [],
         listen=[listen],
         announce=announce,
@@ -49,5 +50,5 @@ def main(folder: Path, index: int, listen: str, peers: int, size: int, initial: 
 
 
 if __name__ == "__main__":
-    folder, index, listen, peers, size, initial = sys.argv[1:7]
-    main(Path(folder), int(index), listen, int(peers), int(size), initial, "--relayed" in sys.argv)
+    backend, folder, index, listen, peers, size, initial = sys.argv[1:8]
+    main(backend, Path(folder), int(index), listen, int(peers), int(size), initial, "--relayed" in sys.argv)

@@ -161,3 +161,60 @@ def test_a_peer_of_the_other_backend_is_told_which_one_the_swarm_uses(tmp_path, 
         assert f"uses the {swarm} backend; join it with --backend {swarm}" in said, said
     finally:
         stop_process_groups([founder])
+
+
+def test_a_relayed_peer_keeps_no_records_and_is_reached_through_its_relay_until_it_dials():
+    """N (relayed through A) reads and writes records but is never one of their keepers, though Kademlia
+    puts it in routing tables; B reaches it through A until N dials B, then directly."""
+    python(
+        """
+        import functools
+        import time
+        from libp2p.peer.id import ID
+        from libp2p.peer.peerinfo import PeerInfo
+        from spes_p2p.swarm.libp2p_backend import Libp2pTransport
+
+        a = Libp2pTransport()
+        b, c = (Libp2pTransport(initial_peers=a.addresses()) for _ in range(2))
+        n = Libp2pTransport(initial_peers=a.addresses(), relays=a.addresses())
+        assert n.addresses() == [f"{a.addresses()[0]}/p2p-circuit/p2p/{n.peer_id}"]
+        n.serve("echo", lambda caller, data: caller.encode() + b":" + data)
+        for t in (a, b, c):
+            t.learn(n.peer_id, n.addresses())
+        expires = n.now() + 60
+        assert n.publish("from-n", b"hello", expires)
+        for i in range(20):
+            assert b.publish(f"k{i}", b"v", expires)
+        assert all(b.peer_id in n.read(f"k{i}") for i in range(20))
+        assert all(t.read("from-n")[n.peer_id].value == b"hello" for t in (a, b, c))
+        n_info = PeerInfo(ID.from_base58(n.peer_id), n.host.get_addrs())
+        for t in (a, b, c):  # as py-libp2p's Kademlia does with every peer that asks it, clients too
+            add = functools.partial(t.dht.routing_table.add_peer, n_info, skip_server_mode_check=True)
+            t._loop.call(add, timeout=10)
+            assert t.dht.routing_table.peer_in_table(ID.from_base58(n.peer_id))
+        for t in (a, b, c):
+            for i in range(20):
+                closest = {str(p) for p in t._loop.call(t._records._closest, f"k{i}", timeout=10)}
+                assert n.peer_id not in closest and len(closest) >= 2, closest
+
+        def connected(x, y):
+            return bool(x.host.get_network().get_connections(ID.from_base58(y.peer_id)))
+
+        forwarded = []
+        forward = b.forwarding.request
+        b.forwarding.request = lambda *args, **kwargs: forwarded.append(args[0]) or forward(*args, **kwargs)
+        b._loop.call(b.host.disconnect, ID.from_base58(n.peer_id), timeout=10)  # (N's lookups dialed B)
+        assert b.request(n.peer_id, "echo", b"via a", timeout=20) == f"{b.peer_id}:via a".encode()
+        assert forwarded == [a.peer_id]
+        n.learn(b.peer_id, b.addresses())  # N dials B, as it does every peer whose record it reads
+        deadline = time.monotonic() + 20
+        while not connected(b, n) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert connected(b, n)
+        assert b.request(n.peer_id, "echo", b"direct", timeout=20) == f"{b.peer_id}:direct".encode()
+        assert forwarded == [a.peer_id]  # (not forwarded again)
+        for t in (n, c, b, a):
+            t.shutdown()
+        print("ok")
+        """
+    )

@@ -130,11 +130,12 @@ def test_cleanup_removes_only_runs_whose_simulator_is_gone():
 
 
 @pytest.mark.slow
-def test_natted_peers_announce_only_their_relay_and_every_pair_moves_a_megabyte(tmp_path):
+@pytest.mark.parametrize("backend", ["hivemind", "libp2p"])
+def test_natted_peers_announce_only_their_relay_and_every_pair_moves_a_megabyte(tmp_path, backend):
     """Peers 0 and 1 public, peers 2 and 3 behind NAT (relayed through peer 0): they announce only their
     circuit addresses, and every pair moves a 1 MB answer both ways, the two NATed peers included (their
     requests forwarded whole by peer 0)."""
-    layout = Layout(f"r{os.getpid():x}", 4, frozenset({2, 3}))
+    layout = Layout(f"r{os.getpid():x}{backend[0]}", 4, frozenset({2, 3}))
     ns = Namespaces(layout)
     ns.create()
     procs = []
@@ -142,7 +143,8 @@ def test_natted_peers_announce_only_their_relay_and_every_pair_moves_a_megabyte(
         public = [f"/ip4/{layout.address(i)}/tcp/31337" for i in range(2)]
 
         def start(index: int, listen: str, initial: str = "", relayed: bool = False) -> None:
-            args = [str(tmp_path), str(index), listen, "4", "1000000", initial] + ["--relayed"] * relayed
+            args = [backend, str(tmp_path), str(index), listen, "4", "1000000", initial]
+            args += ["--relayed"] * relayed
             script = Path(__file__).with_name("relay_peer.py")
             procs.append(subprocess.Popen([*ns.exec_prefix(index), sys.executable, str(script), *args]))
 

@@ -58,7 +58,7 @@ def sync_engine(settings: Settings, transport: Transport, specs: dict, local_cop
 def open_transport(settings: Settings, *, new_swarm: bool, client: bool = False) -> Transport:
     """The transport of the swarm's backend; a new swarm dials nobody, a joining peer needs initial peers.
     A peer nobody can dial (``--client-mode``, ``--use-relay``) is reached through relays: its initial
-    peers (hivemind backend only)."""
+    peers."""
     net = settings.network
     if settings.swarm.backend == "memory":
         raise ConfigError(
@@ -77,25 +77,11 @@ def open_transport(settings: Settings, *, new_swarm: bool, client: bool = False)
             "a peer that nobody can dial (--client-mode or --use-relay) cannot found a swarm: found it on a "
             "reachable machine, then join this one with --peers ADDR"
         )
-    identity = None if client else Path(net.identity).expanduser()
-    if settings.swarm.backend == "libp2p":
-        if relayed:
-            raise ConfigError(
-                "--client-mode and --use-relay need --backend hivemind: the libp2p backend has no relays yet"
-            )
-        return transport_class("libp2p")(
-            initial_peers=initial,
-            listen=net.listen,
-            announce=net.announce,
-            identity_path=identity,
-            client_mode=client,
-            startup_timeout=settings.swarm.join_timeout_seconds,
-        )
-    return transport_class("hivemind")(
+    return transport_class(settings.swarm.backend)(
         initial_peers=initial,
         listen=net.listen,
         announce=net.announce,
-        identity_path=identity,
+        identity_path=None if client else Path(net.identity).expanduser(),
         client_mode=client or net.client_mode,
         relays=initial if relayed else (),
         startup_timeout=settings.swarm.join_timeout_seconds,

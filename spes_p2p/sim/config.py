@@ -150,7 +150,6 @@ class SimConfig(Section):
         faults = self.drop or self.delay_ms or self.corrupt or self.gossip_drop or self.partitions
         needs = [(("memory",), "drop, delay, corrupt, gossip_drop, partitions")] if faults else []
         needs += [(("hivemind", "libp2p"), "--netns")] if self.netns else []
-        needs += [(("hivemind",), "--nat (peers reached through relays)")] if self.nat else []
         for mode in self.byzantine_peers.values():
             needs += [(("memory",), mode)] if mode in MEMORY_ONLY_MODES else []
             needs += [(("hivemind", "libp2p"), mode)] if mode in SIGNED_MODES else []

@@ -33,10 +33,13 @@ from libp2p.peer.peerinfo import PeerInfo, info_from_p2p_addr
 from libp2p.tools.anyio_service import background_trio_service
 
 from spes_p2p.errors import ConfigError
+from spes_p2p.swarm.forwarding import Forwarding, Keys
 from spes_p2p.swarm.guard import Guard
 from spes_p2p.swarm.libp2p_gossip import Topics
-from spes_p2p.swarm.libp2p_records import RecordKeeping, SignedEntry
+from spes_p2p.swarm.libp2p_peers import Neighbours
+from spes_p2p.swarm.libp2p_records import RecordKeeping, SignedEntry, signed_by
 from spes_p2p.swarm.libp2p_streams import OK, Requests
+from spes_p2p.swarm.relays import Relays
 from spes_p2p.swarm.transport import (
     DEFAULT_MAX_MESSAGE_BYTES,
     HELLO,
@@ -109,6 +112,7 @@ class Libp2pTransport(Transport):
         announce: Sequence[str] = (),
         identity_path: Path | None = None,
         client_mode: bool = False,
+        relays: Sequence[str] = (),
         startup_timeout: float = STARTUP_TIMEOUT,
     ) -> None:
         self.stats = TransportStats()
@@ -119,7 +123,8 @@ class Libp2pTransport(Transport):
         self.peer_id = str(ID.from_pubkey(self._key_pair.public_key))
         self._listen = [_maddr(a) for a in listen]
         self._announce = [_maddr(a) for a in announce]
-        self._client_mode = client_mode
+        self.relays = Relays(relays)
+        self._client_mode = client_mode or self.relays.relayed  # (no records kept, no requests relayed)
         check_ports_free(listen)
         self._loop = TrioLoop(self._main, name=f"spes-libp2p-{self.peer_id[-6:]}")
         try:
@@ -129,6 +134,11 @@ class Libp2pTransport(Transport):
         except TimeoutError:
             raise ListenError(f"the libp2p host did not start within {startup_timeout:.0f}s") from None
         self.serve(HELLO, lambda caller, request: BACKEND.encode())
+        public_key, sign = self._key_pair.public_key.serialize(), self._key_pair.private_key.sign
+        self.forwarding = Forwarding(
+            self, Keys(self.peer_id, public_key, sign, signed_by), self._requests.handlers.get
+        )
+        self.forwarding.serve(relay=not self._client_mode)
         if initial_peers:
             try:
                 self._bootstrap(list(initial_peers), startup_timeout)
@@ -141,8 +151,16 @@ class Libp2pTransport(Transport):
         async with self.host.run(self._listen):
             mode = DHTMode.CLIENT if self._client_mode else DHTMode.SERVER
             self.dht = KadDHT(self.host, mode)
+            self._neighbours = Neighbours(self.host, self.dht, DIAL_TIMEOUT)
             self._requests = Requests(self.host, self.guard, self.stats, self.streams)
-            self._records = RecordKeeping(self.dht, self._requests, self.guard, self.now)
+            self._records = RecordKeeping(
+                self.dht,
+                self._requests,
+                self.guard,
+                self.now,
+                keeps=not self._client_mode,
+                relayed=self.relays.is_relayed,
+            )
             self._topics = Topics(self.host, self.guard, self._loop.spawn)
             async with (
                 background_trio_service(self.dht),
@@ -169,7 +187,7 @@ class Libp2pTransport(Transport):
                 ) from None
         deadline = time.monotonic() + timeout
         while True:
-            reached = self._loop.call(self._dial_all, infos, timeout=DIAL_TIMEOUT + 1)
+            reached = self._loop.call(self._neighbours.dial, infos, timeout=DIAL_TIMEOUT + 1)
             if reached:
                 break
             if time.monotonic() + BOOTSTRAP_RETRY_SECONDS > deadline:
@@ -182,25 +200,7 @@ class Libp2pTransport(Transport):
         for peer in reached:
             self._check_backend(peer)
         with contextlib.suppress(TimeoutError):  # (the peers' records fill the table later: ``learn``)
-            self._loop.call(self._populate, timeout=DHT_TIMEOUT)
-
-    async def _dial_all(self, infos: list[PeerInfo]) -> list[str]:
-        reached: list[str] = []
-
-        async def dial(info: PeerInfo) -> None:
-            with trio.move_on_after(DIAL_TIMEOUT):
-                try:
-                    await self.host.connect(info)
-                except Exception as exc:
-                    logger.debug("cannot dial %s: %s", info.peer_id, exc)
-                    return
-                reached.append(str(info.peer_id))
-                await self._add_to_routing(info)
-
-        async with trio.open_nursery() as nursery:
-            for info in infos:
-                nursery.start_soon(dial, info)
-        return reached
+            self._loop.call(self._neighbours.populate, timeout=DHT_TIMEOUT)
 
     def _check_backend(self, peer: str) -> None:
         try:
@@ -212,39 +212,28 @@ class Libp2pTransport(Transport):
             name = answer.decode(errors="replace")
             raise WrongBackend(f"the swarm at {peer} uses the {name} backend; join it with --backend {name}")
 
-    async def _populate(self) -> None:
-        """A lookup of this peer's own id fills the routing table with the peers near it."""
-        for peer in await self.dht.peer_routing.find_closest_peers_network(self.host.get_id().to_bytes()):
-            await self._add_to_routing(peer)
-
-    async def _add_to_routing(self, peer: PeerInfo | ID) -> None:
-        try:
-            await self.dht.routing_table.add_peer(peer)
-        except Exception as exc:  # the table decides; a peer it cannot check is simply not added
-            logger.debug("not added to the routing table: %s", exc)
-
     def addresses(self) -> list[str]:
+        """A relayed peer's circuit addresses (never its own: nobody can dial them); else the host's."""
+        if self.relays.relayed:
+            return self.relays.addresses(self.peer_id)
         try:
             return [str(a) for a in self.host.get_addrs()]
         except Exception:  # stopped
             return []
 
     def learn(self, peer_id: str, addresses: list[str]) -> None:
-        """A peer's record says where it is: its addresses go to the peerstore and the routing table."""
-        if peer_id in self._known or peer_id == self.peer_id or not addresses:
+        """A peer's record says where it is: its addresses go to the peerstore and the routing table, unless
+        they are circuits (``relays``). A relayed peer dials the others itself."""
+        dial = self.relays.learn(self.peer_id, peer_id, addresses)
+        if dial and (info := _info(peer_id, dial)):
+            self._loop.spawn(self._neighbours.dial, [info])
+        if peer_id in self._known or peer_id == self.peer_id or self.relays.is_relayed(peer_id):
             return
         if len(self._known) >= MAX_KNOWN:
             self._known.clear()  # (learning a peer again costs a routing-table check)
         self._known.add(peer_id)
-        try:
-            info = PeerInfo(ID.from_base58(peer_id), [_maddr(a.rsplit("/p2p/", 1)[0]) for a in addresses])
-        except Exception:  # a record's addresses were checked for length, not for sense
-            return
-        self._loop.spawn(self._learn, info)
-
-    async def _learn(self, info: PeerInfo) -> None:
-        self.host.get_peerstore().add_addrs(info.peer_id, info.addrs, 3600)
-        await self._add_to_routing(info)
+        if info := _info(peer_id, addresses):
+            self._loop.spawn(self._neighbours.learn, info)
 
     def now(self) -> float:
         return time.time()
@@ -292,6 +281,11 @@ class Libp2pTransport(Transport):
             peer = ID.from_base58(peer_id)
         except Exception:
             raise PeerUnreachable(f"{peer_id!r} is not a peer id") from None
+        forwarder = self.relays.forwarder(peer_id, self.peer_id)
+        if forwarder is not None and not self.host.get_network().get_connections(peer):
+            return self.forwarding.request(
+                forwarder, peer_id, name, payload, timeout=timeout, max_response_bytes=max_response_bytes
+            )
         try:
             answer = self._loop.call(
                 self._requests.ask, peer, name, payload, max_response_bytes + 1, timeout=timeout
@@ -342,6 +336,20 @@ class Libp2pTransport(Transport):
     def shutdown(self, timeout: float = 5.0) -> None:
         """Closes the host (its connections and listeners) and stops the loop, within ``timeout``."""
         self._loop.stop(timeout)
+
+
+def _info(peer_id: str, addresses: list[str]) -> PeerInfo | None:
+    """Where ``peer_id`` is, from its addresses (``/p2p/<id>`` ends dropped); None when there is no peer id
+    or no address to read (a record's addresses were checked for length, not for sense)."""
+    try:
+        peer = ID.from_base58(peer_id)
+    except Exception:
+        return None
+    maddrs = []
+    for address in addresses:
+        with contextlib.suppress(ConfigError):
+            maddrs.append(_maddr(address.rsplit("/p2p/", 1)[0]))
+    return PeerInfo(peer, maddrs) if maddrs else None
 
 
 def _maddr(address: str) -> multiaddr.Multiaddr:

@@ -72,15 +72,8 @@ class SignedEntry(Strict):
     def writer(self) -> str | None:
         """The peer id whose key signed this entry; None when the signature does not verify."""
         peer = _peer_id_of(self.public_key)
-        if peer is None:
-            return None
-        try:
-            ok = deserialize_public_key(self.public_key).verify(
-                _signed_bytes(self.key, self.value, self.expires_at), self.signature
-            )
-        except Exception:  # a malformed key or signature of any kind is simply not valid
-            return None
-        return peer if ok else None
+        data = _signed_bytes(self.key, self.value, self.expires_at)
+        return peer if peer is not None and signed_by(peer, self.public_key, data, self.signature) else None
 
     @property
     def size(self) -> int:
@@ -111,6 +104,16 @@ def _peer_id_of(public_key: bytes) -> str | None:
         return str(ID.from_pubkey(deserialize_public_key(public_key)))
     except Exception:  # not a key py-libp2p can read
         return None
+
+
+def signed_by(peer: str, public_key: bytes, data: bytes, signature: bytes) -> bool:
+    """Whether ``public_key`` (serialized) is ``peer``'s and signed ``data``."""
+    if _peer_id_of(public_key) != peer:
+        return False
+    try:
+        return deserialize_public_key(public_key).verify(data, signature)
+    except Exception:  # a malformed key or signature of any kind is simply not valid
+        return False
 
 
 def valid_entry(entry: SignedEntry, key: str, now: float) -> str | None:
@@ -174,13 +177,28 @@ class RecordStore:
 
 
 class RecordKeeping:
-    def __init__(self, dht, requests: Requests, guard: Guard, now: Callable[[], float]) -> None:
+    """Records through the peers that keep them. A peer that nobody can dial (``keeps`` False) keeps none
+    for the others, and ``relayed`` names the others that keep none: py-libp2p puts every peer that asks
+    its Kademlia into the routing table, such peers too, so lookups find them."""
+
+    def __init__(
+        self,
+        dht,
+        requests: Requests,
+        guard: Guard,
+        now: Callable[[], float],
+        *,
+        keeps: bool = True,
+        relayed: Callable[[str], bool] = lambda peer: False,
+    ) -> None:
         self.dht, self.requests, self.guard, self.now = dht, requests, guard, now
         self.me = dht.host.get_id()
+        self.keeps, self.relayed = keeps, relayed
         self.store = RecordStore()
         self._lookups: dict[str, tuple[tuple[ID, ...], float]] = {}  # key -> its closest peers, when found
-        requests.serve(STORE, self._on_store, SignedEntry.MAX_BYTES, inline=True)
-        requests.serve(FETCH, self._on_fetch, Fetch.MAX_BYTES, inline=True)
+        if keeps:
+            requests.serve(STORE, self._on_store, SignedEntry.MAX_BYTES, inline=True)
+            requests.serve(FETCH, self._on_fetch, Fetch.MAX_BYTES, inline=True)
 
     async def publish(self, entry: SignedEntry) -> int:
         """How many of the key's closest peers kept ``entry``."""
@@ -223,16 +241,18 @@ class RecordKeeping:
         return [(writer, e) for e in found if (writer := valid_entry(e, key, now)) is not None]
 
     async def _closest(self, key: str) -> list[ID]:
-        """The REPLICAS peers closest to ``key`` that Kademlia knows of, this one included; a lookup is
-        reused for ``LOOKUP_REUSE_SECONDS`` (a swarm reads its few keys several times a round)."""
+        """The REPLICAS peers closest to ``key`` that Kademlia knows of and that keep records, this one
+        included when it does; a lookup is reused for ``LOOKUP_REUSE_SECONDS`` (a swarm reads its few keys
+        several times a round)."""
         now = time.monotonic()
         found, at = self._lookups.get(key, ((), -LOOKUP_REUSE_SECONDS))
         if now - at < LOOKUP_REUSE_SECONDS:
             return list(found)
-        found = self.dht.routing_table.find_local_closest_peers(key.encode(), REPLICAS)
+        found = self.dht.routing_table.find_local_closest_peers(key.encode(), 2 * REPLICAS)
         with trio.move_on_after(LOOKUP_SECONDS):  # (past it: the closest this peer knows of itself)
-            found = await self.dht.peer_routing.find_closest_peers_network(key.encode(), count=REPLICAS)
-        closest = sort_peer_ids_by_distance(key.encode(), [self.me, *found])[:REPLICAS]
+            found = await self.dht.peer_routing.find_closest_peers_network(key.encode(), count=2 * REPLICAS)
+        keepers = [p for p in found if p != self.me and not self.relayed(str(p))] + [self.me] * self.keeps
+        closest = sort_peer_ids_by_distance(key.encode(), keepers)[:REPLICAS]
         if len(self._lookups) >= MAX_LOOKUPS:
             self._lookups.clear()
         self._lookups[key] = (tuple(closest), now)

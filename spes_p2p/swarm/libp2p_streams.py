@@ -40,8 +40,11 @@ class Requests:
     def __init__(self, host, guard: Guard, stats: TransportStats, slots: StreamSlots) -> None:
         self.host, self.guard, self.stats, self.slots = host, guard, stats, slots
         self.workers = trio.CapacityLimiter(HANDLER_THREADS)
+        self.handlers: dict[str, tuple[Handler, int]] = {}  # name -> handler, request size limit
 
     def serve(self, name: str, handler: Handler, limit: int, *, inline: bool = False) -> None:
+        self.handlers[name] = (handler, limit)
+
         async def on_stream(stream) -> None:
             await self._on_stream(name, handler, limit, inline, stream)
 
