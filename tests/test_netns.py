@@ -1,6 +1,6 @@
-"""Network namespaces of ``spes simulate --netns``: who can reach whom, the bandwidth cap, and that nothing
-outlives a run (its removal, the watchdog after a killed simulator, ``--cleanup``). Needs root, iproute2
-and nftables (``.ci/run`` installs them); skipped elsewhere."""
+"""Network namespaces of ``spes simulate --netns``: who can reach whom, the bandwidth cap, that nothing
+outlives a run (its removal, the watchdog after a killed simulator, ``--cleanup``), and peers behind NAT on
+both network backends. Needs root, iproute2 and nftables (``.ci/run`` installs them); skipped elsewhere."""
 
 from __future__ import annotations
 
@@ -13,6 +13,8 @@ import time
 from pathlib import Path
 
 import pytest
+from click.testing import CliRunner
+from spes_cli.main import spes
 
 from spes_p2p.sim.netns import OWNERS, Layout, Namespaces, address_of, cleanup, existing, missing_tools
 
@@ -169,3 +171,26 @@ def test_natted_peers_announce_only_their_relay_and_every_pair_moves_a_megabyte(
             if proc.poll() is None:
                 proc.kill()
         ns.remove()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize("backend", ["hivemind", "libp2p"])
+def test_two_natted_peers_alone_hold_the_experts_and_a_newcomer_catches_up(tmp_path, backend):
+    """``spes simulate --netns --nat 2``: peers 0 and 1 public and holding the dense part only, peers 2 and
+    3 behind NATs of their own the only holders of the expert shard, a newcomer joining at round 3. Every
+    unit's holders end bit-identical (virtual compute gives each peer an update of its own: the two NATed
+    holders agree only if their updates crossed, forwarded by a public peer), and nothing fails."""
+    out = tmp_path / "sim"
+    args = ["simulate", "--netns", "--peers", "4", "--nat", "2", "--shards", "1", "--rounds", "6"]
+    args += ["--peer-setting", "0:peer.capacity=0", "--peer-setting", "1:peer.capacity=0"]
+    args += ["--join", "1@3", "--compute", "virtual", "--max-corpus-mb", "1", "--backend", backend]
+    result = CliRunner().invoke(spes, [*args, "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    summary = json.loads((out / "summary.json").read_text())
+    assert not summary["failures"] and summary["rounds_completed"] == 6, summary["failures"]
+    experts = summary["units"]["experts/0"]["holders"]
+    assert all({"peer2", "peer3"} <= set(experts[str(r)]) for r in range(6)), experts
+    assert not summary["holders_apart"] and summary["uncovered_unit_rounds"] == 0, summary["holders_apart"]
+    (newcomer,) = summary["newcomers"]
+    assert newcomer["first_counted_round"] is not None and newcomer["rounds_late"] <= 2, newcomer
