@@ -6,7 +6,7 @@ import json
 from pathlib import Path
 
 import click
-from spes_cli.common import SpesGroup, console
+from spes_cli.common import SpesGroup, console, err_console
 from spes_cli.options import settings_options
 
 from spes_p2p.compat import setup_logging
@@ -89,6 +89,66 @@ def eval_(checkpoint, corpus, batches, as_json) -> None:
             f"val_loss [bold]{result['val_loss']:.4f}[/], perplexity [bold]{result['perplexity']:.2f}[/] "
             f"over {result['val_tokens']:,} tokens"
         )
+
+
+CHECKPOINT = click.option(
+    "--checkpoint",
+    required=True,
+    type=click.Path(exists=True, path_type=Path),
+    help="A checkpoint folder, or a run folder (of spes train or of a swarm peer: its newest model).",
+)
+TOKENIZER = click.option(
+    "--tokenizer",
+    type=click.Path(exists=True, dir_okay=False, path_type=Path),
+    help="The tokenizer file, when none is saved beside the model.",
+)
+
+
+@spes.command(name="export")
+@CHECKPOINT
+@click.option("--out", required=True, type=click.Path(path_type=Path), help="A new folder for the export.")
+@TOKENIZER
+def export(checkpoint, out, tokenizer) -> None:
+    """Write a model as a folder that transformers loads (AutoModelForCausalLM, AutoTokenizer)."""
+    from spes_p2p.interop.hf_export import ARCHITECTURE, export_hf
+    from spes_p2p.interop.saved import load_saved
+
+    with console.status("Exporting..."):
+        saved = load_saved(checkpoint, tokenizer)
+        folder = export_hf(saved, out)
+    console.print(
+        f"{saved.path} -> [bold]{folder}[/] ({ARCHITECTURE}, {saved.config.n_layers} layers, "
+        f"{saved.config.n_experts} experts, vocabulary {saved.config.vocab_size:,})\n"
+        f"load it with: AutoModelForCausalLM.from_pretrained({str(folder)!r}) "
+        "(pip install 'spes-p2p[hf]' for transformers)"
+    )
+
+
+@spes.command()
+@CHECKPOINT
+@click.option("--prompt", required=True, help="The text to continue.")
+@click.option("--max-tokens", type=click.IntRange(min=1), default=200, show_default=True)
+@click.option(
+    "--temperature", type=click.FloatRange(min=0), default=0.8, show_default=True, help="0: greedy."
+)
+@click.option("--top-p", type=click.FloatRange(0, 1, min_open=True), default=0.95, show_default=True)
+@click.option("--greedy", is_flag=True, help="Always the likeliest token (as --temperature 0).")
+@click.option("--seed", type=int, help="Seed the sampling, for the same text again.")
+@TOKENIZER
+def generate(checkpoint, prompt, max_tokens, temperature, top_p, greedy, seed, tokenizer) -> None:
+    """Continue a prompt with a model, streamed to the terminal."""
+    from spes_p2p.interop.saved import load_saved
+    from spes_p2p.interop.text import stream_text
+    from spes_p2p.model.sampling import Sampling
+
+    sampling = Sampling(max_tokens, 0.0 if greedy else temperature, top_p, seed)
+    saved = load_saved(checkpoint, tokenizer)
+    where = f"round {saved.round}" if saved.round is not None else f"step {saved.step}"
+    err_console.print(f"[dim]{saved.path} ({where})[/]")
+    click.echo(prompt, nl=False)
+    for piece in stream_text(saved, prompt, sampling):
+        click.echo(piece, nl=False)
+    click.echo()
 
 
 @spes.command()

@@ -1,5 +1,6 @@
-"""The layers (docs/architecture.md), checked on the source: model and trainer never import networking, the
-swarm layer knows nothing of optimizers or data, and the library never reaches for the command line."""
+"""The layers (docs/architecture.md), checked on the source: model, trainer and interop never import
+networking, an export needs no transformers, the swarm layer knows nothing of optimizers or data, and the
+library never reaches for the command line."""
 
 import ast
 from pathlib import Path
@@ -23,11 +24,16 @@ def imports_of(folder: str) -> dict[str, set[str]]:
     return found
 
 
-@pytest.mark.parametrize("folder", ["model", "train"])
-def test_model_and_trainer_never_import_networking(folder):
+@pytest.mark.parametrize("folder", ["model", "train", "interop"])
+def test_model_trainer_and_interop_never_import_networking(folder):
     for path, names in imports_of(folder).items():
         bad = sorted(n for n in names if n.startswith(NETWORKING))
         assert not bad, f"{path} imports {bad}"
+
+
+def test_an_export_needs_no_transformers():
+    for path, names in imports_of("interop").items():
+        assert not any(n.startswith("transformers") for n in names), path
 
 
 def test_swarm_layer_knows_nothing_of_training():

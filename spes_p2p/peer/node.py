@@ -126,7 +126,9 @@ class Peer:
         self.heartbeat = Heartbeat(
             self.member, settings.swarm.heartbeat_seconds, also=self.reachability.recheck
         )
-        self.outputs = RunOutputs(Path(out_dir), settings.train.keep_checkpoints) if out_dir else None
+        self.outputs = (
+            RunOutputs(Path(out_dir), tokenizer, settings.train.keep_checkpoints) if out_dir else None
+        )
         self.round = 0
         self.joined = self.crashed = False
         self.resumed_from: Path | None = None
