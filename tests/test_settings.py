@@ -8,6 +8,7 @@ import pytest
 
 from spes_p2p.errors import ConfigError
 from spes_p2p.fields import flag_of
+from spes_p2p.model.config import PRESETS
 from spes_p2p.settings import SECTIONS, Settings, load_settings, read_toml, reference_toml
 from spes_p2p.sim.config import LOCAL_SWARM_DEFAULTS
 
@@ -56,6 +57,10 @@ def test_toml_written_by_the_library_reads_back_to_the_same_settings(tmp_path):
     [
         ("[model]\nshards = 'four'\n", r"peers.toml:2: \[model\] shards must be int"),
         ("[model]\n\nbogus = 1\n", r"peers.toml:3: \[model\] bogus is not a setting"),
+        (
+            "[model]\nrope_theta = -1.0\n",
+            r"peers.toml:2: \[model\] rope_theta must be 0 \(the preset's\) or more",
+        ),
         ("[modle]\nshards = 2\n", r"unknown section \[modle\]"),
         (
             "[model]\nshards = 3\n",
@@ -156,3 +161,11 @@ def test_a_simulated_peer_gets_its_own_values():
             load_settings(
                 None, {("sim", "peers"): 3, ("sim", "peer_settings"): (bad,)}, defaults=LOCAL_SWARM_DEFAULTS
             )
+
+
+def test_the_vocabulary_rope_theta_and_epsilon_override_the_presets_and_zero_keeps_them():
+    model = Settings().override(model__vocab_size=151_665, model__rope_theta=5e5, model__norm_eps=1e-6).model
+    config = model.architecture()
+    assert (config.vocab_size, config.rope_theta, config.norm_eps) == (151_665, 5e5, 1e-6)
+    assert config.d_model == Settings().model.architecture().d_model  # the rest is the preset's
+    assert Settings().model.architecture() == PRESETS["tiny"]

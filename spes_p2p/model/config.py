@@ -179,6 +179,11 @@ class ModelSettings(Section):
     preset: str = setting("tiny", "Model preset.", choices=tuple(PRESETS))
     shards: int = setting(4, "Expert shards: units experts/0 .. experts/<shards-1>.")
     experts: int = setting(0, "Experts per MoE layer, overriding the preset's; 0: the preset's.")
+    vocab_size: int = setting(
+        0, "Vocabulary: rows of the embedding and the lm_head, overriding the preset's; 0: the preset's."
+    )
+    rope_theta: float = setting(0.0, "RoPE base (theta), overriding the preset's; 0: the preset's.")
+    norm_eps: float = setting(0.0, "RMSNorm epsilon, overriding the preset's; 0: the preset's.")
     dense_blocks: int = setting(
         2,
         "B: the dense part in blocks dense/0 .. dense/<B-1>, trained in turns (BCD); 1: every peer trains "
@@ -187,7 +192,8 @@ class ModelSettings(Section):
 
     def validate(self) -> None:
         check(self.shards >= 1, "shards", "must be at least 1")
-        check(self.experts >= 0, "experts", "must be 0 (the preset's) or more")
+        for name in ("experts", "vocab_size", "rope_theta", "norm_eps"):
+            check(getattr(self, name) >= 0, name, "must be 0 (the preset's) or more")
         n_experts = self.experts or PRESETS[self.preset].n_experts
         divisors = [d for d in range(1, n_experts + 1) if n_experts % d == 0]
         check(
@@ -203,9 +209,14 @@ class ModelSettings(Section):
         )
 
     def architecture(self) -> ModelConfig:
-        """The preset, with the number of experts overridden when ``experts`` is set."""
-        model = PRESETS[self.preset]
-        return model.replace(n_experts=self.experts) if self.experts else model
+        """The preset, with what ``experts``, ``vocab_size``, ``rope_theta`` and ``norm_eps`` override."""
+        overrides = {
+            "n_experts": self.experts,
+            "vocab_size": self.vocab_size,
+            "rope_theta": self.rope_theta,
+            "norm_eps": self.norm_eps,
+        }
+        return PRESETS[self.preset].replace(**{name: value for name, value in overrides.items() if value})
 
     def layout(self):
         """The units of this model (``spes_p2p.model.units.UnitLayout``; imports torch)."""
