@@ -101,6 +101,14 @@ def test_preset_sizes():
     assert 6.5e9 < sizes["7b"] < 7.5e9
 
 
+@pytest.mark.parametrize(("name", "total", "active"), [("1b", 1.17e9, 0.37e9), ("7b", 7.33e9, 1.70e9)])
+def test_the_published_presets_count_the_papers_parameters(name, total, active):
+    """With SPES's vocabulary (Qwen's, 151,665), our counts are the paper's, to its two decimals."""
+    with torch.device("meta"):
+        model = MoETransformer(PRESETS[name])
+    assert abs(model.num_params() - total) < 0.005e9 and abs(model.num_active_params() - active) < 0.005e9
+
+
 def test_unknown_preset_lists_the_presets():
     with pytest.raises(ConfigError, match="tiny, small, 1b, 2b, 7b"):
         get_preset("huge")

@@ -15,6 +15,8 @@ from spes_p2p.errors import ConfigError
 from spes_p2p.fields import SWARM, Section, check, setting
 
 FROZEN_FORMATS = ("full", "int8", "nf4")  # how a peer may hold the units it does not train
+QWEN_VOCAB = 151_665  # the vocabulary of Qwen's tokenizer, which SPES used
+OLMOE_VOCAB = 50_304  # OLMoE's padded vocabulary (GPT-NeoX's tokenizer)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -110,9 +112,9 @@ PRESETS: dict[str, ModelConfig] = {
         expert_dim=512,
         max_seq_len=512,
     ),
-    # the paper's 1B config: 4 nodes x 4 experts
+    # the paper's 1B config: 4 nodes x 4 experts; Qwen's vocabulary, rope theta and epsilon, as SPES used
     "1b": ModelConfig(
-        vocab_size=50304,
+        vocab_size=QWEN_VOCAB,
         d_model=768,
         n_layers=12,
         n_heads=12,
@@ -120,10 +122,12 @@ PRESETS: dict[str, ModelConfig] = {
         top_k=2,
         expert_dim=2048,
         max_seq_len=2048,
+        rope_theta=5e5,
+        norm_eps=1e-6,
     ),
     # our reconstruction of the paper's headline 2B model (config not published)
     "2b": ModelConfig(
-        vocab_size=50304,
+        vocab_size=OLMOE_VOCAB,
         d_model=1024,
         n_layers=18,
         n_heads=16,
@@ -132,9 +136,10 @@ PRESETS: dict[str, ModelConfig] = {
         expert_dim=2048,
         max_seq_len=2048,
     ),
-    # the paper's 7B config: 4 nodes x 8 experts
+    # the paper's 7B config: 4 nodes x 8 experts; Qwen's vocabulary (its rope theta and epsilon are not
+    # published: OLMoE's)
     "7b": ModelConfig(
-        vocab_size=50304,
+        vocab_size=QWEN_VOCAB,
         d_model=2048,
         n_layers=16,
         n_heads=16,
