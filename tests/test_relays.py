@@ -20,6 +20,8 @@ def test_a_reader_keeps_only_circuits_that_end_in_the_records_own_id_and_knows_t
     assert reader.forwarder("N", me="R") is None  # the relay itself asks N directly
     assert reader.learn("P", "Q", ["/ip4/10.77.0.3/tcp/31337/p2p/Q"]) == []  # a reachable peer
     assert not reader.is_relayed("Q") and reader.forwarder("Q", me="P") is None
+    assert reader.learn("P", "N", ["/ip4/10.77.0.5/tcp/31337/p2p/N"]) == []  # N came back reachable
+    assert not reader.is_relayed("N") and reader.forwarder("N", me="P") is None
 
 
 def test_a_relayed_peer_dials_each_reachable_peer_at_most_every_redial_interval(monkeypatch):

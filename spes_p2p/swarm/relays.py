@@ -48,6 +48,7 @@ class Relays:
         if circuits:
             self.circuits[peer_id] = circuits
             return []
+        self.circuits.pop(peer_id, None)  # (it came back reachable)
         if self.relayed and time.monotonic() - self._dialed.get(peer_id, -REDIAL_SECONDS) >= REDIAL_SECONDS:
             self._dialed[peer_id] = time.monotonic()
             return own
