@@ -155,11 +155,12 @@ PRESETS: dict[str, ModelConfig] = {
 # measured by benchmarks/step_time.py on this project's machine: 2 cores of an AMD EPYC, torch 2.13.0 (CPU),
 # one thread as a simulated peer runs, a peer that trains 1 of 4 expert shards and 1 of 2 dense blocks with
 # the rest held in int8 and 8-bit AdamW, STEP_BATCH x STEP_SEQ_LEN tokens a step. tiny and small: medians of
-# 20 steps on the idle machine (on the machine busy with other work, their CPU time was 10-15% more); 1b and
-# 2b: 3 steps, CPU time, on the busy machine. A step of another batch shape scales by its tokens. A preset
+# 20 steps on the idle machine (on the machine busy with other work, their CPU time was 10-15% more); 1b: 3
+# steps, CPU time, on the idle machine (with Qwen's vocabulary: 2.4x what it took with 50,304); 2b: 3 steps,
+# CPU time, on the busy machine. A step of another batch shape scales by its tokens. A preset
 # without a figure needs virtual=SECONDS.
 STEP_BATCH, STEP_SEQ_LEN = 8, 128
-STEP_SECONDS: dict[str, float] = {"tiny": 0.068, "small": 0.67, "1b": 25.4, "2b": 48.1}
+STEP_SECONDS: dict[str, float] = {"tiny": 0.068, "small": 0.67, "1b": 60.6, "2b": 48.1}
 
 
 def measured_step_seconds(preset: str, tokens_per_step: int) -> float | None:
