@@ -8,7 +8,7 @@ import torch
 from click.testing import CliRunner
 from spes_cli.main import spes
 
-from spes_p2p.errors import ConfigError
+from spes_p2p.errors import CheckpointError, ConfigError
 from spes_p2p.interop.hf_export import export_hf
 from spes_p2p.interop.saved import load_saved
 from spes_p2p.model.config import get_preset
@@ -134,3 +134,12 @@ def test_a_peer_run_folder_gives_its_newest_model_the_one_written_on_leaving_or_
     outputs.checkpoint(models[2], None, 120, {**position, "round": 6})  # (it came back, and went on)
     saved = load_saved(tmp_path / "peer")
     assert saved.round == 6 and torch.equal(saved.weights["lm_head.weight"], models[2].lm_head.weight)
+
+
+def test_weights_that_do_not_fit_their_config_are_refused_in_one_line(tmp_path, tokenizer):
+    path, _ = checkpoint(tmp_path, tokenizer)
+    saved = load_saved(path)
+    saved.weights["lm_head.weight"] = saved.weights["lm_head.weight"][:-1]
+    with pytest.raises(CheckpointError, match="does not hold the model its config describes") as refused:
+        saved.model()
+    assert "\n" not in str(refused.value)

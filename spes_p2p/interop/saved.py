@@ -32,7 +32,13 @@ class SavedModel:
         """The model with these weights (the tensors themselves, not copies), in eval mode, on the CPU."""
         with torch.device("meta"):  # (no initialization to overwrite; the rope tables are built on the CPU)
             model = MoETransformer(self.config)
-        model.load_state_dict(self.weights, assign=True)
+        try:
+            model.load_state_dict(self.weights, assign=True)
+        except RuntimeError as exc:  # missing, unexpected or misshapen tensors
+            problem = str(exc).splitlines()[-1].strip()
+            raise CheckpointError(
+                f"{self.path} does not hold the model its config describes: {problem}"
+            ) from None
         return model.eval()
 
 
