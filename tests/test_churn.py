@@ -100,3 +100,21 @@ def test_a_drawn_peer_that_enters_the_swarm_later_in_the_round_is_killed_then(tm
     for swarm_round in range(2, 13):
         churn_.tick(swarm_round)
     assert [(e["type"], e["peer"]) for e in events[1:]] == [("restart", "peer2")]
+
+
+def test_a_drawn_peer_that_enters_the_swarm_only_after_its_round_passed_is_killed_all_the_same(tmp_path):
+    """On a slow machine the swarm may pass round 1 before peer2 has landed a round: its draw still stands
+    (a CI run once had seed 8 kill nobody)."""
+    fleet, events = FakeFleet(tmp_path, 3), []
+    entered = {0, 1}
+    fleet.in_swarm = lambda index: index in entered
+    churn_ = Churn(fleet, events, 0.15, 8, 12)  # seed 8 draws peer2 in round 1, and nobody after
+    churn_.tick(1)
+    churn_.tick(2)
+    assert events == []
+    entered.add(2)
+    churn_.tick(2)
+    assert [(e["type"], e["peer"], e["round"]) for e in events] == [("kill", "peer2", 2)]
+    for swarm_round in range(3, 13):
+        churn_.tick(swarm_round)
+    assert [(e["type"], e["peer"]) for e in events[1:]] == [("restart", "peer2")]

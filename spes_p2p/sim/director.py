@@ -88,9 +88,9 @@ class Churn:
 
     A peer is in the swarm when it is alive, its join round has come, and it has written a round's row and a
     checkpoint since it (re)started (so it has a checkpoint to resume from, and a restart's return is seen
-    before the next kill). A peer drawn in a round is killed as soon as it is in the swarm while that round
-    lasts (one that has yet to land the swarm's first round, or to come back from a restart, may be a moment
-    late).
+    before the next kill). A peer drawn in a round is killed as soon as it is in the swarm, in that round
+    or, when it was not in the swarm yet (it had to land the swarm's first round, or to come back from a
+    restart, and a slow machine let the round pass), in a later one, up to the last round with draws.
 
     The draws come from a generator seeded with ``[train] seed``, one per peer and round whether or not the
     peer can be killed then, so a run's kills depend on the seed alone (and on which peers are in the swarm
@@ -102,7 +102,7 @@ class Churn:
         self.rng = random.Random(f"churn:{seed}")
         self.last = rounds - CHURN_TAIL_ROUNDS  # the last swarm round with draws
         self.drawn = 0  # the swarm round drawn for last
-        self.doomed: set[int] = set()  # peers drawn in that round and not killed yet
+        self.doomed: set[int] = set()  # peers drawn and not killed yet
         self.down: dict[int, int] = {}  # killed peer -> the swarm round it was killed at
 
     def tick(self, swarm_round: int) -> None:
@@ -111,8 +111,9 @@ class Churn:
         while self.drawn < min(swarm_round, self.last):
             self.drawn += 1
             peers = range(len(self.fleet.join_rounds))
-            self.doomed = {i for i in peers if self.rng.random() < self.p}  # (one draw per peer, always)
-        if self.doomed and swarm_round == self.drawn:
+            drawn = {i for i in peers if self.rng.random() < self.p}  # (one draw per peer, always)
+            self.doomed |= drawn - set(self.down)  # (a peer that is down is not in the swarm that round)
+        if self.doomed and swarm_round <= self.last:
             self._kill(swarm_round)
         for index, at in sorted(self.down.items()):  # (after the kills: a restart dials live peers only)
             if swarm_round > at:
