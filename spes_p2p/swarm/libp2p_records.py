@@ -251,7 +251,9 @@ class RecordKeeping:
         found = self.dht.routing_table.find_local_closest_peers(key.encode(), 2 * REPLICAS)
         with trio.move_on_after(LOOKUP_SECONDS):  # (past it: the closest this peer knows of itself)
             found = await self.dht.peer_routing.find_closest_peers_network(key.encode(), count=2 * REPLICAS)
-        keepers = [p for p in found if p != self.me and not self.relayed(str(p))] + [self.me] * self.keeps
+        keepers = [p for p in found if p != self.me and not self.relayed(str(p))]
+        if self.keeps:
+            keepers.append(self.me)
         closest = sort_peer_ids_by_distance(key.encode(), keepers)[:REPLICAS]
         if len(self._lookups) >= MAX_LOOKUPS:
             self._lookups.clear()
