@@ -110,14 +110,14 @@ TOKENIZER = click.option(
 @TOKENIZER
 def export(checkpoint, out, tokenizer) -> None:
     """Write a model as a folder that transformers loads (AutoModelForCausalLM, AutoTokenizer)."""
-    from spes_p2p.interop.hf_export import ARCHITECTURE, export_hf
+    from spes_p2p.interop.hf_export import export_hf
     from spes_p2p.interop.saved import load_saved
 
     with console.status("Exporting..."):
         saved = load_saved(checkpoint, tokenizer)
-        folder = export_hf(saved, out)
+        folder, architecture = export_hf(saved, out)
     console.print(
-        f"{saved.path} -> [bold]{folder}[/] ({ARCHITECTURE}, {saved.config.n_layers} layers, "
+        f"{saved.path} -> [bold]{folder}[/] ({architecture}, {saved.config.n_layers} layers, "
         f"{saved.config.n_experts} experts, vocabulary {saved.config.vocab_size:,})\n"
         f"load it with: AutoModelForCausalLM.from_pretrained({str(folder)!r}) "
         "(pip install 'spes-p2p[hf]' for transformers)"

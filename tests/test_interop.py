@@ -39,21 +39,34 @@ def checkpoint(tmp_path, tokenizer, with_tokenizer=True, **changes):
         for name, p in model.named_parameters():
             if "norm" in name:
                 p.uniform_(0.5, 1.5)
+            elif name.endswith("_bias"):
+                p.normal_(0.0, 0.1)
     meta = {"model_config": config.to_dict(), "tokens": 0}
     extra = {"tokenizer.json": tokenizer.to_str().encode()} if with_tokenizer else {}
     return save_checkpoint(tmp_path / "run", 7, model, None, meta, extra_files=extra), model
 
 
 @pytest.mark.parametrize(
-    "changes",
-    [{}, {"n_kv_heads": 2, "renormalize_topk": True, "rope_theta": 5e5, "norm_eps": 1e-6}],
-    ids=["tiny", "gqa-renormalized-rope5e5"],
+    ("changes", "architecture"),
+    [
+        ({}, "Qwen3MoeForCausalLM"),
+        (
+            {"n_kv_heads": 2, "renormalize_topk": True, "rope_theta": 5e5, "norm_eps": 1e-6},
+            "Qwen3MoeForCausalLM",
+        ),
+        ({"head_size": 24, "attention_bias": True}, "Qwen3MoeForCausalLM"),  # (as upcycled from Qwen3)
+        ({"qk_norm": False, "renormalize_topk": True}, "Qwen2MoeForCausalLM"),  # (from Llama)
+        ({"qk_norm": False, "attention_bias": True, "n_kv_heads": 2}, "Qwen2MoeForCausalLM"),  # (Qwen2)
+    ],
+    ids=["tiny", "gqa-renormalized-rope5e5", "wide-heads-biases", "no-qk-norm", "no-qk-norm-biases"],
 )
-def test_an_exported_checkpoint_computes_the_same_logits_in_transformers(tmp_path, tokenizer, changes):
+def test_an_exported_checkpoint_computes_the_same_logits_in_transformers(
+    tmp_path, tokenizer, changes, architecture
+):
     path, model = checkpoint(tmp_path, tokenizer, **changes)
-    out = export_hf(load_saved(path), tmp_path / "hf")
+    out, written = export_hf(load_saved(path), tmp_path / "hf")
     hf = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
-    assert type(hf).__name__ == "Qwen3MoeForCausalLM"
+    assert type(hf).__name__ == written == architecture
     hf_tokenizer = transformers.AutoTokenizer.from_pretrained(out)
     text = "each peer holds a shard"
     ids = hf_tokenizer(text, return_tensors="pt").input_ids
@@ -89,7 +102,7 @@ def test_greedy_generation_is_what_transformers_generates_and_sampling_follows_i
     model = saved.model()
     prompt = tokenizer.encode("each peer holds").ids
     greedy = list(generate(model, prompt, Sampling(max_tokens=12, temperature=0), stop=None))
-    hf = transformers.AutoModelForCausalLM.from_pretrained(export_hf(saved, tmp_path / "hf")).eval()
+    hf = transformers.AutoModelForCausalLM.from_pretrained(export_hf(saved, tmp_path / "hf")[0]).eval()
     expected = hf.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=12, min_new_tokens=12)
     assert greedy == expected[0, len(prompt) :].tolist()
     assert list(generate(model, prompt, Sampling(12, temperature=1.0, top_p=1e-6), None)) == greedy

@@ -7,8 +7,13 @@ probabilities are used as they are (``norm_topk_prob`` false; ``renormalize_topk
 in every layer, no biases, untied embedding and head. OLMoE (``OlmoeForCausalLM``), whose recipe we train
 by, differs in one place: its QK-norm normalizes all heads' queries (and keys) together, one RMSNorm over
 ``n_heads x head_dim``, where ours normalizes each head alone; so OLMoE's class would compute another
-function with our weights. The weights are written in the per-expert layout of the checkpoints on the
-Hugging Face hub (``mlp.experts.<e>.gate_proj.weight``), which every transformers version since 4.51 reads.
+function with our weights.
+
+A model upcycled from Llama or Qwen2 has no QK-norm: Qwen3-MoE cannot leave it out, so such a model is
+written as **Qwen2-MoE** (``Qwen2MoeForCausalLM``), the same but for QK-norm, with query, key and value
+biases when the model has them, and a shared expert that Qwen2-MoE always adds: written as zeros, it adds
+exactly nothing. The weights are written in the per-expert layout of the checkpoints on the Hugging Face
+hub (``mlp.experts.<e>.gate_proj.weight``), which every transformers version since 4.51 reads.
 """
 
 from __future__ import annotations
@@ -27,7 +32,8 @@ from spes_p2p.interop.saved import SavedModel
 from spes_p2p.model.config import ModelConfig
 from spes_p2p.train.data import EOS
 
-ARCHITECTURE, MODEL_TYPE = "Qwen3MoeForCausalLM", "qwen3_moe"
+QWEN3_MOE = ("Qwen3MoeForCausalLM", "qwen3_moe")  # (architecture, model type): a model with QK-norm
+QWEN2_MOE = ("Qwen2MoeForCausalLM", "qwen2_moe")  # without
 # our parameter name -> transformers', and whether the matrix is stored the other way round
 _NAMES = [
     (r"embed\.weight", r"model.embed_tokens.weight", False),
@@ -37,6 +43,7 @@ _NAMES = [
         r"model.layers.\1.self_attn.\2.weight",
         False,
     ),
+    (r"layers\.(\d+)\.attn\.(q|k|v)_bias", r"model.layers.\1.self_attn.\2_proj.bias", False),
     (r"layers\.(\d+)\.moe_norm\.weight", r"model.layers.\1.post_attention_layernorm.weight", False),
     (r"layers\.(\d+)\.moe\.router\.weight", r"model.layers.\1.mlp.gate.weight", False),
     (r"layers\.(\d+)\.moe\.experts\.(\d+)\.w1", r"model.layers.\1.mlp.experts.\2.gate_proj.weight", True),
@@ -47,8 +54,8 @@ _NAMES = [
 ]
 
 
-def hf_weights(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Our state dict under transformers' names and layouts."""
+def hf_weights(weights: dict[str, torch.Tensor], config: ModelConfig) -> dict[str, torch.Tensor]:
+    """Our state dict under transformers' names and layouts, with the zeros the class adds (see above)."""
     out = {}
     for name, tensor in weights.items():
         for pattern, replacement, transposed in _NAMES:
@@ -57,13 +64,27 @@ def hf_weights(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
                 break
         else:
             raise ConfigError(f"no transformers name for parameter {name!r}")
+    d = config.d_model
+    for i in range(config.n_layers):
+        layer = f"model.layers.{i}"
+        if config.qk_norm and config.attention_bias:  # (Qwen3-MoE's biases include the output's)
+            out[f"{layer}.self_attn.o_proj.bias"] = torch.zeros(d)
+        if not config.qk_norm:  # Qwen2-MoE's shared expert, of width 1, whose output is zero
+            for name, shape in (("gate_proj", (1, d)), ("up_proj", (1, d)), ("down_proj", (d, 1))):
+                out[f"{layer}.mlp.shared_expert.{name}.weight"] = torch.zeros(shape)
+            out[f"{layer}.mlp.shared_expert_gate.weight"] = torch.zeros(1, d)
     return out
 
 
 def hf_config(config: ModelConfig, eos_id: int) -> dict:
+    architecture, model_type = QWEN3_MOE if config.qk_norm else QWEN2_MOE
+    if config.qk_norm:
+        differs = {"attention_bias": config.attention_bias}
+    else:
+        differs = {"qkv_bias": config.attention_bias, "shared_expert_intermediate_size": 1}
     return {
-        "architectures": [ARCHITECTURE],
-        "model_type": MODEL_TYPE,
+        "architectures": [architecture],
+        "model_type": model_type,
         "vocab_size": config.vocab_size,
         "hidden_size": config.d_model,
         "num_hidden_layers": config.n_layers,
@@ -81,7 +102,7 @@ def hf_config(config: ModelConfig, eos_id: int) -> dict:
         "rms_norm_eps": config.norm_eps,
         "rope_theta": config.rope_theta,
         "max_position_embeddings": config.max_seq_len,
-        "attention_bias": False,
+        **differs,
         "attention_dropout": 0.0,
         "tie_word_embeddings": False,
         "initializer_range": config.init_std,
@@ -95,9 +116,9 @@ def hf_config(config: ModelConfig, eos_id: int) -> dict:
     }
 
 
-def export_hf(saved: SavedModel, out: Path) -> Path:
+def export_hf(saved: SavedModel, out: Path) -> tuple[Path, str]:
     """Writes ``saved`` as a transformers folder at ``out``, which must not exist or be empty; the files
-    are written beside it first and moved into place whole."""
+    are written beside it first and moved into place whole. Returns the folder and its transformers class."""
     out = Path(out)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise ConfigError(f"{out} exists and is not an empty folder: name a new folder for the export")
@@ -124,8 +145,8 @@ def export_hf(saved: SavedModel, out: Path) -> Path:
         (tmp / name).write_text(json.dumps(content, indent=2) + "\n")
     (tmp / "tokenizer.json").write_text(saved.tokenizer.to_str())
     metadata = {"format": "pt", "spes_checkpoint": str(saved.path)}
-    save_file(hf_weights(saved.weights), tmp / "model.safetensors", metadata=metadata)
+    save_file(hf_weights(saved.weights, saved.config), tmp / "model.safetensors", metadata=metadata)
     if out.exists():
         out.rmdir()
     os.replace(tmp, out)
-    return out
+    return out, files["config.json"]["architectures"][0]

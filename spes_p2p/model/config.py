@@ -28,6 +28,7 @@ class ModelConfig:
     n_layers: int
     n_heads: int
     n_kv_heads: int | None = None  # None: as many as n_heads
+    head_size: int = 0  # width of one attention head; 0: d_model / n_heads
     n_experts: int
     top_k: int
     expert_dim: int  # hidden width F of one SwiGLU expert
@@ -36,6 +37,8 @@ class ModelConfig:
     norm_eps: float = 1e-5
     init_std: float = 0.02
     renormalize_topk: bool = False  # OLMoE keeps the raw softmax probabilities of the top-k experts
+    qk_norm: bool = True  # RMSNorm each head's queries and keys (OLMoE, Qwen3); Llama and Qwen2 have none
+    attention_bias: bool = False  # biases on the query, key and value projections (Qwen2)
     # loss coefficients, as in SPES
     load_balance_coef: float = 0.01
     router_z_coef: float = 1e-3
@@ -56,10 +59,12 @@ class ModelConfig:
                 raise ConfigError(f"{name} must be at least 1, got {getattr(self, name)}")
         if self.top_k > self.n_experts:
             raise ConfigError(f"top_k ({self.top_k}) cannot exceed n_experts ({self.n_experts})")
-        if self.d_model % self.n_heads:
+        if self.head_size < 0:
+            raise ConfigError(f"head_size must be 0 (d_model / n_heads) or more, got {self.head_size}")
+        if not self.head_size and self.d_model % self.n_heads:
             raise ConfigError(f"d_model ({self.d_model}) must be divisible by n_heads ({self.n_heads})")
         if self.head_dim % 2:
-            raise ConfigError(f"head dim d_model/n_heads ({self.head_dim}) must be even for RoPE")
+            raise ConfigError(f"the head dim ({self.head_dim}) must be even for RoPE")
         if self.n_heads % self.kv_heads:
             raise ConfigError(f"n_heads ({self.n_heads}) must be divisible by n_kv_heads ({self.kv_heads})")
         for name in ("load_balance_coef", "router_z_coef", "logit_z_coef"):
@@ -68,7 +73,7 @@ class ModelConfig:
 
     @property
     def head_dim(self) -> int:
-        return self.d_model // self.n_heads
+        return self.head_size or self.d_model // self.n_heads
 
     @property
     def kv_heads(self) -> int:

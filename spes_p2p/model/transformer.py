@@ -1,7 +1,9 @@
 """An OLMoE-style decoder-only transformer in plain single-device torch.
 
 RMSNorm (pre-norm), rotary position embeddings, QK-norm, causal attention through
-``scaled_dot_product_attention``, an MoE feed-forward in every layer, untied embedding and lm_head. The large
+``scaled_dot_product_attention``, an MoE feed-forward in every layer, untied embedding and lm_head. A model
+upcycled from a dense one keeps that one's attention: without QK-norm (Llama, Qwen2), with query, key and
+value biases (Qwen2), with heads of their own width (Qwen3). The large
 weights of a frozen copy (an expert, a dense block this peer does not train) may be held quantized
 (``quant.py``).
 
@@ -80,20 +82,32 @@ class Attention(nn.Module):
         self.k_proj = Linear(cfg.d_model, cfg.kv_heads * cfg.head_dim)
         self.v_proj = Linear(cfg.d_model, cfg.kv_heads * cfg.head_dim)
         self.o_proj = Linear(cfg.n_heads * cfg.head_dim, cfg.d_model)
+        if cfg.attention_bias:  # (parameters of their own: a frozen projection's weight may be quantized)
+            self.q_bias = nn.Parameter(torch.zeros(cfg.n_heads * cfg.head_dim))
+            self.k_bias = nn.Parameter(torch.zeros(cfg.kv_heads * cfg.head_dim))
+            self.v_bias = nn.Parameter(torch.zeros(cfg.kv_heads * cfg.head_dim))
+        else:
+            self.q_bias = self.k_bias = self.v_bias = None
         # QK-norm keeps attention logits bounded, which OLMoE found stabilizes MoE training
-        self.q_norm = RMSNorm(cfg.head_dim, cfg.norm_eps)
-        self.k_norm = RMSNorm(cfg.head_dim, cfg.norm_eps)
+        norm = (lambda: RMSNorm(cfg.head_dim, cfg.norm_eps)) if cfg.qk_norm else nn.Identity
+        self.q_norm, self.k_norm = norm(), norm()
 
     def forward(self, x_BSD: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         B, S, _ = x_BSD.shape
-        q_BHSHd = self.q_norm(self.q_proj(x_BSD).view(B, S, self.n_heads, self.head_dim)).transpose(1, 2)
-        k_BGSHd = self.k_norm(self.k_proj(x_BSD).view(B, S, self.n_kv, self.head_dim)).transpose(1, 2)
-        v_BGSHd = self.v_proj(x_BSD).view(B, S, self.n_kv, self.head_dim).transpose(1, 2)
+        q_BSHHd = _biased(self.q_proj(x_BSD), self.q_bias).view(B, S, self.n_heads, self.head_dim)
+        k_BSGHd = _biased(self.k_proj(x_BSD), self.k_bias).view(B, S, self.n_kv, self.head_dim)
+        v_BSGHd = _biased(self.v_proj(x_BSD), self.v_bias).view(B, S, self.n_kv, self.head_dim)
+        q_BHSHd, k_BGSHd = self.q_norm(q_BSHHd).transpose(1, 2), self.k_norm(k_BSGHd).transpose(1, 2)
+        v_BGSHd = v_BSGHd.transpose(1, 2)
         q_BHSHd, k_BGSHd = apply_rope(q_BHSHd, cos, sin), apply_rope(k_BGSHd, cos, sin)
         out_BHSHd = F.scaled_dot_product_attention(
             q_BHSHd, k_BGSHd, v_BGSHd, is_causal=True, enable_gqa=self.n_kv != self.n_heads
         )
         return self.o_proj(out_BHSHd.transpose(1, 2).reshape(B, S, -1))
+
+
+def _biased(x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return x if bias is None else x + bias
 
 
 class Block(nn.Module):
@@ -140,6 +154,8 @@ class MoETransformer(nn.Module):
                 continue
             if name.endswith("norm.weight"):
                 p.fill_(1.0)
+            elif name.endswith("_bias"):
+                p.zero_()
             elif name.endswith(("o_proj.weight", ".w2")):
                 p.normal_(0.0, out_std)
             else:
