@@ -124,6 +124,36 @@ def export(checkpoint, out, tokenizer) -> None:
     )
 
 
+@spes.command(name="upcycle")
+@click.option(
+    "--from",
+    "source",
+    required=True,
+    type=click.Path(exists=True, file_okay=False, path_type=Path),
+    help="A dense transformers model folder (Llama, Qwen2 or Qwen3): config.json, safetensors and "
+    "tokenizer.json.",
+)
+@click.option("--experts", required=True, type=click.IntRange(min=1), help="Experts per MoE layer.")
+@click.option("--top-k", type=click.IntRange(min=1), default=2, show_default=True, help="Experts per token.")
+@click.option("--seed", type=int, default=0, show_default=True, help="Seeds the routers' initial weights.")
+@click.option("--out", required=True, type=click.Path(path_type=Path), help="A new folder for the MoE.")
+def upcycle_(source, experts, top_k, seed, out) -> None:
+    """Turn a dense model into an MoE whose experts are copies of its MLPs; a swarm starts from it with
+    spes-join --new-swarm --init OUT."""
+    from spes_p2p.interop.upcycle import read_dense, upcycle, write_upcycled
+
+    with console.status("Upcycling..."):
+        model, tokenizer = upcycle(read_dense(source), experts, top_k, seed)
+        checkpoint = write_upcycled(model, tokenizer, source, out)
+    cfg = model.cfg
+    console.print(
+        f"{source} -> [bold]{checkpoint}[/] ({cfg.n_layers} layers, {cfg.n_experts} experts of width "
+        f"{cfg.expert_dim}, top-{cfg.top_k}; {model.num_params() / 1e9:.2f}B parameters, "
+        f"{model.num_active_params() / 1e9:.2f}B active)\n"
+        f"found a swarm from it: spes-join --new-swarm --init {out}"
+    )
+
+
 @spes.command()
 @CHECKPOINT
 @click.option("--prompt", required=True, help="The text to continue.")

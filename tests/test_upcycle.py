@@ -1,0 +1,150 @@
+"""``spes upcycle``: a tiny dense transformers model of each family we read, built locally with random
+weights, becomes an MoE that computes the dense model's logits at initialization; what our model cannot
+compute is refused in one line."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from click.testing import CliRunner
+from spes_cli.main import spes
+
+from spes_p2p.errors import ConfigError
+from spes_p2p.interop.saved import load_saved
+from spes_p2p.interop.upcycle import read_dense, upcycle, write_upcycled
+from spes_p2p.train.data import EOS, Document
+from spes_p2p.train.tokenizer import train_tokenizer
+
+transformers = pytest.importorskip("transformers")
+
+TEXT = "a dense model becomes a mixture of experts whose experts start as copies of its feed-forward. " * 30
+SMALL = {
+    "hidden_size": 64,
+    "intermediate_size": 96,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 128,
+    "rms_norm_eps": 1e-6,
+}
+FAMILIES = {
+    "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM, {}),
+    "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM, {}),  # (q, k, v biases)
+    "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM, {"head_dim": 24}),  # (QK-norm)
+}
+# Every expert computes the dense MLP, and the renormalized router weights of a token sum to 1: the logits
+# differ only by float rounding
+TOLERANCE = 1e-4  # max |difference| / max |logit|
+
+
+def dense_folder(tmp_path, family, tie=False, eos=EOS, **changes):
+    """A dense model of ``family`` with random weights (its norms too), saved as transformers saves it."""
+    config_class, model_class, extra = FAMILIES[family]
+    tokenizer = train_tokenizer([Document("a", TEXT)], 200)
+    if eos != EOS:  # a tokenizer whose end-of-text token is another (Llama's </s>)
+        tokenizer = train_tokenizer_with(eos)
+    config = config_class(
+        vocab_size=tokenizer.get_vocab_size(), tie_word_embeddings=tie, **SMALL, **extra, **changes
+    )
+    torch.manual_seed(0)
+    model = model_class(config).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.normal_(1.0 if "norm" in name else 0.0, 0.1 if "norm" in name or "bias" in name else 0.05)
+    folder = tmp_path / family
+    model.save_pretrained(folder)
+    tokenizer.save(str(folder / "tokenizer.json"))
+    return folder, model
+
+
+def train_tokenizer_with(eos):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    trainer = trainers.BpeTrainer(vocab_size=200, special_tokens=[eos], initial_alphabet=alphabet)
+    tok.train_from_iterator([TEXT], trainer)
+    return tok
+
+
+@pytest.mark.parametrize("tie", [False, True], ids=["untied", "tied"])
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_an_upcycled_model_computes_the_dense_models_logits(tmp_path, family, tie):
+    folder, dense = dense_folder(tmp_path, family, tie=tie)
+    moe, tokenizer = upcycle(read_dense(folder), experts=4, top_k=2)
+    assert moe.cfg.n_experts == 4 and moe.cfg.top_k == 2 and moe.cfg.renormalize_topk
+    assert moe.cfg.qk_norm == (family == "qwen3") and moe.cfg.attention_bias == (family == "qwen2")
+    assert moe.cfg.head_dim == (24 if family == "qwen3" else 16)
+    experts = moe.layers[1].moe.experts
+    assert all(torch.equal(experts[0].w1, e.w1) for e in experts)  # each a copy of the dense MLP
+    assert not torch.equal(moe.layers[0].moe.router.weight, moe.layers[1].moe.router.weight)
+    tokens = torch.randint(0, tokenizer.get_vocab_size(), (2, 48))
+    with torch.no_grad():
+        ours, theirs = moe(tokens).logits, dense(tokens).logits
+    relative = ((ours - theirs).abs().max() / theirs.abs().max()).item()
+    assert relative <= TOLERANCE, relative
+
+
+def test_the_upcycled_checkpoint_loads_and_keeps_the_tokenizer(tmp_path):
+    folder, _ = dense_folder(tmp_path, "qwen3")
+    moe, tokenizer = upcycle(read_dense(folder), experts=2, top_k=1)
+    checkpoint = write_upcycled(moe, tokenizer, folder, tmp_path / "moe")
+    saved = load_saved(tmp_path / "moe")
+    assert saved.path == checkpoint and saved.config == moe.cfg
+    assert saved.tokenizer.to_str() == tokenizer.to_str()
+    tokens = torch.randint(0, 200, (1, 32))
+    with torch.no_grad():
+        assert torch.equal(saved.model()(tokens).logits, moe(tokens).logits)
+    with pytest.raises(ConfigError, match="not an empty folder"):
+        write_upcycled(moe, tokenizer, folder, tmp_path / "moe")
+
+
+def test_a_tokenizer_without_our_end_of_text_token_gets_one(tmp_path):
+    """Documents are separated by <|endoftext|>: a Llama tokenizer (</s>) gains it, and the embedding and
+    head a row for it; the dense model's tokens compute as before."""
+    folder, dense = dense_folder(tmp_path, "llama", eos="</s>")
+    moe, tokenizer = upcycle(read_dense(folder), experts=2, top_k=2)
+    vocab = dense.config.vocab_size
+    assert tokenizer.token_to_id(EOS) == vocab and moe.cfg.vocab_size == vocab + 1
+    tokens = torch.randint(0, vocab, (1, 32))
+    with torch.no_grad():
+        ours, theirs = moe(tokens).logits[..., :vocab], dense(tokens).logits
+    assert ((ours - theirs).abs().max() / theirs.abs().max()).item() <= TOLERANCE
+
+
+@pytest.mark.parametrize(
+    ("family", "changes", "message"),
+    [
+        ("llama", {"hidden_act": "gelu"}, "activation is 'gelu'"),
+        ("llama", {"rope_scaling": {"rope_type": "linear", "factor": 2.0}}, "scales RoPE"),
+        ("llama", {"attention_bias": True}, "o_proj.bias"),
+        ("llama", {"mlp_bias": True}, "MLP biases"),
+    ],
+)
+def test_what_our_model_cannot_compute_is_refused(tmp_path, family, changes, message):
+    folder, _ = dense_folder(tmp_path, family, **changes)
+    with pytest.raises(ConfigError, match=message):
+        upcycle(read_dense(folder), experts=2, top_k=1)
+
+
+def test_spes_upcycle_then_generate(tmp_path):
+    folder, _ = dense_folder(tmp_path, "qwen3")
+    runner = CliRunner()
+    result = runner.invoke(
+        spes, ["upcycle", "--from", str(folder), "--experts", "4", "--out", str(tmp_path / "moe")]
+    )
+    assert result.exit_code == 0, result.output
+    assert "4 experts" in result.output and "--new-swarm --init" in result.output
+    meta = json.loads(next((tmp_path / "moe" / "checkpoints").iterdir()).joinpath("meta.json").read_text())
+    assert meta["upcycled_from"] == str(folder) and meta["model_config"]["n_experts"] == 4
+    args = ["generate", "--checkpoint", str(tmp_path / "moe"), "--prompt", "a dense", "--max-tokens", "5"]
+    result = runner.invoke(spes, [*args, "--greedy"])
+    assert result.exit_code == 0 and "\na dense" in result.output, result.output
+    missing = runner.invoke(
+        spes, ["upcycle", "--from", str(tmp_path), "--experts", "2", "--out", str(tmp_path / "x")]
+    )
+    assert missing.exit_code != 0 and "config.json is missing" in missing.output
