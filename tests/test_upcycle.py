@@ -5,15 +5,22 @@ compute is refused in one line."""
 from __future__ import annotations
 
 import json
+import threading
+from pathlib import Path
 
 import pytest
 import torch
 from click.testing import CliRunner
 from spes_cli.main import spes
 
-from spes_p2p.errors import ConfigError
+from spes_p2p.errors import CheckpointError, ConfigError
 from spes_p2p.interop.saved import load_saved
 from spes_p2p.interop.upcycle import read_dense, upcycle, write_upcycled
+from spes_p2p.peer import Peer
+from spes_p2p.peer.admission import admit
+from spes_p2p.peer.setup import founded_from
+from spes_p2p.settings import Settings
+from spes_p2p.swarm.memory import MemoryNetwork
 from spes_p2p.train.data import EOS, Document
 from spes_p2p.train.tokenizer import train_tokenizer
 
@@ -148,3 +155,46 @@ def test_spes_upcycle_then_generate(tmp_path):
         spes, ["upcycle", "--from", str(tmp_path), "--experts", "2", "--out", str(tmp_path / "x")]
     )
     assert missing.exit_code != 0 and "config.json is missing" in missing.output
+
+
+def test_a_swarm_founded_from_an_upcycled_model_hands_it_to_a_newcomer(tmp_path):
+    """The founder starts from the checkpoint (--init); the manifest records its config and fingerprint; a
+    newcomer adopts the config, builds a model of that shape and downloads the weights from the founder."""
+    folder, _ = dense_folder(tmp_path, "qwen3")
+    moe, tokenizer = upcycle(read_dense(folder), experts=4, top_k=2)
+    write_upcycled(moe, tokenizer, folder, tmp_path / "moe")
+    net = MemoryNetwork(seed=0)
+    swarm = {"model__shards": 2, "model__dense_blocks": 2, "method__overlap": False}
+    mine = {"train__seq_len": 64, "data__max_corpus_mb": 0.2}
+    founding = Settings().override(run__new_swarm=True, model__init=str(tmp_path / "moe"), **swarm, **mine)
+    founder = Peer(founded_from(founding), net.join("founder"))
+    newcomer = None
+    try:
+        founder.join()
+        assert founder.manifest.model == moe.cfg.to_dict()
+        transport = net.join("newcomer")
+        admission = admit(Settings().override(**mine), transport, threading.Event())
+        assert Path(admission.settings.data.tokenizer).read_bytes() == tokenizer.to_str().encode()
+        newcomer = Peer(admission.settings, transport, admission=admission)
+        assert newcomer.initial_fingerprint != founder.manifest.initial_model_sha256  # (seeded, not --init)
+        newcomer.join()  # (it checks the downloaded model against the manifest's fingerprint)
+        assert newcomer.local.model.cfg == moe.cfg
+        ours = moe.state_dict()
+        for unit in newcomer.member.units_held:  # (the others it now holds as frozen int8 copies)
+            assert all(torch.equal(ours[name], t) for name, t in newcomer.local.read(unit).items()), unit
+    finally:
+        for peer in (newcomer, founder):
+            if peer is not None:
+                peer.close()
+
+
+def test_init_founds_a_swarm_and_fixes_the_models_shape(tmp_path):
+    folder, _ = dense_folder(tmp_path, "llama")
+    moe, tokenizer = upcycle(read_dense(folder), experts=2, top_k=1)
+    write_upcycled(moe, tokenizer, folder, tmp_path / "moe")
+    with pytest.raises(ConfigError, match="add --new-swarm"):
+        founded_from(Settings().override(model__init=str(tmp_path / "moe")))
+    with pytest.raises(ConfigError, match="experts cannot change a model founded from --init"):
+        Settings().override(run__new_swarm=True, model__init=str(tmp_path / "moe"), model__experts=4)
+    with pytest.raises(CheckpointError, match="no checkpoint there"):
+        founded_from(Settings().override(run__new_swarm=True, model__init=str(tmp_path)))

@@ -9,10 +9,11 @@ This module imports no torch: the command line reads the presets and choices fro
 from __future__ import annotations
 
 import dataclasses
+import json
 from dataclasses import dataclass
 
 from spes_p2p.errors import ConfigError
-from spes_p2p.fields import SWARM, Section, check, setting
+from spes_p2p.fields import PEER, SWARM, FieldError, Section, check, setting
 
 FROZEN_FORMATS = ("full", "int8", "nf4")  # how a peer may hold the units it does not train
 QWEN_VOCAB = 151_665  # the vocabulary of Qwen's tokenizer, which SPES used
@@ -88,10 +89,34 @@ class ModelConfig:
         unknown = sorted(set(values) - known)
         if unknown:
             raise ConfigError(f"unknown model config field(s): {', '.join(unknown)}")
-        return cls(**values)
+        missing = sorted(f.name for f in dataclasses.fields(cls) if f.name not in values and _required(f))
+        if missing:
+            raise ConfigError(f"the model config misses field(s): {', '.join(missing)}")
+        try:
+            return cls(**values)
+        except TypeError:  # a value of the wrong type, compared in __post_init__
+            problem = "the model config has a value of the wrong type (it holds numbers and true/false)"
+            raise ConfigError(problem) from None
 
     def replace(self, **changes) -> ModelConfig:
         return dataclasses.replace(self, **changes)
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str) -> ModelConfig:
+        try:
+            values = json.loads(text)
+        except ValueError:
+            raise ConfigError("is not JSON: write the model's config as a JSON object") from None
+        if not isinstance(values, dict):
+            raise ConfigError("is not a JSON object of the model's config fields")
+        return cls.from_dict(values)
+
+
+def _required(f: dataclasses.Field) -> bool:
+    return f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
 
 
 PRESETS: dict[str, ModelConfig] = {
@@ -188,6 +213,21 @@ class ModelSettings(Section):
     SCOPE = SWARM
 
     preset: str = setting("tiny", "Model preset.", choices=tuple(PRESETS))
+    config_json: str = setting(
+        "",
+        "The model's config as a JSON object (every field of spes_p2p.model.config.ModelConfig), in place "
+        "of the preset; --init sets it; newcomers take the swarm's.",
+        flag="--model-json",
+        metavar="JSON",
+    )
+    init: str = setting(
+        "",
+        "Found the swarm from this model (a checkpoint, or a run folder: its newest; spes upcycle writes "
+        "one): its config, weights and tokenizer instead of the preset's and the seed's. With --new-swarm; "
+        "newcomers download the model from the swarm's peers.",
+        scope=PEER,
+        metavar="CHECKPOINT",
+    )
     shards: int = setting(4, "Expert shards: units experts/0 .. experts/<shards-1>.")
     experts: int = setting(0, "Experts per MoE layer, overriding the preset's; 0: the preset's.")
     vocab_size: int = setting(
@@ -205,29 +245,45 @@ class ModelSettings(Section):
         check(self.shards >= 1, "shards", "must be at least 1")
         for name in ("experts", "vocab_size", "rope_theta", "norm_eps"):
             check(getattr(self, name) >= 0, name, "must be 0 (the preset's) or more")
-        n_experts = self.experts or PRESETS[self.preset].n_experts
+            check(
+                not (self.init and getattr(self, name)),
+                name,
+                "cannot change a model founded from --init (its weights have its shapes): leave it out",
+            )
+        base = self._base()
+        n_experts = self.experts or base.n_experts
         divisors = [d for d in range(1, n_experts + 1) if n_experts % d == 0]
         check(
             n_experts % self.shards == 0,
             "shards",
             f"({self.shards}) must divide the number of experts ({n_experts}); try one of {divisors}",
         )
-        atoms = PRESETS[self.preset].n_layers + 2
+        atoms = base.n_layers + 2
         check(
             1 <= self.dense_blocks <= atoms,
             "dense_blocks",
-            f"must be between 1 and {atoms} for {self.preset} (embedding, each layer, head)",
+            f"must be between 1 and {atoms} for this model (embedding, each layer, head)",
         )
 
+    def _base(self) -> ModelConfig:
+        """The preset, or the config that ``config_json`` writes out."""
+        if not self.config_json:
+            return PRESETS[self.preset]
+        try:
+            return ModelConfig.from_json(self.config_json)
+        except ConfigError as exc:
+            raise FieldError("config_json", str(exc)) from None
+
     def architecture(self) -> ModelConfig:
-        """The preset, with what ``experts``, ``vocab_size``, ``rope_theta`` and ``norm_eps`` override."""
+        """The preset (or ``config_json``), with what ``experts``, ``vocab_size``, ``rope_theta`` and
+        ``norm_eps`` override."""
         overrides = {
             "n_experts": self.experts,
             "vocab_size": self.vocab_size,
             "rope_theta": self.rope_theta,
             "norm_eps": self.norm_eps,
         }
-        return PRESETS[self.preset].replace(**{name: value for name, value in overrides.items() if value})
+        return self._base().replace(**{name: value for name, value in overrides.items() if value})
 
     def layout(self):
         """The units of this model (``spes_p2p.model.units.UnitLayout``; imports torch)."""

@@ -1,6 +1,9 @@
 """Entering a swarm that is training, and catching up with it.
 
-A newcomer waits (bounded) until the swarm lands the round in progress, then downloads every unit,
+A newcomer to a swarm that has not trained yet starts from the initial model, which it builds from the
+swarm's seed, or downloads from the peers when that is not the manifest's (the founder's came from
+``--init``). A newcomer to a swarm that trains waits (bounded) until the swarm lands the round in progress,
+then downloads every unit,
 uncompressed, as of the swarm's last landed round, from a holder (or, for a unit no live holder can serve,
 from any peer's own copy), and takes the swarm's round. A peer that falls more than ``staleness`` rounds
 behind does the same. A peer that starts training a unit fetches that unit's last round exactly.
@@ -15,6 +18,8 @@ from collections.abc import Callable
 
 import torch
 
+from spes_p2p.errors import SwarmMismatch
+from spes_p2p.peer.admission import weights_fingerprint
 from spes_p2p.swarm.member import SwarmMember, SwarmView
 from spes_p2p.swarm.refresh import Want
 from spes_p2p.swarm.sync import SyncEngine
@@ -98,6 +103,24 @@ def catch_up(view: SwarmView, me: str, sync: SyncEngine, write: Write, seconds: 
     round_ = landed + 1
     logger.info("caught up at round %d: downloaded %s (unit: its round; -1: a peer's own copy)", round_, got)
     return round_
+
+
+def serve_initial_model(sync: SyncEngine, read: Callable[[str], dict], units: list[str]) -> None:
+    """A founder from ``--init``, the one peer with the initial model, serves all of it exactly (as round
+    -1): newcomers download it from here, also the units this peer holds only as frozen, quantized copies.
+    Like any served weights, they are forgotten a few rounds later."""
+    for unit in units:
+        sync.outbox.serve_weights(-1, unit, read(unit))
+
+
+def check_initial_model(model: torch.nn.Module, fingerprint: str) -> None:
+    """After downloading the swarm's initial model (a newcomer whose own is another one: the founder's came
+    from ``--init``, or another torch build drew this one from the seed): it must be the manifest's."""
+    if weights_fingerprint(model) != fingerprint:
+        raise SwarmMismatch(
+            "could not download the swarm's initial model from its peers (what came does not match the "
+            "manifest): try again, or join once the swarm trains"
+        )
 
 
 def rounds_behind(view: SwarmView, me: str, round_: int) -> int:

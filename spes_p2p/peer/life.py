@@ -24,7 +24,7 @@ from spes_p2p.files import writable_folder
 from spes_p2p.peer import joining
 from spes_p2p.peer.admission import admit
 from spes_p2p.peer.node import Peer, PeerStatus
-from spes_p2p.peer.setup import open_transport
+from spes_p2p.peer.setup import founded_from, open_transport
 from spes_p2p.peer.summary import live_addresses, write_invite
 from spes_p2p.settings import Settings
 from spes_p2p.swarm.reachability import Reachability
@@ -66,6 +66,7 @@ def live(
     stopped before it was admitted). Without a ``transport``, it opens the one the settings name (and counts
     its start-up from the process's start)."""
     ui = ui or Frontend()
+    settings = founded_from(settings)
     preflight(settings, identity=transport is None)
     startup = Startup(since_process_start=transport is None)
     if transport is None:

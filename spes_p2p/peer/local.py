@@ -20,6 +20,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -27,7 +28,7 @@ from spes_p2p.errors import CheckpointError
 from spes_p2p.model import MoETransformer, read_unit, write_unit
 from spes_p2p.model.units import UnitLayout
 from spes_p2p.settings import Settings
-from spes_p2p.train.checkpoint import Checkpoint
+from spes_p2p.train.checkpoint import Checkpoint, load_checkpoint
 from spes_p2p.train.dataset import BatchSampler, DataShard, prepare_data, validation_batches
 from spes_p2p.train.device import place, resolve_device
 from spes_p2p.train.trainer import Trainer, evaluate
@@ -65,6 +66,8 @@ class LocalModel:
         with _SEEDING:  # every peer of a swarm starts from one model: the seed derives from the swarm
             torch.manual_seed(seed)
             model = MoETransformer(settings.model.architecture())  # on the CPU: the seed gives it anywhere
+        if settings.model.init:  # a founder's model of its own (a newcomer downloads it when it joins)
+            model.load_state_dict(load_checkpoint(Path(settings.model.init)).model)
         self.model = place(model, device)
         self._lock = threading.RLock()
 

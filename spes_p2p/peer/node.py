@@ -24,8 +24,6 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import torch
-
 from spes_p2p.errors import CheckpointError
 from spes_p2p.peer import joining
 from spes_p2p.peer.admission import Admission, found, weights_fingerprint
@@ -39,7 +37,7 @@ from spes_p2p.peer.rounds import Pipeline, RoundJob, RoundSync
 from spes_p2p.peer.setup import initial_seed, member_config, sync_engine
 from spes_p2p.settings import Settings
 from spes_p2p.swarm.manifest import ManifestServer
-from spes_p2p.swarm.member import SwarmMember, SwarmMismatch, SwarmView
+from spes_p2p.swarm.member import SwarmMember, SwarmView
 from spes_p2p.swarm.payload import specs_of
 from spes_p2p.swarm.reachability import SelfCheck
 from spes_p2p.swarm.transport import Transport
@@ -146,16 +144,16 @@ class Peer:
         if training:
             self._catch_up(view)
         elif not checkpoint and self.initial_fingerprint != self.manifest.initial_model_sha256:
-            raise SwarmMismatch(
-                "this machine builds another initial model than the swarm's founder did from the same seed: "
-                f"install the founder's torch version (this one is {torch.__version__})"
-            )
+            self._catch_up(view)  # the founder's model came from --init, or another torch drew this one
+            joining.check_initial_model(self.local.model, self.manifest.initial_model_sha256)
         self.member.report(self.round, None, 0.0)
         # in a swarm that is training, the others read their participants before we can claim: our first
         # round is not counted, we adopt its result
         self.member.join(first_round=self.round + 1 if training else self.round)
         self.joined = True
         self.heartbeat.start()
+        if self.settings.model.init and not training and not checkpoint:  # before frozen units are quantized
+            joining.serve_initial_model(self.sync, self.local.read, self.layout.units)
         self.local.start(self.member.units_held, self.round, checkpoint, sample=self.footprint.sample)
         self.sync.sample = self.footprint.recount
         for unit in self.member.units_held:

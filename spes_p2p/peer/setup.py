@@ -8,11 +8,37 @@ import json
 from pathlib import Path
 
 from spes_p2p import __version__
-from spes_p2p.errors import ConfigError
+from spes_p2p.errors import CheckpointError, ConfigError
+from spes_p2p.model.config import ModelConfig
 from spes_p2p.settings import Settings
 from spes_p2p.swarm.member import MemberConfig
 from spes_p2p.swarm.sync import SyncEngine
 from spes_p2p.swarm.transport import Transport, transport_class
+from spes_p2p.train.checkpoint import list_checkpoints, read_meta
+
+
+def founded_from(settings: Settings) -> Settings:
+    """A founder's settings with its ``--init`` checkpoint's model config and tokenizer (whose weights the
+    peer loads); without ``--init``, the settings as they are."""
+    init = settings.model.init
+    if not init:
+        return settings
+    if not settings.run.new_swarm:
+        raise ConfigError(
+            "--init founds a swarm: add --new-swarm (a newcomer downloads the swarm's model from its peers)"
+        )
+    path = Path(init)
+    found = list_checkpoints(path) if not (path / "meta.json").is_file() else [path]
+    if not found:
+        raise CheckpointError(f"--init {init}: no checkpoint there (spes upcycle and spes train write one)")
+    meta = read_meta(found[-1])
+    if not isinstance(meta.get("model_config"), dict) or not (found[-1] / "tokenizer.json").is_file():
+        raise CheckpointError(f"--init {found[-1]}: a checkpoint without its model config or tokenizer.json")
+    return settings.override(
+        model__init=str(found[-1]),
+        model__config_json=ModelConfig.from_dict(meta["model_config"]).to_json(),
+        data__tokenizer=str(found[-1] / "tokenizer.json"),
+    )
 
 
 def initial_seed(settings: Settings) -> int:
