@@ -47,14 +47,14 @@ class Admission:
     tokenizer: bytes
 
 
-def found(settings: Settings, tokenizer: bytes, corpus_sha256: str, model: torch.nn.Module) -> Manifest:
+def found(settings: Settings, tokenizer: bytes, corpus_sha256: str, initial_model_sha256: str) -> Manifest:
     """The manifest of a swarm this peer founds."""
     data = {
         "corpus": settings.data.corpus,
         "max_corpus_mb": settings.data.max_corpus_mb,
         "sha256": corpus_sha256,
     }
-    return manifest_for(settings, tokenizer, data, weights_fingerprint(model))
+    return manifest_for(settings, tokenizer, data, initial_model_sha256)
 
 
 def manifest_for(settings: Settings, tokenizer: bytes, data: dict, initial_model_sha256: str) -> Manifest:
@@ -72,12 +72,13 @@ def manifest_for(settings: Settings, tokenizer: bytes, data: dict, initial_model
 
 
 def weights_fingerprint(model: torch.nn.Module) -> str:
-    """SHA-256 of every tensor's name, shape and first 1024 values: enough to tell two initial models apart
-    (another torch build may draw other random weights from the same seed), and cheap for any preset."""
+    """SHA-256 of every tensor's name, shape and values (as float32): another torch build may draw other
+    random weights from the same seed, and a newcomer that downloads the initial model from peers (a swarm
+    founded from --init) must be able to tell it is the founder's, to the last value (seconds for 1b)."""
     h = hashlib.sha256()
     for name, tensor in sorted(model.state_dict().items()):
         h.update(f"{name}{tuple(tensor.shape)}".encode())
-        h.update(tensor.detach().flatten()[:1024].float().cpu().contiguous().numpy().tobytes())
+        h.update(tensor.detach().float().cpu().contiguous().numpy().tobytes())
     return h.hexdigest()
 
 

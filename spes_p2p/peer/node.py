@@ -101,13 +101,13 @@ class Peer:
         self.layout = settings.model.layout()
         self.local = local_training(settings, self.layout, initial_seed(settings), self.me)
         self.admission = admission
+        self.initial_fingerprint = weights_fingerprint(self.local.model)
         if admission is None:
             data = self.local.data  # (a peer with virtual compute reads it for this only)
             tokenizer = data.tokenizer.to_str().encode()
-            self.manifest = found(settings, tokenizer, data.corpus_hash, self.local.model)
+            self.manifest = found(settings, tokenizer, data.corpus_hash, self.initial_fingerprint)
         else:
             self.manifest, tokenizer = admission.manifest, admission.tokenizer
-        self.initial_fingerprint = weights_fingerprint(self.local.model)
         ManifestServer(transport, self.manifest, tokenizer)
         self.member = SwarmMember(transport, self.manifest, member_config(settings))
         specs = {u: specs_of(self.local.read(u)) for u in self.layout.units}
