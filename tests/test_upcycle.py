@@ -12,6 +12,7 @@ import pytest
 import torch
 from click.testing import CliRunner
 from spes_cli.main import spes
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from spes_p2p.errors import CheckpointError, ConfigError
 from spes_p2p.interop.saved import load_saved
@@ -21,8 +22,7 @@ from spes_p2p.peer.admission import admit
 from spes_p2p.peer.setup import founded_from
 from spes_p2p.settings import Settings
 from spes_p2p.swarm.memory import MemoryNetwork
-from spes_p2p.train.data import EOS, Document
-from spes_p2p.train.tokenizer import train_tokenizer
+from spes_p2p.train.data import EOS
 
 transformers = pytest.importorskip("transformers")
 
@@ -47,11 +47,15 @@ TOLERANCE = 1e-4  # max |difference| / max |logit|
 
 
 def dense_folder(tmp_path, family, tie=False, eos=EOS, **changes):
-    """A dense model of ``family`` with random weights (its norms too), saved as transformers saves it."""
+    """A dense model of ``family`` with random weights (its norms too), saved as transformers saves it, with
+    a byte-level BPE tokenizer whose one special token is ``eos``."""
     config_class, model_class, extra = FAMILIES[family]
-    tokenizer = train_tokenizer([Document("a", TEXT)], 200)
-    if eos != EOS:  # a tokenizer whose end-of-text token is another (Llama's </s>)
-        tokenizer = train_tokenizer_with(eos)
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    trainer = trainers.BpeTrainer(vocab_size=200, special_tokens=[eos], initial_alphabet=alphabet)
+    tokenizer.train_from_iterator([TEXT], trainer)
     config = config_class(
         vocab_size=tokenizer.get_vocab_size(), tie_word_embeddings=tie, **SMALL, **extra, **changes
     )
@@ -64,18 +68,6 @@ def dense_folder(tmp_path, family, tie=False, eos=EOS, **changes):
     model.save_pretrained(folder)
     tokenizer.save(str(folder / "tokenizer.json"))
     return folder, model
-
-
-def train_tokenizer_with(eos):
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    alphabet = pre_tokenizers.ByteLevel.alphabet()
-    trainer = trainers.BpeTrainer(vocab_size=200, special_tokens=[eos], initial_alphabet=alphabet)
-    tok.train_from_iterator([TEXT], trainer)
-    return tok
 
 
 @pytest.mark.parametrize("tie", [False, True], ids=["untied", "tied"])
