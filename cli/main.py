@@ -120,7 +120,7 @@ def export(checkpoint, out, tokenizer) -> None:
         f"{saved.path} -> [bold]{folder}[/] ({architecture}, {saved.config.n_layers} layers, "
         f"{saved.config.n_experts} experts, vocabulary {saved.config.vocab_size:,})\n"
         f"load it with: AutoModelForCausalLM.from_pretrained({str(folder)!r}) "
-        "(pip install 'spes-p2p[hf]' for transformers)"
+        "(pip install 'spes-p2p\\[hf]' for transformers)"
     )
 
 
@@ -140,6 +140,8 @@ def export(checkpoint, out, tokenizer) -> None:
 def upcycle_(source, experts, top_k, seed, out) -> None:
     """Turn a dense model into an MoE whose experts are copies of its MLPs; a swarm starts from it with
     spes-join --new-swarm --init OUT."""
+    from spes_cli.render import count
+
     from spes_p2p.interop.upcycle import read_dense, upcycle, write_upcycled
 
     with console.status("Upcycling..."):
@@ -148,8 +150,8 @@ def upcycle_(source, experts, top_k, seed, out) -> None:
     cfg = model.cfg
     console.print(
         f"{source} -> [bold]{checkpoint}[/] ({cfg.n_layers} layers, {cfg.n_experts} experts of width "
-        f"{cfg.expert_dim}, top-{cfg.top_k}; {model.num_params() / 1e9:.2f}B parameters, "
-        f"{model.num_active_params() / 1e9:.2f}B active)\n"
+        f"{cfg.expert_dim}, top-{cfg.top_k}; {count(model.num_params())} parameters, "
+        f"{count(model.num_active_params())} active)\n"
         f"found a swarm from it: spes-join --new-swarm --init {out}"
     )
 

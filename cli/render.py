@@ -106,6 +106,14 @@ def running_table(running: dict) -> Table:
     return table
 
 
+def count(n: int) -> str:
+    """A parameter count: 1.17B, 15.2M, 612k."""
+    for unit, size in (("B", 1e9), ("M", 1e6), ("k", 1e3)):
+        if n >= size:
+            return f"{n / size:.3g}{unit}"
+    return str(n)
+
+
 def _mib(n: int) -> str:
     return f"{n / 2**20:,.1f} MiB"
 

@@ -117,6 +117,7 @@ def test_spes_export_and_generate_on_the_command_line(tmp_path, tokenizer):
     )
     assert result.exit_code == 0, result.output
     assert (tmp_path / "hf" / "model.safetensors").is_file() and "Qwen3MoeForCausalLM" in result.output
+    assert "spes-p2p[hf]" in " ".join(result.output.split())  # (the extra's name, not eaten as markup)
     again = CliRunner().invoke(spes, ["export", "--checkpoint", str(path), "--out", str(tmp_path / "hf")])
     assert again.exit_code == 1 and "not an empty folder" in again.output
     args = ["generate", "--checkpoint", str(path), "--prompt", "each peer", "--max-tokens", "8", "--greedy"]
