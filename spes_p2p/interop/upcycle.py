@@ -66,30 +66,12 @@ def read_dense(folder: Path) -> Dense:
 def upcycle(dense: Dense, experts: int, top_k: int, seed: int = 0) -> tuple[MoETransformer, Tokenizer]:
     """The MoE whose every expert is a copy of the dense MLP of its layer, and its tokenizer (the dense
     model's, with our end-of-text token added when it has none)."""
-    c = dense.config
     weights, tokenizer = dict(dense.weights), dense.tokenizer
-    vocab = c["vocab_size"]
+    vocab = dense.config.get("vocab_size", 0)
     if tokenizer.token_to_id(EOS) is None:  # documents are separated by our end-of-text token
         tokenizer.add_special_tokens([AddedToken(EOS, special=True)])
         vocab = max(vocab, tokenizer.token_to_id(EOS) + 1)
-    config = ModelConfig(
-        vocab_size=vocab,
-        d_model=c["hidden_size"],
-        n_layers=c["num_hidden_layers"],
-        n_heads=c["num_attention_heads"],
-        n_kv_heads=c.get("num_key_value_heads") or c["num_attention_heads"],
-        head_size=c.get("head_dim") or 0,
-        n_experts=experts,
-        top_k=top_k,
-        expert_dim=c["intermediate_size"],
-        max_seq_len=c.get("max_position_embeddings", 2048),
-        rope_theta=_rope_theta(c),
-        norm_eps=c.get("rms_norm_eps", 1e-6),
-        init_std=c.get("initializer_range", 0.02),
-        renormalize_topk=True,  # what makes every router give the dense MLP's output
-        qk_norm="model.layers.0.self_attn.q_norm.weight" in weights,
-        attention_bias="model.layers.0.self_attn.q_proj.bias" in weights,
-    )
+    config = _moe_config(dense, vocab, experts, top_k)
     if "lm_head.weight" not in weights:  # tied: the head is the embedding, copied (ours are untied)
         weights["lm_head.weight"] = weights["model.embed_tokens.weight"].clone()
     ours = _renamed(weights, config)
@@ -112,6 +94,31 @@ def upcycle(dense: Dense, experts: int, top_k: int, seed: int = 0) -> tuple[MoET
             f"{dense.folder} does not hold the model its config.json describes: {problem}"
         ) from None
     return model.eval(), tokenizer
+
+
+def _moe_config(dense: Dense, vocab: int, experts: int, top_k: int) -> ModelConfig:
+    c, weights = dense.config, dense.weights
+    try:
+        return ModelConfig(
+            vocab_size=vocab,
+            d_model=c["hidden_size"],
+            n_layers=c["num_hidden_layers"],
+            n_heads=c["num_attention_heads"],
+            n_kv_heads=c.get("num_key_value_heads") or c["num_attention_heads"],
+            head_size=c.get("head_dim") or 0,
+            n_experts=experts,
+            top_k=top_k,
+            expert_dim=c["intermediate_size"],
+            max_seq_len=c.get("max_position_embeddings", 2048),
+            rope_theta=_rope_theta(c),
+            norm_eps=c.get("rms_norm_eps", 1e-6),
+            init_std=c.get("initializer_range", 0.02),
+            renormalize_topk=True,  # what makes every router give the dense MLP's output
+            qk_norm="model.layers.0.self_attn.q_norm.weight" in weights,
+            attention_bias="model.layers.0.self_attn.q_proj.bias" in weights,
+        )
+    except KeyError as exc:
+        raise ConfigError(f"{dense.folder / 'config.json'} has no {exc.args[0]!r}") from None
 
 
 def write_upcycled(model: MoETransformer, tokenizer: Tokenizer, source: Path, out: Path) -> Path:
