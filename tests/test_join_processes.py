@@ -192,6 +192,8 @@ def test_unreachable_bootstrap_is_one_clear_line(tmp_path):
             "/ip4/127.0.0.1/tcp/0",
             "--peers",
             dead,
+            "--join-timeout",  # (the message, not the wait, is under test)
+            "3",
             "--identity",
             str(tmp_path / "k.key"),
         ],
