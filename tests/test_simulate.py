@@ -288,7 +288,10 @@ def test_churn_on_the_memory_backend_brings_every_killed_peer_back_with_its_id(t
     assert all(not p["killed"] for p in summary["peers"])  # everyone is back at the end
 
 
-@pytest.mark.parametrize("backend", ["hivemind", "libp2p"])
+# libp2p only: the churn driver is the same on both backends, and on hivemind a peer killed and resumed
+# with its key is test_resume_after_kill_keeps_the_peer_id, a killed run's processes (p2pd daemons too)
+# test_a_killed_simulator_leaves_no_process_running
+@pytest.mark.parametrize("backend", ["libp2p"])
 def test_churn_with_real_processes_restarts_peers_with_their_ids_and_leaves_no_process(tmp_path, backend):
     """Seed 8 draws one kill, of peer2 in round 1: its whole process tree dies, and a new process with
     --resume (its run folder, its identity key) comes back with the same peer id. Nothing of the run is
