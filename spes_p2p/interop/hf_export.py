@@ -77,10 +77,11 @@ def hf_weights(weights: dict[str, torch.Tensor], config: ModelConfig) -> dict[st
 
 
 def hf_config(config: ModelConfig, eos_id: int) -> dict:
-    architecture, model_type = QWEN3_MOE if config.qk_norm else QWEN2_MOE
     if config.qk_norm:
+        architecture, model_type = QWEN3_MOE
         differs = {"attention_bias": config.attention_bias}
     else:
+        architecture, model_type = QWEN2_MOE
         differs = {"qkv_bias": config.attention_bias, "shared_expert_intermediate_size": 1}
     return {
         "architectures": [architecture],
