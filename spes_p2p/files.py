@@ -22,3 +22,11 @@ def writable_folder(path: Path, flag: str) -> Path:
             f"{flag} {path}: cannot write there ({exc.strerror}); name a folder you can write"
         ) from None
     return path
+
+
+def new_folder(path: Path, what: str) -> Path:
+    """``path``, which must not exist or be an empty folder (nothing of the user's is overwritten)."""
+    path = Path(path)
+    if path.exists() and (not path.is_dir() or any(path.iterdir())):
+        raise ConfigError(f"{path} exists and is not an empty folder: name a new folder for {what}")
+    return path

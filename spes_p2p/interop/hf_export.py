@@ -28,6 +28,7 @@ import torch
 from safetensors.torch import save_file
 
 from spes_p2p.errors import ConfigError
+from spes_p2p.files import new_folder
 from spes_p2p.interop.saved import SavedModel
 from spes_p2p.model.config import ModelConfig
 from spes_p2p.train.data import EOS
@@ -120,9 +121,7 @@ def hf_config(config: ModelConfig, eos_id: int) -> dict:
 def export_hf(saved: SavedModel, out: Path) -> tuple[Path, str]:
     """Writes ``saved`` as a transformers folder at ``out``, which must not exist or be empty; the files
     are written beside it first and moved into place whole. Returns the folder and its transformers class."""
-    out = Path(out)
-    if out.exists() and (not out.is_dir() or any(out.iterdir())):
-        raise ConfigError(f"{out} exists and is not an empty folder: name a new folder for the export")
+    out = new_folder(out, "the export")
     eos_id = saved.tokenizer.token_to_id(EOS)
     tokenizer_config = {
         "tokenizer_class": "PreTrainedTokenizerFast",

@@ -23,6 +23,7 @@ from safetensors import SafetensorError, safe_open
 from tokenizers import AddedToken, Tokenizer
 
 from spes_p2p.errors import ConfigError
+from spes_p2p.files import new_folder
 from spes_p2p.model.config import ModelConfig
 from spes_p2p.model.transformer import MoETransformer
 from spes_p2p.train.checkpoint import list_checkpoints, save_checkpoint
@@ -124,9 +125,7 @@ def _moe_config(dense: Dense, vocab: int, experts: int, top_k: int) -> ModelConf
 def write_upcycled(model: MoETransformer, tokenizer: Tokenizer, source: Path, out: Path) -> Path:
     """Saves the upcycled model as a run folder whose one checkpoint (step 0) spes reads anywhere a
     checkpoint is asked for: ``spes-join --new-swarm --init``, ``spes generate``, ``spes export``."""
-    out = Path(out)
-    if out.exists() and (not out.is_dir() or any(out.iterdir())):
-        raise ConfigError(f"{out} exists and is not an empty folder: name a new folder for the model")
+    out = new_folder(out, "the model")
     meta = {"model_config": model.cfg.to_dict(), "upcycled_from": str(source), "tokens": 0}
     extra = {"tokenizer.json": tokenizer.to_str().encode()}
     save_checkpoint(out, 0, model, None, meta, extra_files=extra)
