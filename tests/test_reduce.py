@@ -130,6 +130,57 @@ def test_an_owner_serving_a_false_combined_part_is_refused_and_the_others_agree(
     assert all(engines[p].transport.guard.total() >= 1 for p in honest)
 
 
+def lie_with_scale(engine):
+    post = engine.outbox.post_reduced
+    engine.outbox.post_reduced = lambda r, u, part, parts, payload: post(
+        r, u, part, parts, rewrite(payload, lambda t: t * 1000)
+    )
+
+
+def test_a_newcomer_checks_an_owner_against_the_parts_it_combines_from_the_pieces():
+    """A newcomer's update does not count in its first round, so it has no piece to check an owner's part
+    against: it combines the part from the members' pieces itself and refuses an owner far from that."""
+    engines = swarm(patient=True, peers=[*GROUP, "p4"])
+    lie_with_scale(engines["p3"])
+    newcomer, joined = engines.pop("p4"), {}
+    thread = threading.Thread(
+        target=lambda: joined.update(
+            p4=newcomer.exchange(0, UNIT, START, weights(9), 50, GROUP, counted=False, grouped=True)
+        )
+    )
+    thread.start()
+    results = exchange(engines)
+    thread.join(timeout=60)
+    honest = {p: r for p, r in {**results, **joined}.items() if p != "p3"}
+    assert set(honest) == {"p0", "p1", "p2", "p4"}
+    assert_identical(honest)
+    assert gap(honest["p4"].new_weights, mean_of(GROUP)) < 2e-3
+    assert all(
+        e.transport.guard.total() >= 1 for e in [newcomer, engines["p0"], engines["p1"], engines["p2"]]
+    )
+
+
+def test_a_member_whose_update_diverged_checks_an_owner_against_the_pieces():
+    """A member whose own update is not finite does not count this round: like a newcomer, it checks the
+    owners' parts against the parts it combines from the other members' pieces."""
+    engines = swarm(patient=True)
+    lie_with_scale(engines["p3"])
+    diverged = {n: t.clone() for n, t in ENDS["p0"].items()}
+    diverged["norm"][0] = float("nan")
+    original, ENDS["p0"] = ENDS["p0"], diverged
+    try:
+        results = exchange(engines)
+    finally:
+        ENDS["p0"] = original
+    honest = {p: r for p, r in results.items() if p != "p3"}
+    assert_identical(honest)
+    assert all(r.participants == ["p1", "p2", "p3"] for r in honest.values())
+    assert honest["p0"].diverged and honest["p1"].missing == ["p0"]
+    # p3 trained honestly and only lies as an owner: its update counts, through the pieces
+    assert gap(honest["p0"].new_weights, mean_of(["p1", "p2", "p3"])) < 2e-3
+    assert all(engines[p].transport.guard.total() >= 1 for p in honest)
+
+
 def test_members_on_other_start_weights_resynchronize():
     engines = swarm(codec="none")
     other = {n: t + 1.0 for n, t in START.items()}

@@ -21,13 +21,17 @@ from the members and combines them itself, the same pieces by the same rule, so 
 
 A combined part is checked before use: it must decode, be finite, name only members of the group, lie
 within ``REJECT_FACTOR`` times the norm of our own piece of it, and not point against our piece when ours
-is among those it combined. An owner can still steer its part within those bounds (a mild sign-flip); a
-swarm that will not trust owners with that sets ``[sync] dense_exchange = "all_to_all"``.
+is among those it combined. A member with no piece this round (a newcomer, or its update diverged) checks
+the part against the one it combines itself from the members' pieces instead. An owner can still steer
+its part within those bounds (a mild sign-flip); a swarm that will not trust owners with that sets
+``[sync] dense_exchange = "all_to_all"``.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from typing import TYPE_CHECKING
 
 import torch
@@ -204,6 +208,12 @@ class ReduceScatter:
         pending = set(range(parts)) - set(got)
         fallback = {j for j in pending if x.misses.get(group[j], 0) >= MISS_LIMIT}
         deadline = Deadline(x.deadline.seconds(), x.abort)
+        here: dict[int, Reduced] = {}  # parts combined here, as the reference for a member with no piece
+
+        def here_of(j: int) -> Reduced:
+            if j not in here:
+                here[j] = self._combine_here(r, j)
+            return here[j]
 
         def ask(j: int):
             return x.fetcher.reduced(r.round, r.unit, group[j], j, parts, deadline)
@@ -218,7 +228,9 @@ class ReduceScatter:
             todo = sorted(pending)
             for j, outcome in zip(todo, x.fetcher.pool.map(ask, todo), strict=True):
                 if isinstance(outcome, Reduced):
-                    problem = self._problem(outcome, group, None if r.pieces is None else r.pieces[j])
+                    problem = self._problem(
+                        outcome, group, r.pieces[j] if r.pieces else None, partial(here_of, j)
+                    )
                     if not problem:
                         got[j] = outcome
                         pending.discard(j)
@@ -231,19 +243,28 @@ class ReduceScatter:
 
         poll(one_pass, deadline, POLL_SECONDS)
         for j in sorted(fallback | pending):
-            got[j] = self._combine_here(r, j)
+            got[j] = here_of(j)
         return [got[j] for j in range(parts)]
 
-    def _problem(self, reduced: Reduced, group: list[str], own: torch.Tensor | None) -> str:
-        """Why a combined part from its owner cannot be used ('' when it can)."""
+    def _problem(
+        self, reduced: Reduced, group: list[str], own: torch.Tensor | None, here: Callable[[], Reduced]
+    ) -> str:
+        """Why a combined part from its owner cannot be used ('' when it can). It is checked against our
+        own piece of it or, when we have none (our update does not count this round, or its piece is
+        zero), against the part as we combine it ourselves from the members' pieces (``here``)."""
         if not set(reduced.contributors) <= set(group):
             return "its combined part names peers outside the group"
-        if own is None or not float(own.norm()) > 0:
-            return ""
-        if float(reduced.piece.norm()) > REJECT_FACTOR * float(own.norm()):
-            return "its combined part lies far beyond our own piece of it"
-        if self.me in reduced.contributors and float(reduced.piece @ own) < 0:
-            return "its combined part points against our own piece, which it says it combined"
+        if own is not None and float(own.norm()) > 0:
+            reference, what, signed = own, "our own piece of it", self.me in reduced.contributors
+        else:
+            local = here()
+            if not local.contributors:  # we fetched no piece either: nothing to check against
+                return ""
+            reference, what, signed = local.piece, "the part as we combine it from the pieces", True
+        if float(reduced.piece.norm()) > REJECT_FACTOR * float(reference.norm()):
+            return f"its combined part lies far beyond {what}"
+        if signed and float(reduced.piece @ reference) < 0:
+            return f"its combined part points against {what}"
         return ""
 
     def _combine_here(self, r: _Round, part: int) -> Reduced:
