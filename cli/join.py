@@ -6,7 +6,7 @@ import click
 from spes_cli.common import SpesCommand, console
 from spes_cli.options import settings_options
 
-PEER_SETTINGS = ("swarm", "model", "method", "sync", "merge", "train", "data", "network", "peer")
+PEER_SETTINGS = ("swarm", "model", "method", "sync", "merge", "train", "data", "network", "peer", "dashboard")
 RUN_SETTINGS = (
     "out",
     "resume",

@@ -269,6 +269,34 @@ def invite(settings, out) -> None:
 
 @spes.command()
 @settings_options(
+    "swarm.run_id",
+    "swarm.initial_peers",
+    "swarm.backend",
+    "dashboard",
+    "run.log_level",
+    default_file=True,
+    defaults={("dashboard", "port"): 8080},
+    flags={"dashboard.port": "--port", "dashboard.host": "--host"},
+)
+def dashboard(settings) -> None:
+    """Serve a live web page of a swarm: its peers, which units need volunteers, loss and traffic (joins the
+    DHT as a client: it claims and trains nothing). --port 0 picks a free port."""
+    from spes_p2p.dashboard.server import Dashboard
+    from spes_p2p.peer import SwarmReader
+    from spes_p2p.peer.life import stop_on_signals
+
+    setup_logging(settings.run.log_level)
+    with console.status("Joining the swarm's DHT..."):
+        reader = SwarmReader(settings)
+    with reader, Dashboard(reader.read, settings.dashboard.host, settings.dashboard.port) as board:
+        console.print(f"the dashboard of swarm {settings.swarm.run_id!r}: {board.url} (Ctrl-C to stop)")
+        stop = stop_on_signals()
+        while not stop.wait(1.0):
+            pass
+
+
+@spes.command()
+@settings_options(
     "sim",
     "swarm",
     "model",

@@ -24,17 +24,22 @@ class SettingOption(click.Option):
         self.section = section
 
 
-def settings_options(*names: str, exclude: tuple[str, ...] = (), defaults=None, default_file: bool = False):
+def settings_options(
+    *names: str, exclude: tuple[str, ...] = (), defaults=None, default_file: bool = False, flags=None
+):
     """Options for the settings ``names`` ('model': a whole section; 'run.out': one field) but not those in
-    ``exclude``, shown with this command's ``defaults``; the command receives ``settings``."""
+    ``exclude``, shown with this command's ``defaults`` and its own ``flags`` ('section.field' -> flag, where
+    a command that is about that setting names it plainly); the command receives ``settings``."""
+    flags = flags or {}
     fields = [
         (section, f)
         for name in names
         for section, f in _select(name)
         if f"{section}.{f.name}" not in exclude and section not in exclude
     ]
-    flags = [flag_of(f) for _, f in fields]
-    duplicated = sorted({f for f in flags if flags.count(f) > 1})
+    names_of = {(s, f.name): flags.get(f"{s}.{f.name}", flag_of(f)) for s, f in fields}
+    taken = list(names_of.values())
+    duplicated = sorted({f for f in taken if taken.count(f) > 1})
     assert not duplicated, f"one flag for two settings: {duplicated}"
 
     def decorate(command):
@@ -47,9 +52,8 @@ def settings_options(*names: str, exclude: tuple[str, ...] = (), defaults=None, 
             return command(settings=settings, **kwargs)
 
         for section, f in reversed(fields):
-            with_settings = _option(section, f, (defaults or {}).get((section, f.name), f.default))(
-                with_settings
-            )
+            default = (defaults or {}).get((section, f.name), f.default)
+            with_settings = _option(section, f, default, names_of[section, f.name])(with_settings)
         where = "default: ./peers.toml when present" if default_file else "default: none"
         return click.option(
             "--config",
@@ -72,9 +76,9 @@ def _param(section: str, f: dataclasses.Field) -> str:
     return f"{section}__{f.name}"
 
 
-def _option(section: str, f: dataclasses.Field, default):
+def _option(section: str, f: dataclasses.Field, default, flag: str):
     hint = typing.get_type_hints(SECTIONS[section])[f.name]
-    flag, meta = flag_of(f), f.metadata
+    meta = f.metadata
     kwargs = {
         "help": meta["help"],
         "default": default,

@@ -163,6 +163,9 @@ class JoinView(Frontend):
             self.live = SwarmLive(self.console, self.settings).__enter__()
         self.live.update(status)
 
+    def serving(self, url: str) -> None:
+        self.console.print(f"the swarm's page: [bold]{url}[/]", highlight=False)
+
     def left(self, status) -> None:
         self._stop_live()
         where = f"; outputs in {self.settings.run.out}" if self.settings.run.out else ""

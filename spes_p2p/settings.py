@@ -5,6 +5,7 @@ Each setting is one field of a section owned by the code it configures (see ``sp
     [swarm] [sync] [network]   spes_p2p.swarm.config     [model]          spes_p2p.model.config
     [method] [peer]            spes_p2p.peer.config      [train] [data] [merge]  spes_p2p.train.config
     [sim]                      spes_p2p.sim.config       [run]            below: this invocation
+    [dashboard]                spes_p2p.dashboard.config
 
 Values come in layers, later ones winning: the section defaults, a command's own defaults (``spes simulate``
 runs a local swarm with short heartbeats and rounds), the chosen method's defaults (DiLoCo's outer step),
@@ -24,6 +25,7 @@ from typing import Any
 
 import tomli_w
 
+from spes_p2p.dashboard.config import DashboardConfig
 from spes_p2p.errors import ConfigError, SwarmMismatch
 from spes_p2p.fields import SWARM, FieldError, Section, check, flag_of, setting
 from spes_p2p.model.config import STEP_SECONDS, ModelSettings
@@ -99,6 +101,7 @@ SECTIONS: dict[str, type[Section]] = {
     "peer": PeerConfig,
     "run": RunConfig,
     "sim": SimConfig,
+    "dashboard": DashboardConfig,
 }
 
 
@@ -115,6 +118,7 @@ class Settings:
     peer: PeerConfig = field(default_factory=PeerConfig)
     run: RunConfig = field(default_factory=RunConfig)
     sim: SimConfig = field(default_factory=SimConfig)
+    dashboard: DashboardConfig = field(default_factory=DashboardConfig)
     given: frozenset[Key] = field(default=frozenset(), compare=False, repr=False)  # set by a file or flag
 
     def __post_init__(self) -> None:

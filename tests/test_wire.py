@@ -11,7 +11,7 @@ from spes_p2p.swarm.manifest import Manifest, ManifestError, ManifestRecord
 from spes_p2p.swarm.memory import MemoryNetwork
 from spes_p2p.swarm.messages import MAX_REQUEST_BYTES, RPC_UPDATE, RPC_WEIGHTS, UpdateRequest, WeightsRequest
 from spes_p2p.swarm.payload import decode, specs_of
-from spes_p2p.swarm.records import Announcement, Holding, PeerRecord, RecordError, parse_peers
+from spes_p2p.swarm.records import Announcement, Holding, PeerRecord, Progress, RecordError, parse_peers
 from spes_p2p.swarm.sync import SyncEngine
 from spes_p2p.swarm.transport import Entry, RemoteError
 
@@ -29,7 +29,8 @@ def peer(**changes) -> dict:
         (PeerRecord, peer(holds={"experts/x": {}}), "matching regex"),
         (PeerRecord, peer(holds={"experts/0": {"since": 0, "until": "later"}}), "Expected `int | null`"),
         (PeerRecord, peer(round=-1), ">= 0"),
-        (PeerRecord, peer(loss=float("nan")), "finite"),
+        (PeerRecord, peer(progress={"loss": float("nan")}), "finite"),
+        (PeerRecord, peer(progress={"sent": -1}), ">= 0"),
         (PeerRecord, peer(admin=True), "unknown field"),
         (PeerRecord, {"addresses": [], "holds": {}}, "missing required field `peer_id`"),
         (PeerRecord, peer(addresses=["a"] * 17), "length <= 16"),
@@ -53,7 +54,7 @@ def test_records_round_trip_and_oversized_or_foreign_bytes_are_refused(manifest_
         addresses=["/ip4/1.2.3.4/tcp/5/p2p/p"],
         holds={"dense/0": Holding(since=1), "experts/1": Holding(since=0, until=2)},
         round=3,
-        loss=2.5,
+        progress=Progress(loss=2.5, val_loss=2.75, tokens=4096, sent=10, received=20, rejected=1),
     )
     assert PeerRecord.decode(record.encode()) == record and record.units == ["dense/0"]
     manifest = manifest_of(Settings())

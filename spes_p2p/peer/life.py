@@ -14,6 +14,7 @@ import os
 import signal
 import threading
 import time
+from collections.abc import Iterator
 from contextlib import AbstractContextManager
 from pathlib import Path
 
@@ -25,7 +26,7 @@ from spes_p2p.peer import joining
 from spes_p2p.peer.admission import admit
 from spes_p2p.peer.node import Peer, PeerStatus
 from spes_p2p.peer.setup import founded_from, open_transport
-from spes_p2p.peer.summary import live_addresses, write_invite
+from spes_p2p.peer.summary import live_addresses, swarm_summary, write_invite
 from spes_p2p.settings import Settings
 from spes_p2p.swarm.reachability import Reachability
 from spes_p2p.swarm.transport import Transport
@@ -58,6 +59,10 @@ class Frontend:
     def left(self, status: PeerStatus) -> None:
         logger.info("left the swarm after round %d", status.round)
 
+    def serving(self, url: str) -> None:
+        """The swarm's dashboard is up (``--dashboard PORT``)."""
+        logger.info("the swarm's dashboard: %s", url)
+
 
 def live(
     settings: Settings, stop: threading.Event, ui: Frontend | None = None, transport: Transport | None = None
@@ -80,10 +85,11 @@ def live(
         if peer is None:
             return None
         _join(peer, stop, ui, startup)
-        peer.run(stop, on_update=ui.update, rounds=peer.settings.run.rounds)
-        if not stop.is_set():
-            with ui.phase("Serving the last round until the others have it..."):
-                peer.drain(peer.settings.sync.deadline_max)
+        with _dashboard(peer, ui):
+            peer.run(stop, on_update=ui.update, rounds=peer.settings.run.rounds)
+            if not stop.is_set():
+                with ui.phase("Serving the last round until the others have it..."):
+                    peer.drain(peer.settings.sync.deadline_max)
         final = peer.status()
     finally:
         with ui.phase("Releasing claims and leaving..."):
@@ -93,6 +99,22 @@ def live(
                 transport.shutdown()
     ui.left(final)
     return final
+
+
+@contextlib.contextmanager
+def _dashboard(peer: Peer, ui: Frontend) -> Iterator[None]:
+    """``--dashboard PORT``: the swarm's page, served from this peer while it trains (reading the swarm's
+    records on a thread of its own)."""
+    cfg = peer.settings.dashboard
+    if not cfg.port:
+        yield
+        return
+    from spes_p2p.dashboard.server import Dashboard
+
+    run_id = peer.settings.swarm.run_id
+    with Dashboard(lambda: swarm_summary(peer.transport, run_id, peer.manifest), cfg.host, cfg.port) as board:
+        ui.serving(board.url)
+        yield
 
 
 class Startup:

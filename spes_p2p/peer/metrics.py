@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 
 from spes_p2p.peer.rounds import RoundJob
+from spes_p2p.swarm.records import Progress
 from spes_p2p.swarm.transport import Transport
 
 
@@ -56,3 +57,13 @@ class RoundMetrics:
             "rejected": self.guard.total(),  # everything refused: records, requests, payloads, outliers
             "banned": self.guard.banned(),
         }
+
+
+def progress(row: dict, last: Progress) -> Progress:
+    """A round's row as the peer record's figures; a validation loss stands until the next evaluation."""
+    return Progress(
+        tokens_per_s=row["tokens_per_s"],
+        loss=row["loss"],
+        val_loss=row.get("val_loss", last.val_loss),
+        tokens=row["tokens"],
+    )

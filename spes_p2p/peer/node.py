@@ -31,7 +31,7 @@ from spes_p2p.peer.footprint import Footprint
 from spes_p2p.peer.heartbeat import Heartbeat
 from spes_p2p.peer.landing import Landing
 from spes_p2p.peer.local import local_training
-from spes_p2p.peer.metrics import RoundMetrics, crossed
+from spes_p2p.peer.metrics import RoundMetrics, crossed, progress
 from spes_p2p.peer.outputs import RunOutputs
 from spes_p2p.peer.rounds import Pipeline, RoundJob, RoundSync
 from spes_p2p.peer.setup import initial_seed, member_config, sync_engine
@@ -40,6 +40,7 @@ from spes_p2p.swarm.manifest import ManifestServer
 from spes_p2p.swarm.member import SwarmMember, SwarmView
 from spes_p2p.swarm.payload import specs_of
 from spes_p2p.swarm.reachability import SelfCheck
+from spes_p2p.swarm.records import Progress
 from spes_p2p.swarm.transport import Transport
 from spes_p2p.swarm.waiting import Deadline, poll
 from spes_p2p.train.checkpoint import Checkpoint
@@ -73,8 +74,8 @@ class PeerStatus:
             member.units_held,
             member.last_view,
             round_,
-            member.loss,
-            member.tokens_per_s,
+            member.progress.loss,
+            member.progress.tokens_per_s,
             stats.bytes_sent,
             stats.bytes_received,
             last,
@@ -146,7 +147,7 @@ class Peer:
         elif not checkpoint and self.initial_fingerprint != self.manifest.initial_model_sha256:
             self._catch_up(view)  # the founder's model came from --init, or another torch drew this one
             joining.check_initial_model(self.local.model, self.manifest.initial_model_sha256)
-        self.member.report(self.round, None, 0.0)
+        self.member.report(self.round, Progress())
         # in a swarm that is training, the others read their participants before we can claim: our first
         # round is not counted, we adopt its result
         self.member.join(first_round=self.round + 1 if training else self.round)
@@ -256,7 +257,7 @@ class Peer:
         every = self.settings.train.eval_every
         if crossed(self.round, self.settings.method.steps_per_round, every) and self.local.compute == "real":
             row["val_loss"] = self.local.evaluate()
-        self.member.report(self.round, row["loss"], row["tokens_per_s"])
+        self.member.report(self.round, progress(row, self.member.progress))
         # without overlap a new claim takes effect at once, before every other peer can see it: like a
         # newcomer's, its first round is not counted (it adopts the others' result)
         first = self.round + 1 if self.settings.method.overlap else self.round

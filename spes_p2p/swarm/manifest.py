@@ -22,7 +22,7 @@ from spes_p2p.swarm.waiting import Deadline, poll
 
 logger = logging.getLogger(__name__)
 
-PROTOCOL = 4  # bumped when peers of different versions can no longer work together
+PROTOCOL = 5  # bumped when peers of different versions can no longer work together
 RPC_MANIFEST = "spes/manifest"
 RPC_TOKENIZER = "spes/tokenizer"
 MAX_MANIFEST_BYTES = 256 * 1024

@@ -19,6 +19,8 @@ import time
 from collections import Counter
 from dataclasses import dataclass, field
 
+import msgspec
+
 from spes_p2p.errors import SwarmMismatch
 from spes_p2p.swarm import manifest as manifests
 from spes_p2p.swarm.claims import carry_block, choose_units, holders_at_epoch
@@ -28,6 +30,7 @@ from spes_p2p.swarm.records import (
     MAX_BANNED,
     Holding,
     PeerRecord,
+    Progress,
     Record,
     peers_key,
     read_peers,
@@ -154,8 +157,7 @@ class SwarmMember:
         self.ending: dict[str, int] = {}  # unit given up -> the last round this peer trained it
         self.epoch = 0  # the dense-block rotation epoch of this peer's claims
         self.round = 0
-        self.tokens_per_s = 0.0
-        self.loss: float | None = None
+        self.progress = Progress()  # (its traffic and rejections are filled in when published)
         self.reachable = "unknown"
         self.last_view = SwarmView({}, {u: set() for u in self.units})
         self.unserved: Counter[str] = Counter()  # unit -> refreshes in a row that none of its holders served
@@ -212,10 +214,10 @@ class SwarmMember:
             self.since = {u: round_ for u in self.units}
         self.heartbeat()
 
-    def report(self, round_: int, loss: float | None, tokens_per_s: float) -> None:
+    def report(self, round_: int, progress: Progress) -> None:
         """Progress for the next heartbeat."""
         with self._state:
-            self.round, self.loss, self.tokens_per_s = round_, loss, tokens_per_s
+            self.round, self.progress = round_, progress
 
     def live_peers(self) -> set[str]:
         """The peers of the last view, when it is under ``LIVE_MAX_AGE`` seconds old; else a new view's.
@@ -366,8 +368,12 @@ class SwarmMember:
             },
             epoch=self.epoch,
             round=self.round,
-            tokens_per_s=self.tokens_per_s,
-            loss=self.loss,
+            progress=msgspec.structs.replace(
+                self.progress,
+                sent=self.transport.stats.bytes_sent,
+                received=self.transport.stats.bytes_received,
+                rejected=self.transport.guard.total(),
+            ),
             version=self.cfg.version,
             manifest=self.manifest.hash,
             state=state,

@@ -3,8 +3,8 @@
 Keys, all under the swarm's ``run_id``; every peer writes only its own entry under each key:
 
     <run_id>/manifest               ManifestRecord (swarm/manifest.py): the swarm's manifest, by hash
-    <run_id>/peers                  PeerRecord: addresses, units held (since, until), round, throughput,
-                                    loss, version
+    <run_id>/peers                  PeerRecord: addresses, units held (since, until), round, version,
+                                    progress (throughput, losses, traffic, rejections)
     <run_id>/updates/<round>/<unit> Announcement: this peer's update of <unit> for <round> is ready
 
 Entries are msgpack, written and read as msgspec structs. Decoding is strict: a wrong type, a missing or
@@ -31,6 +31,7 @@ MAX_BANNED = 64
 
 Unit = Annotated[str, msgspec.Meta(pattern=r"^(experts|dense)/\d{1,4}$")]
 Round = Annotated[int, msgspec.Meta(ge=0)]
+Count = Annotated[int, msgspec.Meta(ge=0)]
 Hex = Annotated[str, msgspec.Meta(pattern=r"^[0-9a-f]{16,64}$")]
 Short = Annotated[str, msgspec.Meta(max_length=512)]
 
@@ -78,6 +79,24 @@ class Holding(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     until: Round | None = None
 
 
+class Progress(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """What a peer reports of its training (rates and losses of its last round, totals since it started)
+    and of its traffic, for ``spes status`` and the dashboard. Nothing else reads it: a liar fools only the
+    page."""
+
+    tokens_per_s: Annotated[float, msgspec.Meta(ge=0)] = 0.0
+    loss: float | None = None  # its last round's mean training loss
+    val_loss: float | None = None  # at its last evaluation
+    tokens: Count = 0  # trained since it started
+    sent: Count = 0  # bytes
+    received: Count = 0
+    rejected: Count = 0  # messages of other peers it refused (records, requests, payloads)
+
+    def __post_init__(self) -> None:
+        if not all(math.isfinite(x) for x in (self.tokens_per_s, self.loss or 0.0, self.val_loss or 0.0)):
+            raise ValueError("tokens_per_s, loss and val_loss must be finite")
+
+
 class PeerRecord(Record):
     peer_id: Short
     addresses: Annotated[list[Short], msgspec.Meta(max_length=MAX_ADDRESSES)]
@@ -86,8 +105,7 @@ class PeerRecord(Record):
     )
     epoch: Round = 0  # the dense-block rotation epoch of its claims
     round: Round = 0
-    tokens_per_s: Annotated[float, msgspec.Meta(ge=0)] = 0.0
-    loss: float | None = None
+    progress: Progress = msgspec.field(default_factory=Progress)
     version: Short = ""
     manifest: Short = ""  # the hash of the swarm manifest this peer shares
     state: Literal["active", "left"] = "active"
@@ -98,8 +116,8 @@ class PeerRecord(Record):
     capacity: Annotated[int, msgspec.Meta(ge=0, le=MAX_UNITS)] = 1  # expert shards it may hold at once
 
     def __post_init__(self) -> None:
-        if not all(math.isfinite(x) for x in (self.tokens_per_s, self.seen, self.loss or 0.0)):
-            raise ValueError("tokens_per_s, seen and loss must be finite")
+        if not math.isfinite(self.seen):
+            raise ValueError("seen must be finite")
 
     @property
     def units(self) -> list[str]:
