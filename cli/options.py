@@ -48,7 +48,9 @@ def settings_options(
             source = click.get_current_context().get_parameter_source
             values = {(s, f.name): (_param(s, f), kwargs.pop(_param(s, f))) for s, f in fields}
             given = {k: v for k, (param, v) in values.items() if source(param) != ParameterSource.DEFAULT}
-            settings = load_settings(config, given, defaults=defaults, default_file=default_file)
+            settings = load_settings(
+                config, given, defaults=defaults, default_file=default_file, flag_names=names_of
+            )
             return command(settings=settings, **kwargs)
 
         for section, f in reversed(fields):

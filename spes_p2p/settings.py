@@ -219,14 +219,17 @@ def load_settings(
     *,
     defaults: dict[Key, Any] | None = None,
     default_file: bool = False,
+    flag_names: dict[Key, str] | None = None,
 ) -> Settings:
     """The layers in order: ``defaults`` (a command's own), the method's defaults, ``config`` (or, with
-    ``default_file``, ./peers.toml when it exists), then ``flags`` (None values are ignored)."""
+    ``default_file``, ./peers.toml when it exists), then ``flags`` (None values are ignored), named in
+    errors by their ``flag_names`` (default: each field's own flag)."""
     if config is None and default_file and DEFAULT_CONFIG.exists():
         config = DEFAULT_CONFIG
     explicit = [read_toml(Path(config))] if config is not None else []
     given = {k: v for k, v in (flags or {}).items() if v is not None}
-    explicit.append(Layer(given, {k: flag_of(_field(*k)) for k in given}))
+    names = flag_names or {}
+    explicit.append(Layer(given, {k: names.get(k) or flag_of(_field(*k)) for k in given}))
     chosen = {**(defaults or {}), **{k: v for layer in explicit for k, v in layer.values.items()}}
     mode = chosen.get(("method", "mode"), MethodConfig().mode)
     values = {**(defaults or {}), **METHOD_DEFAULTS.get(mode, {})}

@@ -22,7 +22,8 @@ def test_help_does_not_import_the_heavy_stack():
         "from click.testing import CliRunner\n"
         "from spes_cli.main import spes\n"
         "from spes_cli.join import spes_join\n"
-        "for cmd, args in ((spes, []), (spes, ['status']), (spes, ['train']), (spes_join, [])):\n"
+        "commands = [(spes, []), (spes_join, [])] + [(spes, [c]) for c in ('status', 'dashboard', 'train')]\n"
+        "for cmd, args in commands:\n"
         "    assert CliRunner().invoke(cmd, [*args, '--help']).exit_code == 0\n"
         f"print([m for m in {HEAVY!r} if m in sys.modules])\n"
     )
@@ -44,9 +45,13 @@ def setting_options(command) -> dict[str, SettingOption]:
 
 
 def test_a_setting_has_the_same_flag_help_and_default_in_every_command():
-    commands = {name: spes.commands[name] for name in ("train", "memory", "simulate", "status")}
+    commands = {name: spes.commands[name] for name in ("train", "memory", "simulate", "status", "dashboard")}
     commands["spes-join"] = spes_join
-    own_defaults = {"simulate": LOCAL_SWARM_DEFAULTS, "train": TRAIN_DEFAULTS}  # each documented in --help
+    own_defaults = {  # each documented in --help
+        "simulate": LOCAL_SWARM_DEFAULTS,
+        "train": TRAIN_DEFAULTS,
+        "dashboard": {("dashboard", "port"): 8080, ("dashboard", "host"): "127.0.0.1"},  # (--port, --host)
+    }
     seen: dict[tuple, tuple] = {}
     for name, command in commands.items():
         for flag, option in setting_options(command).items():
@@ -56,6 +61,8 @@ def test_a_setting_has_the_same_flag_help_and_default_in_every_command():
             seen.setdefault(key, (flag, option.help, option.default))
             assert seen[key] == (flag, option.help, option.default), (name, flag)
     assert {("sync", "codec"), ("model", "preset"), ("model", "shards"), ("train", "lr")} <= set(seen)
+    assert {"--port", "--host", "--peers"} <= set(setting_options(commands["dashboard"]))
+    assert {"--dashboard", "--dashboard-host"} <= set(setting_options(spes_join))
     for name in ("train", "simulate", "spes-join"):  # what a run of a model needs, everywhere
         assert {"--config", "--corpus", "--lr", "--optimizer", "--seed", "--tokenizer"} <= {
             o for p in commands[name].params for o in p.opts
@@ -132,6 +139,7 @@ def test_memory_8bit_state_is_smaller():
         (["train", "--resume", "--out", "{tmp}"], 1, "nothing to resume"),
         (["simulate", "--join", "-1@2", "--backend", "memory"], 1, "[sim] joins take at least one newcomer"),
         (["simulate", "--kill", "x@2"], 1, "--kill: [sim] kills take NUMBER@ROUND"),
+        (["dashboard", "--port", "70000"], 1, "--port: [dashboard] port must be a TCP port, 0 to 65535"),
     ],
 )
 def test_bad_input_gets_one_clear_line(args, code, message, tmp_path, cache_dir):

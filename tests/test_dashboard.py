@@ -76,7 +76,7 @@ def test_the_history_averages_losses_by_round_and_counts_traffic_and_rates():
     view = history.view()
     assert view["rounds"] == [1, 2, 3]
     assert view["loss"] == [4.5, 3.0, pytest.approx(2.25)] and view["val_loss"] == [4.5, None, None]
-    assert view["sent"] == [0, 500, 300] and view["received"] == [0, 40, 0]
+    assert view["sent"] == [0, 500 + 150, 150] and view["received"] == [0, 40, 0]  # (b: 2 rounds, 300 B)
     assert view["rounds_per_hour"] == 2.0  # round 1 to 3 in an hour
     assert view["tokens_per_hour"] == 1000 + 2000  # (b's tokens since its first read: 2000)
 

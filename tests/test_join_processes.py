@@ -4,10 +4,13 @@ is taken over once its records expire, and SIGTERM releases claims at once."""
 import json
 import os
 import re
+import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -358,3 +361,80 @@ def test_invite_and_status_of_a_running_swarm(swarm, backend):
         env=swarm.env,
     )
     assert missing.returncode == 1 and "no peer of swarm 'no-such-swarm'" in " ".join(missing.stderr.split())
+
+
+def free_port() -> int:
+    with socket.create_server(("127.0.0.1", 0)) as probe:
+        return probe.getsockname()[1]
+
+
+def dashboard_url(proc: subprocess.Popen, timeout: float = 60) -> str:
+    """The URL ``spes dashboard`` prints once it serves."""
+    deadline = time.monotonic() + timeout
+    for line in proc.stdout:
+        found = re.search(r"http://127\.0\.0\.1:\d+/", line)
+        if found:
+            return found.group(0)
+        assert time.monotonic() < deadline, "spes dashboard printed no URL"
+    raise AssertionError(f"spes dashboard exited: {proc.wait()}")
+
+
+def get_json(url: str) -> dict:
+    with urllib.request.urlopen(url, timeout=30) as response:
+        return json.loads(response.read())
+
+
+def table_rows(dom: str, table: str) -> list[str]:
+    body = re.search(rf'<table id="{table}">.*?<tbody>(.*?)</tbody>', dom, re.S)
+    assert body, f"no table {table} in the page"
+    return re.findall(r"<tr.*?</tr>", body.group(1), re.S)
+
+
+def test_the_dashboard_shows_a_live_swarm_in_a_browser(swarm):
+    """Two peers train; ``spes dashboard`` and the founder's ``--dashboard`` serve the page, and headless
+    Chromium renders the peers, the units and a loss chart with data from it."""
+    chromium = shutil.which("chromium") or shutil.which("chromium-browser")
+    if chromium is None:
+        pytest.skip("chromium is not installed (apt-get install chromium; .ci/run installs it)")
+    (swarm.root / "peers.toml").write_text(QUICK_ROUNDS.replace("[train]\n", "[train]\neval_every = 10\n"))
+    own_port = free_port()
+    swarm.start("a", "--new-swarm", "--dashboard", str(own_port))
+    first = swarm.address("a")
+    swarm.start("b", "--peers", first)
+    board = subprocess.Popen(
+        [str(BIN / "spes"), "dashboard", "--peers", first, "--port", "0", *swarm.swarm_flags],
+        cwd=swarm.root,
+        env=swarm.env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
+    swarm.procs["dashboard"] = board
+    url = dashboard_url(board)
+    deadline = time.monotonic() + 120
+    while True:  # until both peers are up and the page has losses of two rounds to draw
+        page = get_json(url + "api/dashboard")
+        peers = (page["status"] or {}).get("peers", [])
+        if len(peers) == 2 and sum(x is not None for x in page["history"]["loss"]) >= 2:
+            break
+        assert time.monotonic() < deadline, f"the dashboard never showed two training peers: {page}"
+        time.sleep(1.0)
+    status = get_json(url + "api/status")
+    assert get_json(f"http://127.0.0.1:{own_port}/api/status")["run_id"] == status["run_id"]
+
+    shot = swarm.root / "dashboard.png"
+    browser = [chromium, "--headless", "--no-sandbox", "--disable-gpu", "--virtual-time-budget=10000"]
+    dom = subprocess.run([*browser, "--dump-dom", url], capture_output=True, text=True, timeout=120).stdout
+    subprocess.run(
+        [*browser, f"--screenshot={shot}", "--window-size=1280,1200", url], timeout=120, check=True
+    )
+    shown = " ".join(table_rows(dom, "peers"))
+    assert len(table_rows(dom, "peers")) == 2 and all(p["peer_id"] in shown for p in status["peers"])
+    units = table_rows(dom, "units")
+    assert len(units) == len(status["units"]) and all(
+        f"<td>{u}</td>" in " ".join(units) for u in status["units"]
+    )
+    chart = re.search(r'<div id="loss-chart".*?</svg>', dom, re.S)
+    assert chart and '<polyline class="series"' in chart.group(0)
+    assert shot.stat().st_size > 10_000

@@ -7,6 +7,7 @@ from html import escape
 
 WIDTH, HEIGHT = 560, 220
 LEFT, RIGHT, TOP, BOTTOM = 64, 16, 28, 30  # margins
+LEGEND_STEP = 110  # between the series' names, centered under the chart
 COLORS = ("#1f77b4", "#d62728", "#2ca02c", "#9467bd")
 
 Series = dict[str, list[tuple[float, float | None]]]  # name -> (x, y) points; y None: no value there
@@ -51,7 +52,8 @@ def line_chart(title: str, series: Series, unit: str = "") -> str:
             parts.append(
                 f'<polyline class="series" points="{line}" fill="none" stroke="{color}" stroke-width="2"/>'
             )
-        parts.append(_label(LEFT + w - 150 * i, 18, f"— {name}", "end", color))
+        middle = LEFT + w / 2 + (i - (len(points) - 1) / 2) * LEGEND_STEP
+        parts.append(_label(middle, HEIGHT - 10, f"— {name}", "middle", color))
     parts.append("</svg>")
     return "".join(parts)
 

@@ -12,7 +12,10 @@ class DashboardConfig(Section):
     """[dashboard]: the page that shows the swarm: peers, coverage, loss, traffic and events."""
 
     port: int = setting(
-        0, "Serve the swarm's web page (and /api/status, /metrics) on this port; 0: none.", flag="--dashboard"
+        0,
+        "Serve the swarm's web page (and /api/status, /metrics) on this port; 0: none (spes dashboard: "
+        "a free one).",
+        flag="--dashboard",
     )
     host: str = setting(
         "127.0.0.1",
@@ -21,5 +24,5 @@ class DashboardConfig(Section):
     )
 
     def validate(self) -> None:
-        check(0 <= self.port <= 65535, "port", "must be a TCP port, 0 to 65535 (0: no dashboard)")
+        check(0 <= self.port <= 65535, "port", "must be a TCP port, 0 to 65535")
         check(bool(self.host), "host", "must be an address to listen on, e.g. 127.0.0.1")

@@ -75,16 +75,24 @@ class SwarmHistory:
             }
 
     def _record(self, entry: dict, before: dict | None) -> None:
-        """A peer's losses at its round, and what it moved and trained since the last read."""
+        """A peer's losses at its round, and what it moved and trained since the last read: its traffic
+        is shared evenly among the rounds it went through meanwhile."""
         figures = self.rounds.setdefault(entry["round"], RoundFigures())
         if entry["loss"] is not None:
             figures.loss[entry["peer_id"]] = entry["loss"]
         if entry["val_loss"] is not None:
             figures.val_loss[entry["peer_id"]] = entry["val_loss"]
-        if before is not None:  # (a peer that restarted counts from zero again: no negative traffic)
-            figures.sent += max(0, entry["bytes_sent"] - before["bytes_sent"])
-            figures.received += max(0, entry["bytes_received"] - before["bytes_received"])
-            self._tokens += max(0, entry["tokens"] - before["tokens"])
+        if before is None:
+            return
+        # (a peer that restarted counts from zero again: no negative traffic)
+        sent = max(0, entry["bytes_sent"] - before["bytes_sent"])
+        received = max(0, entry["bytes_received"] - before["bytes_received"])
+        self._tokens += max(0, entry["tokens"] - before["tokens"])
+        went = range(min(before["round"] + 1, entry["round"]), entry["round"] + 1)
+        for i, r in enumerate(went):
+            share = self.rounds.setdefault(r, RoundFigures())
+            share.sent += sent // len(went) + (sent % len(went) if i == len(went) - 1 else 0)
+            share.received += received // len(went) + (received % len(went) if i == len(went) - 1 else 0)
 
     def _changes(self, at: float, summary: dict, peers: dict[str, dict]) -> None:
         for peer_id in sorted(peers.keys() - self._peers.keys()):
