@@ -174,6 +174,6 @@ def test_a_port_in_use_is_one_clear_error():
     with socket.create_server(("127.0.0.1", 0)) as taken:
         port = taken.getsockname()[1]
         with pytest.raises(
-            SpesError, match=f"cannot serve the dashboard on 127.0.0.1:{port}: .*choose another"
+            SpesError, match=f"on 127.0.0.1:{port}: Address already in use; choose another port"
         ):
             Dashboard(dict, port=port).start()

@@ -10,6 +10,7 @@ Routes: ``/`` (the page and its ``/static`` script and style), ``/api/dashboard`
 from __future__ import annotations
 
 import logging
+import os
 import socket
 import threading
 import time
@@ -59,6 +60,7 @@ class Dashboard:
             uvicorn.Config(self._app(), log_level="warning", access_log=False, lifespan="off")
         )
         self._threads: list[threading.Thread] = []
+        self._socket: socket.socket | None = None
 
     def __enter__(self) -> Dashboard:
         self.start()
@@ -72,11 +74,11 @@ class Dashboard:
         try:
             sock = socket.create_server((self.host, self.port))
         except OSError as exc:
+            why = os.strerror(exc.errno) if exc.errno else str(exc)
             raise SpesError(
-                f"cannot serve the dashboard on {self.host}:{self.port}: {exc.strerror or exc}; "
-                "choose another port (or host)"
+                f"cannot serve the dashboard on {self.host}:{self.port}: {why}; choose another port (or host)"
             ) from None
-        self.port = sock.getsockname()[1]
+        self._socket, self.port = sock, sock.getsockname()[1]
         host = f"[{self.host}]" if ":" in self.host else self.host
         self.url = f"http://{host}:{self.port}/"
         self._threads = [
@@ -100,6 +102,8 @@ class Dashboard:
         self._server.should_exit = True
         for thread in self._threads:
             thread.join(timeout=START_SECONDS)
+        if self._socket is not None:
+            self._socket.close()
 
     def _watch(self) -> None:
         while not self._stop.is_set():

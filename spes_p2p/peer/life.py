@@ -84,8 +84,8 @@ def live(
         peer = _prepare(settings, transport, stop, ui, startup)
         if peer is None:
             return None
-        _join(peer, stop, ui, startup)
-        with _dashboard(peer, ui):
+        with _dashboard(peer, ui):  # (before joining: a port in use stops the peer before it claims)
+            _join(peer, stop, ui, startup)
             peer.run(stop, on_update=ui.update, rounds=peer.settings.run.rounds)
             if not stop.is_set():
                 with ui.phase("Serving the last round until the others have it..."):
