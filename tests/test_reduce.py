@@ -64,6 +64,21 @@ def exchange(engines, peers=None, start=None, round_=0):
     return out
 
 
+def exchange_with_newcomer(engines):
+    """GROUP's round, which newcomer p4 (its update not counted) runs too: every result, p4's included."""
+    newcomer, joined = engines.pop("p4"), {}
+
+    def join():
+        joined["p4"] = newcomer.exchange(0, UNIT, START, weights(9), 50, GROUP, counted=False, grouped=True)
+
+    thread = threading.Thread(target=join)
+    thread.start()
+    results = exchange(engines)
+    thread.join(timeout=60)
+    engines["p4"] = newcomer
+    return {**results, **joined}
+
+
 def mean_of(peers):
     total = sum(TOKENS[p] for p in peers)
     return {n: START[n] + sum(TOKENS[p] / total * (ENDS[p][n] - START[n]) for p in peers) for n in START}
@@ -142,22 +157,11 @@ def test_a_newcomer_checks_an_owner_against_the_parts_it_combines_from_the_piece
     against: it combines the part from the members' pieces itself and refuses an owner far from that."""
     engines = swarm(patient=True, peers=[*GROUP, "p4"])
     lie_with_scale(engines["p3"])
-    newcomer, joined = engines.pop("p4"), {}
-    thread = threading.Thread(
-        target=lambda: joined.update(
-            p4=newcomer.exchange(0, UNIT, START, weights(9), 50, GROUP, counted=False, grouped=True)
-        )
-    )
-    thread.start()
-    results = exchange(engines)
-    thread.join(timeout=60)
-    honest = {p: r for p, r in {**results, **joined}.items() if p != "p3"}
+    honest = {p: r for p, r in exchange_with_newcomer(engines).items() if p != "p3"}
     assert set(honest) == {"p0", "p1", "p2", "p4"}
     assert_identical(honest)
     assert gap(honest["p4"].new_weights, mean_of(GROUP)) < 2e-3
-    assert all(
-        e.transport.guard.total() >= 1 for e in [newcomer, engines["p0"], engines["p1"], engines["p2"]]
-    )
+    assert all(engines[p].transport.guard.total() >= 1 for p in honest)
 
 
 def test_a_member_whose_update_diverged_checks_an_owner_against_the_pieces():
@@ -193,16 +197,6 @@ def test_members_on_other_start_weights_resynchronize():
 
 def test_a_newcomer_outside_the_group_takes_its_result():
     """A newcomer's first round does not count: it is no member of the group, and adopts its result."""
-    engines = swarm(codec="none", peers=[*GROUP, "p4"])
-    newcomer = engines.pop("p4")
-    out = {}
-    thread = threading.Thread(
-        target=lambda: out.update(
-            p4=newcomer.exchange(0, UNIT, START, weights(9), 50, GROUP, counted=False, grouped=True)
-        )
-    )
-    thread.start()
-    results = exchange(engines)
-    thread.join(timeout=60)
-    assert_identical({**results, **out})
-    assert gap(out["p4"].new_weights, mean_of(GROUP)) < 1e-6
+    results = exchange_with_newcomer(swarm(codec="none", peers=[*GROUP, "p4"]))
+    assert_identical(results)
+    assert gap(results["p4"].new_weights, mean_of(GROUP)) < 1e-6

@@ -89,6 +89,7 @@ DHT_TIMEOUT = 10.0  # one DHT store or get
 STARTUP_TIMEOUT = 20.0  # starting p2pd and reaching the initial peers
 BOOTSTRAP_RETRY_SECONDS = 3.0
 HELLO_TIMEOUT = 10.0  # asking an initial peer which backend it runs
+REFUSED_READ_BYTES = 1 << 16  # the most of a refused request that is read (and dropped) before the refusal
 _OK, _FAILED = ANSWER_OK, ANSWER_FAILED  # (hivemind's P2P.MESSAGE_MARKER and P2P.ERROR_MARKER)
 
 
@@ -232,12 +233,14 @@ class HivemindTransport(Transport):
             caller = str(info.peer_id)
             with self.streams.slot(caller) as admitted:
                 try:
+                    served = admitted and self.admits(caller)
+                    # a refused request is read too (up to a small size): p2pd resets a stream closed with
+                    # the request unread, and the reset can lose the refusal on its way
+                    limit = max_request_bytes if served else min(max_request_bytes, REFUSED_READ_BYTES)
+                    request = await asyncio.wait_for(_read_frame(reader, limit), REQUEST_READ_TIMEOUT)
                     if not self.admits(caller):
                         response = _FAILED + b"this peer does not serve you"
                     elif admitted:
-                        request = await asyncio.wait_for(
-                            _read_frame(reader, max_request_bytes), REQUEST_READ_TIMEOUT
-                        )
                         response = await self._answer(name, handler, caller, request)
                     else:
                         response = _FAILED + b"too many requests in progress from this peer"
