@@ -10,7 +10,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from spes_p2p.dashboard.charts import line_chart
-from spes_p2p.dashboard.history import MAX_ROUNDS, SwarmHistory
+from spes_p2p.dashboard.history import FAR, MAX_ROUNDS, SwarmHistory
 from spes_p2p.dashboard.server import Dashboard
 from spes_p2p.errors import SpesError
 from spes_p2p.peer import Peer
@@ -79,6 +79,19 @@ def test_the_history_averages_losses_by_round_and_counts_traffic_and_rates():
     assert view["sent"] == [0, 500 + 150, 150] and view["received"] == [0, 40, 0]  # (b: 2 rounds, 300 B)
     assert view["rounds_per_hour"] == 2.0  # round 1 to 3 in an hour
     assert view["tokens_per_hour"] == 1000 + 2000  # (b's tokens since its first read: 2000)
+
+
+def test_a_peer_that_claims_to_be_far_ahead_stretches_neither_the_charts_nor_the_pace():
+    history = SwarmHistory()
+    honest = [entry(p, 1, 4.0) for p in "abc"]
+    history.add(summary(*honest, entry("liar", 0, bytes_sent=0)), at=0.0)
+    history.add(summary(*honest, entry("liar", 10**15, 0.1, bytes_sent=10**12)), at=3600.0)
+    view = history.view()
+    assert view["rounds"] == [0, 1] and view["loss"] == [None, 4.0] and view["sent"] == [0, 0]
+    assert view["round"] == 1 and view["rounds_per_hour"] == 0.0  # the median peer's
+    history.add(summary(*honest, entry("liar", 10**15 + 1, bytes_sent=0)), at=7200.0)
+    history.add(summary(*[entry(p, 10**15) for p in "abc"], entry("liar", 10**15, bytes_sent=300)), at=7201.0)
+    assert len(history.view()["rounds"]) == 2 + FAR  # its jump spread over the last FAR rounds only
 
 
 def test_the_history_keeps_only_the_last_rounds():

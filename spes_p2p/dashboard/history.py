@@ -3,7 +3,10 @@ the bytes they moved; the swarm's rates; and what changed (joins, leaves, re-cla
 coverage). Each read is one ``spes status --json`` summary; nothing here touches the network.
 
 Everything comes from the peers' own records, so a peer can lie about its figures: the page shows what the
-swarm says of itself. It is bounded: the last ``MAX_ROUNDS`` rounds and ``MAX_EVENTS`` events.
+swarm says of itself. A liar cannot stretch it, though: the swarm's pace is the median peer's, a peer more
+than ``FAR`` rounds ahead of it is left out of the charts, and a jump of more than ``FAR`` rounds between
+two reads spreads its traffic over the last ``FAR`` only. It is bounded: the last ``MAX_ROUNDS`` rounds and
+``MAX_EVENTS`` events.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ from dataclasses import dataclass, field
 
 MAX_ROUNDS = 2000
 MAX_EVENTS = 200
+FAR = 100  # rounds
 
 
 @dataclass
@@ -35,7 +39,7 @@ class SwarmHistory:
         self.events: deque[dict] = deque(maxlen=MAX_EVENTS)
         self._peers: dict[str, dict] = {}  # peer id -> its entry at the last read
         self._uncovered: set[str] = set()
-        self._first: tuple[float, int] | None = None  # (time, swarm round) of the first read
+        self._first: tuple[float, int] | None = None  # (time, median peer's round) of the first read
         self._last: tuple[float, int] = (0.0, 0)
         self._tokens = 0  # tokens the peers trained while watched
         self._lock = threading.Lock()
@@ -44,14 +48,16 @@ class SwarmHistory:
         """One read of the swarm, made at ``at`` (seconds, any fixed origin)."""
         with self._lock:
             peers = {p["peer_id"]: p for p in summary["peers"]}
+            median = statistics.median_low(p["round"] for p in peers.values()) if peers else self._last[1]
             if self._first is None:
-                self._first = (at, summary["round"])
+                self._first = (at, median)
                 self._event(at, summary, "", "watch", f"watching {len(peers)} live peers")
             else:
                 self._changes(at, summary, peers)
             for peer_id, entry in peers.items():
-                self._record(entry, self._peers.get(peer_id))
-            self._peers, self._last = peers, (at, summary["round"])
+                if entry["round"] <= median + FAR:
+                    self._record(entry, self._peers.get(peer_id))
+            self._peers, self._last = peers, (at, median)
             self._uncovered = set(summary["uncovered"])
             for old in sorted(self.rounds)[: max(0, len(self.rounds) - MAX_ROUNDS)]:
                 del self.rounds[old]
@@ -63,6 +69,7 @@ class SwarmHistory:
             (t0, r0), (t1, r1) = self._first or (0.0, 0), self._last
             hours = (t1 - t0) / 3600
             return {
+                "round": r1,  # the median peer's (a liar far ahead does not move it)
                 "rounds": rounds,
                 "loss": [_mean(self.rounds[r].loss) for r in rounds],
                 "val_loss": [_mean(self.rounds[r].val_loss) for r in rounds],
@@ -88,7 +95,8 @@ class SwarmHistory:
         sent = max(0, entry["bytes_sent"] - before["bytes_sent"])
         received = max(0, entry["bytes_received"] - before["bytes_received"])
         self._tokens += max(0, entry["tokens"] - before["tokens"])
-        went = range(min(before["round"] + 1, entry["round"]), entry["round"] + 1)
+        now = entry["round"]
+        went = range(max(min(before["round"] + 1, now), now - FAR + 1), now + 1)
         for i, r in enumerate(went):
             share = self.rounds.setdefault(r, RoundFigures())
             share.sent += sent // len(went) + (sent % len(went) if i == len(went) - 1 else 0)

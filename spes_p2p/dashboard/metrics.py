@@ -39,7 +39,7 @@ class SwarmCollector(Collector):
         yield up
         if summary is None:
             return
-        yield _gauge("spes_swarm_round", "The furthest round any live peer has completed.", summary["round"])
+        yield _gauge("spes_swarm_round", "Rounds the median live peer has completed.", history["round"])
         yield _gauge("spes_swarm_peers", "Live peers.", len(summary["peers"]))
         yield _gauge("spes_swarm_uncovered_units", "Units no live peer trains.", len(summary["uncovered"]))
         yield _gauge(

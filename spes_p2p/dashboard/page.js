@@ -84,13 +84,13 @@ function draw(data) {
       `${number(history.watched_seconds / 60, 1)} min`;
   if (status) {
     document.getElementById("run-id").textContent = status.run_id;
-    document.getElementById("round").textContent = status.round;
     document.getElementById("peer-count").textContent = status.peers.length;
     document.getElementById("uncovered-count").textContent = status.uncovered.length;
     document.getElementById("under-count").textContent = status.under_replicated.length;
     drawUnits(status);
     drawPeers(status);
   }
+  document.getElementById("round").textContent = history.round;
   document.getElementById("rounds-per-hour").textContent = number(history.rounds_per_hour, 1);
   document.getElementById("tokens-per-hour").textContent = number(history.tokens_per_hour);
   if (data.charts) {
