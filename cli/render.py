@@ -282,10 +282,11 @@ def status_tables(summary: dict) -> list[Table]:
         caption=f"manifest {summary['manifest'][:16]}, protocol {summary['protocol']}",
     )
     peers.add_column("peer", overflow="fold")
-    for col in ("units", "round", "tokens/s", "loss", "reachable", "version", "seen", "banned by"):
+    columns = ("units", "round", "tokens/s", "loss", "val loss", "sent / received", "reachable", "version")
+    for col in (*columns, "seen", "banned by"):
         peers.add_column(col)
     for p in summary["peers"]:
-        loss = "-" if p["loss"] is None else f"{p['loss']:.3f}"
+        loss, val = ("-" if x is None else f"{x:.3f}" for x in (p["loss"], p["val_loss"]))
         seen = f"{p['seen_seconds_ago']:.0f}s ago"
         reach = "client" if p["client_mode"] else p["reachable"]
         tokens = f"{p['tokens_per_s']:,.0f}"
@@ -296,6 +297,8 @@ def status_tables(summary: dict) -> list[Table]:
             str(p["round"]),
             tokens,
             loss,
+            val,
+            f"{_mib(p['bytes_sent'])} / {_mib(p['bytes_received'])}",
             reach,
             p["version"],
             seen,
