@@ -208,12 +208,6 @@ class ReduceScatter:
         pending = set(range(parts)) - set(got)
         fallback = {j for j in pending if x.misses.get(group[j], 0) >= MISS_LIMIT}
         deadline = Deadline(x.deadline.seconds(), x.abort)
-        here: dict[int, Reduced] = {}  # parts combined here, as the reference for a member with no piece
-
-        def here_of(j: int) -> Reduced:
-            if j not in here:
-                here[j] = self._combine_here(r, j)
-            return here[j]
 
         def ask(j: int):
             return x.fetcher.reduced(r.round, r.unit, group[j], j, parts, deadline)
@@ -228,9 +222,10 @@ class ReduceScatter:
             todo = sorted(pending)
             for j, outcome in zip(todo, x.fetcher.pool.map(ask, todo), strict=True):
                 if isinstance(outcome, Reduced):
-                    problem = self._problem(
-                        outcome, group, r.pieces[j] if r.pieces else None, partial(here_of, j)
-                    )
+                    # (a member with no piece checks against the pieces it can fetch within this deadline,
+                    # so that a dead member delays all the parts' references by one deadline, not one each)
+                    here = partial(self._combine_here, r, j, deadline)
+                    problem = self._problem(outcome, group, r.pieces[j] if r.pieces else None, here)
                     if not problem:
                         got[j] = outcome
                         pending.discard(j)
@@ -243,7 +238,7 @@ class ReduceScatter:
 
         poll(one_pass, deadline, POLL_SECONDS)
         for j in sorted(fallback | pending):
-            got[j] = here_of(j)
+            got[j] = self._combine_here(r, j)
         return [got[j] for j in range(parts)]
 
     def _problem(
@@ -267,9 +262,10 @@ class ReduceScatter:
             return f"its combined part points against {what}"
         return ""
 
-    def _combine_here(self, r: _Round, part: int) -> Reduced:
-        """A part whose owner failed us: its pieces, fetched from the members on our base, combined here.
-        Every member that does this combines the same pieces, with no reference of its own, and agrees."""
+    def _combine_here(self, r: _Round, part: int, deadline: Deadline | None = None) -> Reduced:
+        """A part whose owner failed us: its pieces, fetched from the members on our base (within a deadline
+        of its own unless given one), combined here. Every member that does this combines the same pieces,
+        with no reference of its own, and agrees."""
         x = self.x
         announced = x.fetcher.announcements(r.round, r.unit)
         todo = [
@@ -277,9 +273,8 @@ class ReduceScatter:
             for p, a in sorted(announced.items())
             if p in r.group and p != self.me and a.base == r.base
         ]
-        outcomes = x.fetcher.updates(
-            r.unit, todo, Deadline(x.deadline.seconds(), x.abort), (part, len(r.group))
-        )
+        deadline = deadline or Deadline(x.deadline.seconds(), x.abort)
+        outcomes = x.fetcher.updates(r.unit, todo, deadline, (part, len(r.group)))
         contributions = [o.fetched.contribution for o in outcomes if isinstance(o, Got)]
         own = r.own(self.me, part)
         combined = combine(contributions + ([own] if own else []), x.aggregate)
