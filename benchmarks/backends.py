@@ -15,7 +15,7 @@ import sys
 import time
 
 from spes_p2p.compat import setup_logging
-from spes_p2p.swarm.transport import transport_class
+from spes_p2p.peer.setup import backend_class
 
 PEERS = 4  # this process and 3 servers
 OPS = 20  # DHT writes and reads timed
@@ -24,7 +24,7 @@ KEY = "bench/peers"
 
 
 def serve(backend: str, initial: list[str]) -> None:
-    transport = transport_class(backend)(initial_peers=initial)
+    transport = backend_class(backend)(initial_peers=initial)
     transport.serve("blob", lambda caller, request: bytes(int(request)))
     transport.publish(KEY, transport.peer_id.encode(), transport.now() + 600)
     print(transport.addresses()[0], flush=True)
@@ -38,7 +38,7 @@ def measure(backend: str) -> dict:
         founder = _server(backend, [], servers)
         for _ in range(PEERS - 2):
             _server(backend, [founder], servers)
-        cls = transport_class(backend)
+        cls = backend_class(backend)
         started = time.perf_counter()
         alone = cls()
         start_seconds = time.perf_counter() - started

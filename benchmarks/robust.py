@@ -16,7 +16,7 @@ import statistics
 from pathlib import Path
 
 from spes_p2p.sim import run, simulation
-from spes_p2p.swarm.config import AGGREGATES
+from spes_p2p.sync.config import AGGREGATES
 
 SWARM = {
     "swarm__backend": "memory",

@@ -137,9 +137,9 @@ def swarm_bytes(preset: str, codec: str, mode: str, exchange: str, rounds: int =
     """Bytes per round of 4 in-process peers (2 shards): each peer's total over the run divided by the rounds,
     median over peers (one round's window is noisy: a peer's bytes land in whichever round it was in when
     another peer fetched from it)."""
+    from spes_p2p.net.memory import MemoryNetwork
     from spes_p2p.peer import Peer
     from spes_p2p.settings import Settings
-    from spes_p2p.swarm.memory import MemoryNetwork
 
     s = Settings().override(
         model__preset=preset,

@@ -29,9 +29,11 @@ from spes_p2p.dashboard.config import DashboardConfig
 from spes_p2p.errors import ConfigError, SwarmMismatch
 from spes_p2p.fields import SWARM, FieldError, Section, check, flag_of, setting
 from spes_p2p.model.config import STEP_SECONDS, ModelSettings
+from spes_p2p.net.config import NetworkConfig
 from spes_p2p.peer.config import METHOD_DEFAULTS, MethodConfig, PeerConfig
 from spes_p2p.sim.config import SimConfig
-from spes_p2p.swarm.config import NetworkConfig, SwarmConfig, SyncConfig
+from spes_p2p.swarm.config import SwarmConfig
+from spes_p2p.sync.config import SyncConfig
 from spes_p2p.train.config import DataConfig, MergeConfig, TrainConfig
 
 DEFAULT_CONFIG = Path("peers.toml")  # spes-join and spes status read it from the working directory

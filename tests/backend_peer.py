@@ -10,11 +10,11 @@ import sys
 import time
 
 from spes_p2p.compat import setup_logging
-from spes_p2p.swarm.transport import transport_class
+from spes_p2p.peer.setup import backend_class
 
 if __name__ == "__main__":
     setup_logging("warning")
-    transport = transport_class(sys.argv[1])()
+    transport = backend_class(sys.argv[1])()
     print(transport.addresses()[0], flush=True)
     while True:
         time.sleep(1)

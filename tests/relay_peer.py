@@ -12,14 +12,15 @@ import sys
 import time
 from pathlib import Path
 
-from spes_p2p.swarm.transport import TransportError, transport_class
+from spes_p2p.net.transport import TransportError
+from spes_p2p.peer.setup import backend_class
 
 
 def main(
     backend: str, folder: Path, index: int, listen: str, peers: int, size: int, initial: str, relayed: bool
 ) -> None:
     announce = [] if relayed else [listen]
-    transport = transport_class(backend)(
+    transport = backend_class(backend)(
         initial_peers=[initial] if initial else [],
         listen=[listen],
         announce=announce,

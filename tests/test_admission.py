@@ -7,16 +7,16 @@ from types import SimpleNamespace
 import msgspec
 import pytest
 
+from spes_p2p.net.guard import BAN_AFTER
+from spes_p2p.net.memory import MemoryNetwork
+from spes_p2p.net.waiting import Deadline
 from spes_p2p.peer import Peer
 from spes_p2p.peer.admission import SwarmUnavailable, admit
 from spes_p2p.peer.joining import swarm_round
 from spes_p2p.peer.summary import SwarmReader, invite
 from spes_p2p.settings import Settings, load_settings
 from spes_p2p.swarm import manifest as manifests
-from spes_p2p.swarm.guard import BAN_AFTER
 from spes_p2p.swarm.member import SwarmMismatch
-from spes_p2p.swarm.memory import MemoryNetwork
-from spes_p2p.swarm.waiting import Deadline
 
 pytestmark = pytest.mark.timeout(120)
 ADDRESS = "/ip4/127.0.0.1/tcp/1/p2p/QmTJxrrywQ2EdDBm8kDofL3hoo4x2TB2JY9fh5BJVN1Yon"

@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from spes_p2p.swarm.aggregate import (
+from spes_p2p.sync.aggregate import (
     Contribution,
     Fetched,
     OuterStep,
@@ -11,7 +11,7 @@ from spes_p2p.swarm.aggregate import (
     resynchronized,
     weighted_mean,
 )
-from spes_p2p.swarm.config import AGGREGATES
+from spes_p2p.sync.config import AGGREGATES
 from spes_p2p.train.config import MergeConfig
 from spes_p2p.train.merge import merge_layer
 

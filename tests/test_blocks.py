@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 from spes_p2p.errors import ConfigError
 from spes_p2p.model import MoETransformer, UnitLayout, get_preset
 from spes_p2p.model.units import balanced_starts, dense_partition, read_unit
+from spes_p2p.net.memory import FakeClock, MemoryNetwork
 from spes_p2p.peer.frozen import FrozenCopies
 from spes_p2p.peer.setup import member_config
 from spes_p2p.settings import Settings
@@ -18,8 +19,7 @@ from spes_p2p.sim import run, simulation
 from spes_p2p.sim.summary import read_rows
 from spes_p2p.swarm.claims import block_permutation, carry_block, holders_at_epoch
 from spes_p2p.swarm.member import SwarmMember
-from spes_p2p.swarm.memory import FakeClock, MemoryNetwork
-from spes_p2p.swarm.refresh import Fetched, Want
+from spes_p2p.sync.refresh import Fetched, Want
 from spes_p2p.train.config import TrainConfig
 from spes_p2p.train.optim import tensor_bytes
 from spes_p2p.train.trainer import Trainer

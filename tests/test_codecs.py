@@ -7,8 +7,8 @@ import pytest
 import torch
 from safetensors.torch import save
 
-from spes_p2p.swarm.codecs import CODECS, TensorSpec, max_payload_bytes
-from spes_p2p.swarm.payload import (
+from spes_p2p.sync.codecs import CODECS, TensorSpec, max_payload_bytes
+from spes_p2p.sync.payload import (
     FORMAT,
     ErrorFeedback,
     PayloadError,

@@ -13,10 +13,10 @@ from spes_p2p.dashboard.charts import line_chart
 from spes_p2p.dashboard.history import FAR, MAX_ROUNDS, SwarmHistory
 from spes_p2p.dashboard.server import Dashboard
 from spes_p2p.errors import SpesError
+from spes_p2p.net.memory import MemoryNetwork
 from spes_p2p.peer import Peer
 from spes_p2p.peer.summary import SwarmReader
 from spes_p2p.settings import Settings
-from spes_p2p.swarm.memory import MemoryNetwork
 from spes_p2p.swarm.records import Progress
 
 pytestmark = pytest.mark.timeout(180)

@@ -18,8 +18,8 @@ import torch
 from spes_p2p.errors import ConfigError
 from spes_p2p.model import MoETransformer, UnitLayout, get_preset
 from spes_p2p.settings import Settings
-from spes_p2p.swarm.codecs import CODECS
-from spes_p2p.swarm.payload import ErrorFeedback, PayloadError, decode, encode, specs_of
+from spes_p2p.sync.codecs import CODECS
+from spes_p2p.sync.payload import ErrorFeedback, PayloadError, decode, encode, specs_of
 from spes_p2p.train.config import TrainConfig
 from spes_p2p.train.device import autocast, model_device, place, resolve_device
 from spes_p2p.train.fit import Plan, check_fits, estimate_bytes, flags, suggest

@@ -5,15 +5,15 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from spes_p2p.net.memory import MemoryNetwork
+from spes_p2p.net.transport import Unavailable
 from spes_p2p.peer.footprint import KINDS, Footprint, count
 from spes_p2p.settings import Settings
 from spes_p2p.sim.memory import report
-from spes_p2p.swarm.memory import MemoryNetwork
-from spes_p2p.swarm.messages import UpdateRequest, WeightsRequest
-from spes_p2p.swarm.payload import decode, specs_of
-from spes_p2p.swarm.serving import Outbox, Posted
-from spes_p2p.swarm.transport import Unavailable
-from spes_p2p.swarm.versions import Versions
+from spes_p2p.sync.messages import UpdateRequest, WeightsRequest
+from spes_p2p.sync.payload import decode, specs_of
+from spes_p2p.sync.serving import Outbox, Posted
+from spes_p2p.sync.versions import Versions
 
 UNIT = "experts/0"
 

@@ -1,4 +1,4 @@
-"""Requests forwarded whole by a relay between two peers that cannot dial each other (swarm/forwarding.py),
+"""Requests forwarded whole by a relay between two peers that cannot dial each other (net/forwarding.py),
 on the memory backend with real RSA identity keys: the answer arrives as the target gave it, and whoever
 alters a request or an answer on the way is the one blamed, never the honest end."""
 
@@ -8,7 +8,7 @@ import msgspec
 import pytest
 from hivemind.utils.crypto import RSAPrivateKey, RSAPublicKey
 
-from spes_p2p.swarm.forwarding import (
+from spes_p2p.net.forwarding import (
     MAX_FORWARD_BYTES,
     MAX_FORWARDS,
     RPC_FORWARD,
@@ -18,9 +18,9 @@ from spes_p2p.swarm.forwarding import (
     Forwarding,
     Keys,
 )
-from spes_p2p.swarm.guard import BAN_AFTER
-from spes_p2p.swarm.memory import MemoryNetwork
-from spes_p2p.swarm.transport import PeerUnreachable, RemoteError, TransportError
+from spes_p2p.net.guard import BAN_AFTER
+from spes_p2p.net.memory import MemoryNetwork
+from spes_p2p.net.transport import PeerUnreachable, RemoteError, TransportError
 
 pytestmark = pytest.mark.timeout(60)
 PUBLIC = {}  # peer -> its public key: what a peer id derives from, in this test's world

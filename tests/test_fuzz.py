@@ -15,12 +15,12 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from spes_p2p.swarm.codecs import CODECS, TensorSpec
+from spes_p2p.net.reachability import DialbackAnswer, DialbackRequest
 from spes_p2p.swarm.manifest import Manifest, ManifestRecord
-from spes_p2p.swarm.messages import UpdateRequest, WeightsRequest
-from spes_p2p.swarm.payload import PayloadError, decode, encode
-from spes_p2p.swarm.reachability import DialbackAnswer, DialbackRequest
 from spes_p2p.swarm.records import Announcement, PeerRecord
+from spes_p2p.sync.codecs import CODECS, TensorSpec
+from spes_p2p.sync.messages import UpdateRequest, WeightsRequest
+from spes_p2p.sync.payload import PayloadError, decode, encode
 
 EXAMPLES = int(os.environ.get("SPES_FUZZ_EXAMPLES", "200"))
 FUZZ = settings(

@@ -10,8 +10,8 @@ import pytest
 from hivemind.p2p import PeerID
 
 from spes_p2p.errors import ConfigError
-from spes_p2p.swarm import hivemind_backend
-from spes_p2p.swarm.hivemind_backend import HivemindTransport
+from spes_p2p.net.hivemind import daemon as hivemind_backend
+from spes_p2p.net.hivemind.daemon import HivemindTransport
 
 pytestmark = [pytest.mark.timeout(120), pytest.mark.slow]  # DHT processes and p2p daemons
 LOOPBACK = ["/ip4/127.0.0.1/tcp/0"]
@@ -44,7 +44,7 @@ def test_a_request_that_never_arrives_is_dropped(pair, monkeypatch):
 
 def test_a_peer_killed_with_sigkill_leaves_no_dht_process_nor_daemon():
     code = (
-        "import time; from spes_p2p.swarm.hivemind_backend import HivemindTransport\n"
+        "import time; from spes_p2p.net.hivemind.daemon import HivemindTransport\n"
         "HivemindTransport(); print('up', flush=True); time.sleep(120)\n"
     )
     proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)

@@ -8,7 +8,25 @@ from pathlib import Path
 import pytest
 
 PKG = Path(__file__).resolve().parent.parent / "spes_p2p"
-NETWORKING = ("hivemind", "libp2p", "spes_p2p.swarm", "spes_p2p.peer", "socket", "asyncio", "trio")
+NETWORKING = (
+    "hivemind",
+    "libp2p",
+    "spes_p2p.net",
+    "spes_p2p.swarm",
+    "spes_p2p.sync",
+    "spes_p2p.peer",
+    "socket",
+    "asyncio",
+    "trio",
+)
+BACKENDS = (
+    "hivemind",
+    "libp2p",
+    "trio",
+    "spes_p2p.net.hivemind",
+    "spes_p2p.net.libp2p",
+    "spes_p2p.net.memory",
+)
 
 
 def imports_of(folder: str) -> dict[str, set[str]]:
@@ -36,9 +54,27 @@ def test_an_export_needs_no_transformers():
         assert not any(n.startswith("transformers") for n in names), path
 
 
-def test_swarm_layer_knows_nothing_of_training():
-    for path, names in imports_of("swarm").items():
+@pytest.mark.parametrize("folder", ["net", "swarm", "sync"])
+def test_the_peer_to_peer_layers_know_nothing_of_training(folder):
+    for path, names in imports_of(folder).items():
         bad = sorted(n for n in names if n.startswith(("spes_p2p.train", "spes_p2p.model", "spes_p2p.peer")))
+        assert not bad, f"{path} imports {bad}"
+
+
+@pytest.mark.parametrize("folder", ["swarm", "sync"])
+def test_the_sync_and_the_swarm_never_import_a_backend(folder):
+    for path, names in imports_of(folder).items():
+        bad = sorted(n for n in names if n.startswith(BACKENDS))
+        assert not bad, f"{path} imports {bad}"
+
+
+def test_the_transport_seam_imports_no_backend_and_the_network_no_protocol():
+    for path, names in imports_of("net").items():
+        above = sorted(n for n in names if n.startswith(("spes_p2p.swarm", "spes_p2p.sync", "spes_p2p.peer")))
+        assert not above, f"{path} imports {above}"
+    seam = [f"net/{name}.py" for name in ("transport", "wire", "guard", "waiting", "config")]
+    for path in seam:
+        bad = sorted(n for n in imports_of("net")[path] if n.startswith(BACKENDS))
         assert not bad, f"{path} imports {bad}"
 
 

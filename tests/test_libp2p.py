@@ -32,8 +32,8 @@ def test_signed_entries_and_the_record_store():
     python(
         """
         from libp2p.crypto.ed25519 import create_new_key_pair
-        from spes_p2p.swarm.libp2p_records import RecordStore, SignedEntry, valid_entry
-        from spes_p2p.swarm.transport import MAX_EXPIRY_AHEAD
+        from spes_p2p.net.libp2p.kad_records import RecordStore, SignedEntry, valid_entry
+        from spes_p2p.net.transport import MAX_EXPIRY_AHEAD
 
         me, other = create_new_key_pair(), create_new_key_pair()
         now = 1000.0
@@ -76,8 +76,8 @@ def test_a_request_that_never_arrives_is_dropped():
     python(
         """
         import time
-        from spes_p2p.swarm import libp2p_streams
-        from spes_p2p.swarm.libp2p_backend import Libp2pTransport
+        from spes_p2p.net.libp2p import streams as libp2p_streams
+        from spes_p2p.net.libp2p.host import Libp2pTransport
         from libp2p.peer.id import ID
 
         libp2p_streams.REQUEST_READ_TIMEOUT = 0.5
@@ -172,7 +172,7 @@ def test_a_relayed_peer_keeps_no_records_and_is_reached_through_its_relay_until_
         import time
         from libp2p.peer.id import ID
         from libp2p.peer.peerinfo import PeerInfo
-        from spes_p2p.swarm.libp2p_backend import Libp2pTransport
+        from spes_p2p.net.libp2p.host import Libp2pTransport
 
         a = Libp2pTransport()
         b, c = (Libp2pTransport(initial_peers=a.addresses()) for _ in range(2))

@@ -8,9 +8,9 @@ import torch
 from safetensors.torch import load_file
 
 from spes_p2p.model import read_unit
+from spes_p2p.net.memory import MemoryNetwork
 from spes_p2p.peer import Peer
 from spes_p2p.settings import Settings
-from spes_p2p.swarm.memory import MemoryNetwork
 
 pytestmark = [pytest.mark.timeout(240), pytest.mark.slow]  # trains swarms
 

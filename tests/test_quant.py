@@ -9,7 +9,7 @@ from spes_p2p.model import MoETransformer, UnitLayout, get_preset, read_unit, wr
 from spes_p2p.model.moe import SwiGLUExpert
 from spes_p2p.model.quant import QuantizedTensor, frozen_matmul
 from spes_p2p.model.units import hold_frozen
-from spes_p2p.swarm.payload import decode, encode, specs_of
+from spes_p2p.sync.payload import decode, encode, specs_of
 from spes_p2p.train.config import TrainConfig
 from spes_p2p.train.memory import weights_bytes
 from spes_p2p.train.trainer import Trainer

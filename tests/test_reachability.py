@@ -3,8 +3,8 @@
 import msgspec
 import pytest
 
-from spes_p2p.swarm.memory import MemoryNetwork
-from spes_p2p.swarm.reachability import (
+from spes_p2p.net.memory import MemoryNetwork
+from spes_p2p.net.reachability import (
     DIALBACKS_PER_MINUTE,
     RPC_DIALBACK,
     DialbackRequest,
@@ -12,7 +12,7 @@ from spes_p2p.swarm.reachability import (
     assess,
     dial_back,
 )
-from spes_p2p.swarm.transport import RemoteError
+from spes_p2p.net.transport import RemoteError
 
 PID = "/p2p/QmTJxrrywQ2EdDBm8kDofL3hoo4x2TB2JY9fh5BJVN1Yon"
 PRIVATE = f"/ip4/192.168.1.20/tcp/4001{PID}"

@@ -7,11 +7,11 @@ import threading
 import pytest
 import torch
 
+from spes_p2p.net.memory import MemoryNetwork
 from spes_p2p.sim.byzantine import rewrite
-from spes_p2p.swarm.codecs import TensorSpec
-from spes_p2p.swarm.config import SyncConfig
-from spes_p2p.swarm.memory import MemoryNetwork
-from spes_p2p.swarm.sync import SyncEngine
+from spes_p2p.sync.codecs import TensorSpec
+from spes_p2p.sync.config import SyncConfig
+from spes_p2p.sync.engine import SyncEngine
 
 UNIT = "dense/0"
 SPECS = {UNIT: {"embed": TensorSpec((256, 64)), "norm": TensorSpec((64,))}}

@@ -1,7 +1,7 @@
-"""What a peer keeps of the relayed peers it learns of, and whom a relayed peer dials (swarm/relays.py)."""
+"""What a peer keeps of the relayed peers it learns of, and whom a relayed peer dials (net/relays.py)."""
 
-from spes_p2p.swarm import relays as relays_module
-from spes_p2p.swarm.relays import REDIAL_SECONDS, Relays
+from spes_p2p.net import relays as relays_module
+from spes_p2p.net.relays import REDIAL_SECONDS, Relays
 
 RELAY = "/ip4/10.77.0.2/tcp/31337/p2p/R"
 

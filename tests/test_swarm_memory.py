@@ -7,14 +7,9 @@ import msgspec
 import pytest
 from conftest import TOKENIZER
 
-from spes_p2p.peer.setup import member_config
-from spes_p2p.settings import Settings
-from spes_p2p.swarm.guard import BAN_AFTER
-from spes_p2p.swarm.manifest import ManifestServer, manifest_key
-from spes_p2p.swarm.member import SwarmMember, SwarmMismatch, read_view
-from spes_p2p.swarm.memory import FakeClock, MemoryNetwork
-from spes_p2p.swarm.records import peers_key
-from spes_p2p.swarm.transport import (
+from spes_p2p.net.guard import BAN_AFTER
+from spes_p2p.net.memory import FakeClock, MemoryNetwork
+from spes_p2p.net.transport import (
     MAX_EXPIRY_AHEAD,
     MAX_STREAMS_PER_PEER,
     MessageTooLarge,
@@ -22,7 +17,12 @@ from spes_p2p.swarm.transport import (
     RemoteError,
     RequestTimeout,
 )
-from spes_p2p.swarm.waiting import Deadline, poll
+from spes_p2p.net.waiting import Deadline, poll
+from spes_p2p.peer.setup import member_config
+from spes_p2p.settings import Settings
+from spes_p2p.swarm.manifest import ManifestServer, manifest_key
+from spes_p2p.swarm.member import SwarmMember, SwarmMismatch, read_view
+from spes_p2p.swarm.records import peers_key
 
 TTL = 20.0
 

@@ -5,15 +5,15 @@ import threading
 import pytest
 import torch
 
-from spes_p2p.swarm.codecs import TensorSpec, max_payload_bytes
-from spes_p2p.swarm.config import SyncConfig
-from spes_p2p.swarm.exchange import RESYNC_LIMIT
-from spes_p2p.swarm.memory import MemoryNetwork
-from spes_p2p.swarm.messages import RPC_UPDATE, UpdateRequest
-from spes_p2p.swarm.outcome import MISS_LIMIT
+from spes_p2p.net.memory import MemoryNetwork
 from spes_p2p.swarm.records import Announcement, updates_key
-from spes_p2p.swarm.refresh import Want
-from spes_p2p.swarm.sync import SyncEngine, dense_group
+from spes_p2p.sync.codecs import TensorSpec, max_payload_bytes
+from spes_p2p.sync.config import SyncConfig
+from spes_p2p.sync.engine import SyncEngine, dense_group
+from spes_p2p.sync.exchange import RESYNC_LIMIT
+from spes_p2p.sync.messages import RPC_UPDATE, UpdateRequest
+from spes_p2p.sync.outcome import MISS_LIMIT
+from spes_p2p.sync.refresh import Want
 
 SPECS = {
     "dense/0": {"embed": TensorSpec((40, 8)), "norm": TensorSpec((8,))},
@@ -374,7 +374,7 @@ def test_a_peer_outnumbered_and_out_of_reach_downloads_the_unit():
 
 
 def test_the_deadline_adapts_within_its_bounds():
-    from spes_p2p.swarm.waiting import AdaptiveDeadline
+    from spes_p2p.net.waiting import AdaptiveDeadline
 
     d = AdaptiveDeadline(low=1.0, high=30.0, factor=2.0)
     assert d.seconds() == 30.0  # nothing observed yet: the maximum

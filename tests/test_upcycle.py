@@ -17,11 +17,11 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from spes_p2p.errors import CheckpointError, ConfigError
 from spes_p2p.interop.saved import load_saved
 from spes_p2p.interop.upcycle import read_dense, upcycle, write_upcycled
+from spes_p2p.net.memory import MemoryNetwork
 from spes_p2p.peer import Peer
 from spes_p2p.peer.admission import admit
 from spes_p2p.peer.setup import founded_from
 from spes_p2p.settings import Settings
-from spes_p2p.swarm.memory import MemoryNetwork
 from spes_p2p.train.data import EOS
 
 transformers = pytest.importorskip("transformers")

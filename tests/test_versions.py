@@ -7,16 +7,16 @@ from itertools import pairwise
 import pytest
 import torch
 
+from spes_p2p.net.memory import MemoryNetwork
 from spes_p2p.sim import run, simulation
 from spes_p2p.sim.runner import MemoryFleet
 from spes_p2p.sim.summary import read_rows
-from spes_p2p.swarm.codecs import TensorSpec
-from spes_p2p.swarm.config import SyncConfig
-from spes_p2p.swarm.memory import MemoryNetwork
-from spes_p2p.swarm.outcome import tensors_hash
-from spes_p2p.swarm.refresh import Want
-from spes_p2p.swarm.sync import SyncEngine
-from spes_p2p.swarm.versions import is_version_round
+from spes_p2p.sync.codecs import TensorSpec
+from spes_p2p.sync.config import SyncConfig
+from spes_p2p.sync.engine import SyncEngine
+from spes_p2p.sync.outcome import tensors_hash
+from spes_p2p.sync.refresh import Want
+from spes_p2p.sync.versions import is_version_round
 
 UNIT = "experts/0"
 SWARM = {  # a small swarm of 4 peers in one process, 2 shards, rounds of 5 steps

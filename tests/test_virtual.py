@@ -11,11 +11,11 @@ import torch
 
 from spes_p2p.errors import CheckpointError, ConfigError
 from spes_p2p.model.config import STEP_SECONDS
+from spes_p2p.net.memory import MemoryNetwork
 from spes_p2p.peer import Peer, local
 from spes_p2p.peer.virtual import VirtualTraining, step_seconds
 from spes_p2p.sim import run, simulation
 from spes_p2p.sim.summary import read_rows
-from spes_p2p.swarm.memory import MemoryNetwork
 from spes_p2p.train.checkpoint import load_checkpoint
 from spes_p2p.train.dataset import prepare_data
 
@@ -168,7 +168,7 @@ LONE_PEER = """
 import sys, threading
 from spes_p2p.peer import Peer
 from spes_p2p.sim import simulation
-from spes_p2p.swarm.memory import MemoryNetwork
+from spes_p2p.net.memory import MemoryNetwork
 
 s = simulation(sim__compute="virtual=0", model__dense_blocks=1, run__out=sys.argv[1], **eval(sys.argv[2]))
 peer = Peer(s, MemoryNetwork(seed=0).join("p0"), out_dir=sys.argv[1])

@@ -5,15 +5,16 @@ import msgspec
 import pytest
 import torch
 
+from spes_p2p.net.memory import MemoryNetwork
+from spes_p2p.net.transport import Entry, RemoteError
+from spes_p2p.net.wire import RecordError
 from spes_p2p.settings import Settings
-from spes_p2p.swarm.config import SyncConfig
 from spes_p2p.swarm.manifest import Manifest, ManifestError, ManifestRecord
-from spes_p2p.swarm.memory import MemoryNetwork
-from spes_p2p.swarm.messages import MAX_REQUEST_BYTES, RPC_UPDATE, RPC_WEIGHTS, UpdateRequest, WeightsRequest
-from spes_p2p.swarm.payload import decode, specs_of
-from spes_p2p.swarm.records import Announcement, Holding, PeerRecord, Progress, RecordError, parse_peers
-from spes_p2p.swarm.sync import SyncEngine
-from spes_p2p.swarm.transport import Entry, RemoteError
+from spes_p2p.swarm.records import Announcement, Holding, PeerRecord, Progress, parse_peers
+from spes_p2p.sync.config import SyncConfig
+from spes_p2p.sync.engine import SyncEngine
+from spes_p2p.sync.messages import MAX_REQUEST_BYTES, RPC_UPDATE, RPC_WEIGHTS, UpdateRequest, WeightsRequest
+from spes_p2p.sync.payload import decode, specs_of
 
 HEX = "ab" * 8
 

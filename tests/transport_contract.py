@@ -20,8 +20,8 @@ from tempfile import TemporaryDirectory
 
 from spes_p2p.compat import setup_logging
 from spes_p2p.errors import ConfigError
-from spes_p2p.swarm.memory import FakeClock, MemoryNetwork
-from spes_p2p.swarm.transport import (
+from spes_p2p.net.memory import FakeClock, MemoryNetwork
+from spes_p2p.net.transport import (
     HELLO,
     MAX_EXPIRY_AHEAD,
     MAX_GOSSIP_BYTES,
@@ -36,8 +36,8 @@ from spes_p2p.swarm.transport import (
     Transport,
     TransportError,
     Unavailable,
-    transport_class,
 )
+from spes_p2p.peer.setup import backend_class
 
 LOOPBACK = ["/ip4/127.0.0.1/tcp/0"]
 KEY = "contract/records"
@@ -70,7 +70,7 @@ class Net:
             transport = self.memory.join(identity or f"peer{len(self.peers)}")
             self.peers.append(transport)
             return transport
-        transport = transport_class(self.backend)(
+        transport = backend_class(self.backend)(
             listen=listen,
             initial_peers=join.addresses() if join else list(initial),
             identity_path=self.folder / f"{identity}.key" if identity else None,
@@ -97,7 +97,7 @@ class Net:
             signed_by_forger = victim.peer_id.encode() + forger._validator.local_public_key
             forger.dht.store(key, value, expires, subkey=signed_by_forger)
             return
-        from spes_p2p.swarm.libp2p_records import SignedEntry
+        from spes_p2p.net.libp2p.kad_records import SignedEntry
 
         signed = SignedEntry.sign(key, value, expires, forger._key_pair.private_key)
         stolen = SignedEntry(key, value, expires, victim._key_pair.public_key.serialize(), signed.signature)

@@ -21,13 +21,13 @@ from pathlib import Path
 import torch
 
 from spes_p2p.errors import SpesError
+from spes_p2p.net.transport import Transport
+from spes_p2p.net.waiting import Deadline, poll
 from spes_p2p.settings import Settings
 from spes_p2p.swarm import manifest as manifests
 from spes_p2p.swarm.manifest import PROTOCOL, Manifest, ManifestRecord
 from spes_p2p.swarm.member import SwarmMismatch
 from spes_p2p.swarm.records import PeerRecord, decode_entries, peers_key, read_peers
-from spes_p2p.swarm.transport import Transport
-from spes_p2p.swarm.waiting import Deadline, poll
 from spes_p2p.train.tokenizer import atomic_write_bytes
 
 logger = logging.getLogger(__name__)

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 from spes_p2p.fields import SWARM, Section, check, setting
 from spes_p2p.swarm.claims import BLOCK_ORDERS
-from spes_p2p.swarm.config import AGGREGATES
+from spes_p2p.sync.config import AGGREGATES
 
 MODES = ("spes", "diloco")
 

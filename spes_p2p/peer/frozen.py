@@ -1,5 +1,5 @@
 """Frozen copies: a peer's copies of the units it does not train, brought up to date by versions
-(``swarm/versions.py``), and the expert-merging warm-up, which runs on every expert's version of a round.
+(``sync/versions.py``), and the expert-merging warm-up, which runs on every expert's version of a round.
 
 Runs on the sync thread, as part of a round's sync (``rounds.RoundSync``); ``landed`` on the training
 thread, as each refreshed copy is written into the model.
@@ -16,10 +16,10 @@ import torch
 from spes_p2p.model.units import UnitLayout
 from spes_p2p.settings import Settings
 from spes_p2p.swarm.member import SwarmMember, SwarmView
-from spes_p2p.swarm.outcome import tensors_hash
-from spes_p2p.swarm.refresh import Fetched, Want
-from spes_p2p.swarm.sync import SyncEngine
-from spes_p2p.swarm.versions import is_version_round
+from spes_p2p.sync.engine import SyncEngine
+from spes_p2p.sync.outcome import tensors_hash
+from spes_p2p.sync.refresh import Fetched, Want
+from spes_p2p.sync.versions import is_version_round
 from spes_p2p.train.merge import merge_experts
 
 if TYPE_CHECKING:

@@ -19,11 +19,11 @@ from collections.abc import Callable
 import torch
 
 from spes_p2p.errors import SwarmMismatch
+from spes_p2p.net.waiting import Deadline, poll
 from spes_p2p.peer.admission import weights_fingerprint
 from spes_p2p.swarm.member import SwarmMember, SwarmView
-from spes_p2p.swarm.refresh import Want
-from spes_p2p.swarm.sync import SyncEngine
-from spes_p2p.swarm.waiting import Deadline, poll
+from spes_p2p.sync.engine import SyncEngine
+from spes_p2p.sync.refresh import Want
 
 logger = logging.getLogger(__name__)
 

@@ -13,7 +13,7 @@ from collections.abc import Callable
 import torch
 
 from spes_p2p.peer.rounds import RoundJob
-from spes_p2p.swarm.refresh import Fetched
+from spes_p2p.sync.refresh import Fetched
 
 Tensors = dict[str, torch.Tensor]
 

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import time
 
+from spes_p2p.net.transport import Transport
 from spes_p2p.peer.rounds import RoundJob
 from spes_p2p.swarm.records import Progress
-from spes_p2p.swarm.transport import Transport
 
 
 def crossed(round_: int, steps_per_round: int, every: int) -> bool:

@@ -25,6 +25,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from spes_p2p.errors import CheckpointError
+from spes_p2p.net.reachability import SelfCheck
+from spes_p2p.net.transport import Transport
+from spes_p2p.net.waiting import Deadline, poll
 from spes_p2p.peer import joining
 from spes_p2p.peer.admission import Admission, found, weights_fingerprint
 from spes_p2p.peer.footprint import Footprint
@@ -38,11 +41,8 @@ from spes_p2p.peer.setup import initial_seed, member_config, sync_engine
 from spes_p2p.settings import Settings
 from spes_p2p.swarm.manifest import ManifestServer
 from spes_p2p.swarm.member import SwarmMember, SwarmView
-from spes_p2p.swarm.payload import specs_of
-from spes_p2p.swarm.reachability import SelfCheck
 from spes_p2p.swarm.records import Progress
-from spes_p2p.swarm.transport import Transport
-from spes_p2p.swarm.waiting import Deadline, poll
+from spes_p2p.sync.payload import specs_of
 from spes_p2p.train.checkpoint import Checkpoint
 
 logger = logging.getLogger(__name__)
@@ -121,7 +121,9 @@ class Peer:
         )
         self.metrics = RoundMetrics(transport)
         self.footprint = Footprint(self.local, (self.landing, self.pipeline, self.sync), self.local.device)
-        self.reachability = SelfCheck(transport, self.member, settings.network)
+        self.reachability = SelfCheck(
+            transport, settings.network, self.member.live_peers, self.member.set_reachable
+        )
         self.heartbeat = Heartbeat(
             self.member, settings.swarm.heartbeat_seconds, also=self.reachability.recheck
         )

@@ -24,8 +24,8 @@ from spes_p2p.model.units import UnitLayout
 from spes_p2p.peer.frozen import FrozenCopies
 from spes_p2p.settings import Settings
 from spes_p2p.swarm.member import SwarmMember, SwarmView
-from spes_p2p.swarm.refresh import Fetched, Want
-from spes_p2p.swarm.sync import SyncEngine, UnitRound, dense_group
+from spes_p2p.sync.engine import SyncEngine, UnitRound, dense_group
+from spes_p2p.sync.refresh import Fetched, Want
 
 logger = logging.getLogger(__name__)
 

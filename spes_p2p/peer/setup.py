@@ -10,10 +10,10 @@ from pathlib import Path
 from spes_p2p import __version__
 from spes_p2p.errors import CheckpointError, ConfigError
 from spes_p2p.model.config import ModelConfig
+from spes_p2p.net.transport import Transport
 from spes_p2p.settings import Settings
 from spes_p2p.swarm.member import MemberConfig
-from spes_p2p.swarm.sync import SyncEngine
-from spes_p2p.swarm.transport import Transport, transport_class
+from spes_p2p.sync.engine import SyncEngine
 from spes_p2p.train.checkpoint import list_checkpoints, read_meta
 
 
@@ -103,7 +103,7 @@ def open_transport(settings: Settings, *, new_swarm: bool, client: bool = False)
             "a peer that nobody can dial (--client-mode or --use-relay) cannot found a swarm: found it on a "
             "reachable machine, then join this one with --peers ADDR"
         )
-    return transport_class(settings.swarm.backend)(
+    return backend_class(settings.swarm.backend)(
         initial_peers=initial,
         listen=net.listen,
         announce=net.announce,
@@ -112,3 +112,17 @@ def open_transport(settings: Settings, *, new_swarm: bool, client: bool = False)
         relays=initial if relayed else (),
         startup_timeout=settings.swarm.join_timeout_seconds,
     )
+
+
+def backend_class(backend: str) -> type[Transport]:
+    """The transport class of a network backend, ``hivemind`` or ``libp2p``, imported only when asked for:
+    the two cannot share a process (both register the protobuf package ``crypto.pb``)."""
+    if backend == "hivemind":
+        from spes_p2p.net.hivemind.daemon import HivemindTransport
+
+        return HivemindTransport
+    if backend == "libp2p":
+        from spes_p2p.net.libp2p.host import Libp2pTransport
+
+        return Libp2pTransport
+    raise ValueError(f"no network backend {backend!r}")

@@ -6,14 +6,14 @@ import threading
 from collections.abc import Callable
 from pathlib import Path
 
+from spes_p2p.net.transport import Transport
+from spes_p2p.net.waiting import Deadline
 from spes_p2p.peer.admission import FETCH_SECONDS, SwarmUnavailable, nobody_alive
 from spes_p2p.settings import Settings
 from spes_p2p.swarm import manifest as manifests
 from spes_p2p.swarm.manifest import Manifest, ManifestError
 from spes_p2p.swarm.member import read_view
 from spes_p2p.swarm.records import read_peers
-from spes_p2p.swarm.transport import Transport
-from spes_p2p.swarm.waiting import Deadline
 from spes_p2p.train.tokenizer import atomic_write_bytes
 
 INVITE_SECTIONS = ("swarm", "model", "method", "sync", "merge")

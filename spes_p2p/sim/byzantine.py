@@ -29,11 +29,12 @@ import threading
 import msgspec
 from safetensors.torch import load, save
 
+from spes_p2p.net.transport import Entry, Handler, Transport, TransportError
+from spes_p2p.net.wire import RecordError
 from spes_p2p.sim.config import BYZANTINE_MODES as MODES
-from spes_p2p.swarm.messages import RPC_UPDATE, RPC_WEIGHTS, UpdateRequest
-from spes_p2p.swarm.payload import buffers_digest, metadata_of
-from spes_p2p.swarm.records import Announcement, Holding, PeerRecord, RecordError, peers_key
-from spes_p2p.swarm.transport import Entry, Handler, Transport, TransportError
+from spes_p2p.swarm.records import Announcement, Holding, PeerRecord, peers_key
+from spes_p2p.sync.messages import RPC_UPDATE, RPC_WEIGHTS, UpdateRequest
+from spes_p2p.sync.payload import buffers_digest, metadata_of
 
 logger = logging.getLogger(__name__)
 
@@ -225,7 +226,7 @@ class ByzantineTransport(Transport):
     def _forge_entry(self, key: str, value: bytes, victim: str, keepers: set[str]) -> None:
         from libp2p.peer.id import ID
 
-        from spes_p2p.swarm.libp2p_records import STORE, SignedEntry
+        from spes_p2p.net.libp2p.kad_records import STORE, SignedEntry
 
         expires = self.inner.now() + 300  # (within every reader's horizon: the signature must refuse it)
         signed = SignedEntry.sign(key, value, expires, self.inner._key_pair.private_key)

@@ -181,7 +181,7 @@ class MemoryFleet(Fleet):
     a restart is a new thread whose transport has the peer's name (its id)."""
 
     def __init__(self, settings: Settings) -> None:
-        from spes_p2p.swarm.memory import MemoryNetwork
+        from spes_p2p.net.memory import MemoryNetwork
 
         super().__init__(settings)
         sim = settings.sim

@@ -1,6 +1,6 @@
-"""Everything that talks to other peers: the Transport seam and its backends, records, claims, membership.
+"""The swarm: who is in it and what each holds. DHT records and their schema, the manifest, membership and
+claims (of expert shards and dense blocks), and gossip of update announcements.
 
-It moves bytes and small records; it knows nothing of optimizers or data. Backends:
-    memory     in-process and deterministic, with fault hooks (tests, fast simulations)
-    hivemind   hivemind's DHT plus libp2p streams through its p2pd daemon; one OS process per peer
+It reads and writes through the network seam (``spes_p2p.net.transport``), never a backend, and knows
+nothing of training or of tensors.
 """

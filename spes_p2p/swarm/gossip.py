@@ -17,8 +17,9 @@ import logging
 import threading
 from collections import Counter
 
-from spes_p2p.swarm.records import Announcement, RecordError, Strict, Unit
-from spes_p2p.swarm.transport import MAX_GOSSIP_BYTES, Transport
+from spes_p2p.net.transport import MAX_GOSSIP_BYTES, Transport
+from spes_p2p.net.wire import RecordError, Strict
+from spes_p2p.swarm.records import Announcement, Unit
 
 logger = logging.getLogger(__name__)
 

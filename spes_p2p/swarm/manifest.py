@@ -16,9 +16,10 @@ from typing import Annotated, Any
 
 import msgspec
 
-from spes_p2p.swarm.records import Hex, Record, RecordError, Short, Strict, Unit, decode_entries
-from spes_p2p.swarm.transport import RemoteError, Transport, TransportError
-from spes_p2p.swarm.waiting import Deadline, poll
+from spes_p2p.net.transport import RemoteError, Transport, TransportError
+from spes_p2p.net.waiting import Deadline, poll
+from spes_p2p.net.wire import RecordError, Short, Strict
+from spes_p2p.swarm.records import Hex, Record, Unit, decode_entries
 
 logger = logging.getLogger(__name__)
 

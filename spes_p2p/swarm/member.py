@@ -22,6 +22,8 @@ from dataclasses import dataclass, field
 import msgspec
 
 from spes_p2p.errors import SwarmMismatch
+from spes_p2p.net.transport import Transport
+from spes_p2p.net.waiting import Deadline
 from spes_p2p.swarm import manifest as manifests
 from spes_p2p.swarm.claims import carry_block, choose_units, holders_at_epoch
 from spes_p2p.swarm.manifest import Manifest, ManifestError
@@ -35,8 +37,6 @@ from spes_p2p.swarm.records import (
     peers_key,
     read_peers,
 )
-from spes_p2p.swarm.transport import Transport
-from spes_p2p.swarm.waiting import Deadline
 
 logger = logging.getLogger(__name__)
 
@@ -218,6 +218,11 @@ class SwarmMember:
         """Progress for the next heartbeat."""
         with self._state:
             self.round, self.progress = round_, progress
+
+    def set_reachable(self, verdict: str) -> None:
+        """Whether peers could dial this one back (yes, no or unknown), for the next heartbeat."""
+        with self._state:
+            self.reachable = verdict
 
     def live_peers(self) -> set[str]:
         """The peers of the last view, when it is under ``LIVE_MAX_AGE`` seconds old; else a new view's.

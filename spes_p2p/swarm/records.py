@@ -17,51 +17,25 @@ tombstone. A peer's claims live in its one peer record, so reading the swarm's w
 from __future__ import annotations
 
 import math
-from typing import Annotated, ClassVar, Literal, TypeVar
+from typing import Annotated, Literal, TypeVar
 
 import msgspec
 
-from spes_p2p.swarm.codecs import MAX_PARTS
-from spes_p2p.swarm.guard import Guard
-from spes_p2p.swarm.transport import MAX_RECORD_BYTES, Transport
+from spes_p2p.net.guard import Guard
+from spes_p2p.net.transport import MAX_RECORD_BYTES, Transport
+from spes_p2p.net.wire import RecordError, Short, Strict
 
 MAX_ADDRESSES = 16
 MAX_UNITS = 256
 MAX_BANNED = 64
+MAX_PARTS = 64  # the most parts a unit is split into for a reduce-scatter (one per group member)
 
 Unit = Annotated[str, msgspec.Meta(pattern=r"^(experts|dense)/\d{1,4}$")]
 Round = Annotated[int, msgspec.Meta(ge=0)]
 Count = Annotated[int, msgspec.Meta(ge=0)]
 Hex = Annotated[str, msgspec.Meta(pattern=r"^[0-9a-f]{16,64}$")]
-Short = Annotated[str, msgspec.Meta(max_length=512)]
 
-S = TypeVar("S", bound="Strict")
 R = TypeVar("R", bound="Record")
-
-
-class RecordError(ValueError):
-    """An entry read from the DHT that does not match its schema."""
-
-
-class Strict(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    """A typed message from another peer: msgpack, at most ``MAX_BYTES``, decoded strictly (a missing or
-    unknown field, a wrong type or a value out of range raises ``ERROR``)."""
-
-    MAX_BYTES: ClassVar[int]
-    ERROR: ClassVar[type[Exception]]
-
-    def encode(self) -> bytes:
-        return msgspec.msgpack.encode(self)
-
-    @classmethod
-    def decode(cls: type[S], data: bytes) -> S:
-        if not isinstance(data, bytes) or len(data) > cls.MAX_BYTES:
-            size = len(data) if isinstance(data, bytes) else type(data).__name__
-            raise cls.ERROR(f"a {size}-byte {cls.__name__}, over {cls.MAX_BYTES}")
-        try:
-            return msgspec.msgpack.decode(data, type=cls)
-        except (msgspec.MsgspecError, ValueError, TypeError) as exc:
-            raise cls.ERROR(f"malformed {cls.__name__}: {exc}") from None
 
 
 class Record(Strict):

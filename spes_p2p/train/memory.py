@@ -76,7 +76,7 @@ def weights_bytes(model: MoETransformer) -> int:
 
 # fp32 copies of each trained weight the sync keeps across a round: the start weights the round's update is
 # measured from, DiLoCo's Nesterov momentum, and a SPES holder's last version of a unit others keep frozen
-# copies of (``swarm/versions.py``)
+# copies of (``sync/versions.py``)
 START, MOMENTUM, VERSION = 1, 1, 1
 
 

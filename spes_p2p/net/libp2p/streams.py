@@ -15,8 +15,8 @@ import trio
 from libp2p.custom_types import TProtocol
 from libp2p.peer.id import ID
 
-from spes_p2p.swarm.guard import Guard
-from spes_p2p.swarm.transport import (
+from spes_p2p.net.guard import Guard
+from spes_p2p.net.transport import (
     ANSWER_FAILED,
     ANSWER_OK,
     ANSWER_WRITE_TIMEOUT,

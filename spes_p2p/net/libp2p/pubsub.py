@@ -13,8 +13,8 @@ from libp2p.peer.id import ID
 from libp2p.pubsub.gossipsub import PROTOCOL_ID_V11, GossipSub
 from libp2p.pubsub.pubsub import Pubsub
 
-from spes_p2p.swarm.guard import Guard
-from spes_p2p.swarm.transport import MAX_GOSSIP_BYTES, GossipHandler
+from spes_p2p.net.guard import Guard
+from spes_p2p.net.transport import MAX_GOSSIP_BYTES, GossipHandler
 
 logger = logging.getLogger(__name__)
 

@@ -17,8 +17,8 @@ from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 
-from spes_p2p.swarm.guard import Guard
-from spes_p2p.swarm.transport import (
+from spes_p2p.net.guard import Guard
+from spes_p2p.net.transport import (
     DEFAULT_MAX_MESSAGE_BYTES,
     HELLO,
     Entry,

@@ -1,4 +1,4 @@
-"""Payloads: a unit's tensors, coded (``spes_p2p.swarm.codecs``), in a safetensors container.
+"""Payloads: a unit's tensors, coded (``spes_p2p.sync.codecs``), in a safetensors container.
 
 Never pickle, never ``torch.load``: the safetensors library parses the container (its header, dtypes,
 shapes and offsets), then ``decode`` checks it against what the receiver expects before using a byte:
@@ -27,7 +27,7 @@ from safetensors.torch import load, save
 
 from spes_p2p.errors import SpesError
 from spes_p2p.quantize import dequantize_int8, dequantize_nf4, quantize_int8, quantize_nf4
-from spes_p2p.swarm.codecs import (
+from spes_p2p.sync.codecs import (
     TOPK_FRACTION,
     TensorSpec,
     buffer_name,

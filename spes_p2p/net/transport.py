@@ -13,7 +13,7 @@ A Transport gives a peer these, whatever the backend:
 - gossip, where the backend has it (libp2p; memory): small messages (at most ``MAX_GOSSIP_BYTES``) to the
   peers subscribed to a topic (``subscribe`` / ``gossip``). It is lossy by nature: whatever rides on it
   must also be found another way (update announcements stay in the DHT);
-- a ``guard`` (``spes_p2p.swarm.guard``): entries of peers it does not allow are not read, and their
+- a ``guard`` (``spes_p2p.net.guard``): entries of peers it does not allow are not read, and their
   requests and gossip are refused.
 
 Errors (all ``TransportError``, a ``SpesError``)::
@@ -43,7 +43,7 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 from spes_p2p.errors import SpesError
-from spes_p2p.swarm.guard import Guard
+from spes_p2p.net.guard import Guard
 
 logger = logging.getLogger(__name__)
 
@@ -164,20 +164,6 @@ class StreamSlots:
         finally:
             if admitted:
                 self.release(peer)
-
-
-def transport_class(backend: str) -> type[Transport]:
-    """The class of a network backend, ``hivemind`` or ``libp2p``, imported only when asked for: the two
-    cannot share a process (both register the protobuf package ``crypto.pb``)."""
-    if backend == "hivemind":
-        from spes_p2p.swarm.hivemind_backend import HivemindTransport
-
-        return HivemindTransport
-    if backend == "libp2p":
-        from spes_p2p.swarm.libp2p_backend import Libp2pTransport
-
-        return Libp2pTransport
-    raise ValueError(f"no network backend {backend!r}")
 
 
 def failed_answer(name: str, caller: str, exc: Exception) -> bytes:

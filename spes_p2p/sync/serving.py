@@ -5,7 +5,7 @@
   re-synchronization), and the group's combined update of each part it owns (kind "reduced");
 - its weights of each unit it holds, per round (``spes/weights``), so that every peer that starts training
   a unit gets the same weights of a round; newcomers may ask for its own copy of any unit;
-- the current version of each unit it holds, and the change that made it (``swarm/versions.py``), for the
+- the current version of each unit it holds, and the change that made it (``sync/versions.py``), for the
   peers that keep frozen copies.
 
 Everything is kept for ``KEEP_ROUNDS`` rounds (end weights for ``END_KEEP_ROUNDS``), and kept as it is
@@ -24,19 +24,19 @@ from typing import TypeVar
 
 import torch
 
-from spes_p2p.swarm.codecs import TensorSpec
-from spes_p2p.swarm.messages import (
+from spes_p2p.net.transport import Transport, Unavailable
+from spes_p2p.net.wire import BadRequest
+from spes_p2p.sync.codecs import TensorSpec
+from spes_p2p.sync.messages import (
     MAX_REQUEST_BYTES,
     RPC_UPDATE,
     RPC_WEIGHTS,
-    BadRequest,
     Message,
     UpdateRequest,
     WeightsRequest,
 )
-from spes_p2p.swarm.payload import encode, payload_meta, tensors_of
-from spes_p2p.swarm.transport import Transport, Unavailable
-from spes_p2p.swarm.versions import Versions
+from spes_p2p.sync.payload import encode, payload_meta, tensors_of
+from spes_p2p.sync.versions import Versions
 
 KEEP_ROUNDS = 3
 END_KEEP_ROUNDS = 2  # end weights are asked for by co-holders that re-synchronize in the same round

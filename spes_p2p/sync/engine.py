@@ -14,14 +14,14 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-from spes_p2p.swarm.codecs import TensorSpec
-from spes_p2p.swarm.config import SyncConfig
-from spes_p2p.swarm.exchange import Exchange, dense_group
-from spes_p2p.swarm.outcome import UnitRound, tensors_hash
-from spes_p2p.swarm.refresh import Refresh
-from spes_p2p.swarm.serving import KEEP_ROUNDS, Outbox
-from spes_p2p.swarm.transport import Transport
-from spes_p2p.swarm.versions import Copies, Versions
+from spes_p2p.net.transport import Transport
+from spes_p2p.sync.codecs import TensorSpec
+from spes_p2p.sync.config import SyncConfig
+from spes_p2p.sync.exchange import Exchange, dense_group
+from spes_p2p.sync.outcome import UnitRound, tensors_hash
+from spes_p2p.sync.refresh import Refresh
+from spes_p2p.sync.serving import KEEP_ROUNDS, Outbox
+from spes_p2p.sync.versions import Copies, Versions
 
 PARALLEL_FETCHES = 4
 

@@ -1,12 +1,12 @@
 """The libp2p backend: py-libp2p in pure Python, no daemon binary.
 
 Process layout: py-libp2p runs only on trio, so its host (TCP, Noise, Yamux), its Kademlia DHT and gossipsub
-run on a trio loop in a thread of this process (``swarm/trio_loop.py``); every Transport method is a bounded
-call into that loop. A process that uses this backend never imports hivemind (both register the protobuf
+run on a trio loop in a thread of this process (``trio_loop.py``); every Transport method is a bounded call
+into that loop. A process that uses this backend never imports hivemind (both register the protobuf
 package ``crypto.pb``, so they cannot share a process).
 
-Records (``swarm/libp2p_records.py``): Kademlia finds the peers closest to a key, and they keep the
-signed entries written under it. Requests (``swarm/libp2p_streams.py``): one libp2p stream each, in
+Records (``net/libp2p/kad_records.py``): Kademlia finds the peers closest to a key, and they keep the
+signed entries written under it. Requests (``net/libp2p/streams.py``): one libp2p stream each, in
 hivemind's framing, so the two backends answer each other's ``spes.hello`` and a peer of the wrong backend
 is told which one the swarm uses. Gossip: gossipsub. The identity is an ed25519 key in a file, so a
 restarted peer keeps its peer id and can overwrite its own entries.
@@ -33,14 +33,15 @@ from libp2p.peer.peerinfo import PeerInfo, info_from_p2p_addr
 from libp2p.tools.anyio_service import background_trio_service
 
 from spes_p2p.errors import ConfigError
-from spes_p2p.swarm.forwarding import Forwarding, Keys
-from spes_p2p.swarm.guard import Guard
-from spes_p2p.swarm.libp2p_gossip import Topics
-from spes_p2p.swarm.libp2p_peers import Neighbours
-from spes_p2p.swarm.libp2p_records import RecordKeeping, SignedEntry, signed_by
-from spes_p2p.swarm.libp2p_streams import OK, Requests
-from spes_p2p.swarm.relays import Relays
-from spes_p2p.swarm.transport import (
+from spes_p2p.net.forwarding import Forwarding, Keys
+from spes_p2p.net.guard import Guard
+from spes_p2p.net.libp2p.kad_records import RecordKeeping, SignedEntry, signed_by
+from spes_p2p.net.libp2p.neighbours import Neighbours
+from spes_p2p.net.libp2p.pubsub import Topics
+from spes_p2p.net.libp2p.streams import OK, Requests
+from spes_p2p.net.libp2p.trio_loop import LoopClosed, TrioLoop
+from spes_p2p.net.relays import Relays
+from spes_p2p.net.transport import (
     DEFAULT_MAX_MESSAGE_BYTES,
     HELLO,
     BootstrapError,
@@ -62,7 +63,6 @@ from spes_p2p.swarm.transport import (
     check_record_size,
     tcp_probe,
 )
-from spes_p2p.swarm.trio_loop import LoopClosed, TrioLoop
 
 logger = logging.getLogger(__name__)
 # py-libp2p configures its logger when imported (``LIBP2P_DEBUG``), and logs every peer gone and stream

@@ -36,7 +36,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from spes_p2p.swarm.aggregate import (
+from spes_p2p.net.waiting import Deadline, poll
+from spes_p2p.sync.aggregate import (
     REJECT_FACTOR,
     Combined,
     Contribution,
@@ -45,14 +46,13 @@ from spes_p2p.swarm.aggregate import (
     combine,
     decide,
 )
-from spes_p2p.swarm.codecs import TensorSpec, part_bounds
-from spes_p2p.swarm.fetching import Got, Reduced, Refused
-from spes_p2p.swarm.outcome import MISS_LIMIT, UnitRound, tensors_hash
-from spes_p2p.swarm.payload import ErrorFeedback, decode, encode, flatten, payload_meta, unflatten
-from spes_p2p.swarm.waiting import Deadline, poll
+from spes_p2p.sync.codecs import TensorSpec, part_bounds
+from spes_p2p.sync.fetching import Got, Reduced, Refused
+from spes_p2p.sync.outcome import MISS_LIMIT, UnitRound, tensors_hash
+from spes_p2p.sync.payload import ErrorFeedback, decode, encode, flatten, payload_meta, unflatten
 
 if TYPE_CHECKING:
-    from spes_p2p.swarm.exchange import Exchange
+    from spes_p2p.sync.exchange import Exchange
 
 POLL_SECONDS = 0.1  # between asks for the combined parts not served yet
 

@@ -14,14 +14,14 @@ import logging
 import re
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import msgspec
 
-from spes_p2p.swarm.config import NetworkConfig
-from spes_p2p.swarm.member import SwarmMember
-from spes_p2p.swarm.records import Short, Strict
-from spes_p2p.swarm.transport import RemoteError, Transport, TransportError
+from spes_p2p.net.config import NetworkConfig
+from spes_p2p.net.transport import RemoteError, Transport, TransportError
+from spes_p2p.net.wire import Short, Strict
 
 logger = logging.getLogger(__name__)
 
@@ -78,18 +78,25 @@ class DialbackServer:
 
 class SelfCheck:
     """This peer's own reachability: serves dial-backs to others, asks live peers to dial it back when it
-    joins (``check``), asks again at heartbeats while the answer is unknown (``recheck``), and publishes
-    the verdict in its peer record."""
+    joins (``check``), asks again at heartbeats while the answer is unknown (``recheck``), and hands each
+    verdict to ``on_verdict`` (which publishes it in the peer record)."""
 
-    def __init__(self, transport: Transport, member: SwarmMember, network: NetworkConfig) -> None:
-        self.transport, self.member, self.network = transport, member, network
+    def __init__(
+        self,
+        transport: Transport,
+        network: NetworkConfig,
+        live_peers: Callable[[], set[str]],
+        on_verdict: Callable[[str], None],
+    ) -> None:
+        self.transport, self.network = transport, network
+        self.live_peers, self.on_verdict = live_peers, on_verdict
         self.verdict: Reachability | None = None
         DialbackServer(transport)
 
     def check(self) -> Reachability:
         """Asks live peers to dial this one back at each address it announces (a few seconds at most)."""
         net, addresses, me = self.network, self.transport.addresses(), self.transport.peer_id
-        helpers = sorted(p for p in self.member.live_peers() if p != me)
+        helpers = sorted(p for p in self.live_peers() if p != me)
         relayed = net.client_mode or net.use_relay
         dialed = {} if relayed else dial_back(self.transport, helpers, addresses)
         self.verdict = assess(
@@ -98,7 +105,7 @@ class SelfCheck:
             announced=bool(net.announce),
             dialed=dialed,
         )
-        self.member.reachable = self.verdict.reachable
+        self.on_verdict(self.verdict.reachable)
         return self.verdict
 
     def recheck(self) -> None:

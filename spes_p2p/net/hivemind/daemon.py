@@ -11,7 +11,7 @@ both its peer id and its records, and a reader accepts an entry only under the p
 derives: nobody writes under another peer's id.
 
 Peers that nobody can dial (behind NAT, or in client mode) are reached through relays
-(``swarm/relays.py``); two of them exchange requests forwarded whole by a relay (``swarm/forwarding.py``),
+(``net/relays.py``); two of them exchange requests forwarded whole by a relay (``net/forwarding.py``),
 signed with the same identity key. A relayed peer's p2pd also reserves a slot on each of its relays
 (circuit relay v2, which every reachable p2pd serves), but p2pd ends each circuit after 128 KiB, far less
 than one update: requests go over the connection the relayed peer dialed, or are forwarded. A peer that
@@ -54,10 +54,10 @@ from multiaddr import Multiaddr
 
 from spes_p2p.compat import die_with_parent
 from spes_p2p.errors import ConfigError
-from spes_p2p.swarm.forwarding import Forwarding, Keys
-from spes_p2p.swarm.guard import Guard
-from spes_p2p.swarm.relays import CIRCUIT, Relays
-from spes_p2p.swarm.transport import (
+from spes_p2p.net.forwarding import Forwarding, Keys
+from spes_p2p.net.guard import Guard
+from spes_p2p.net.relays import CIRCUIT, Relays
+from spes_p2p.net.transport import (
     ANSWER_FAILED,
     ANSWER_OK,
     ANSWER_WRITE_TIMEOUT,

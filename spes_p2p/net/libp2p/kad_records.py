@@ -33,10 +33,10 @@ from libp2p.crypto.serialization import deserialize_public_key
 from libp2p.kad_dht.utils import sort_peer_ids_by_distance
 from libp2p.peer.id import ID
 
-from spes_p2p.swarm.guard import Guard
-from spes_p2p.swarm.libp2p_streams import FAILED, OK, Requests
-from spes_p2p.swarm.records import RecordError, Strict
-from spes_p2p.swarm.transport import MAX_EXPIRY_AHEAD, MAX_RECORD_BYTES, RemoteError
+from spes_p2p.net.guard import Guard
+from spes_p2p.net.libp2p.streams import FAILED, OK, Requests
+from spes_p2p.net.transport import MAX_EXPIRY_AHEAD, MAX_RECORD_BYTES, RemoteError
+from spes_p2p.net.wire import RecordError, Strict
 
 logger = logging.getLogger(__name__)
 

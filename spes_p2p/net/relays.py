@@ -7,7 +7,7 @@ It dials every directly reachable peer it learns of itself (at most every ``REDI
 connection is the way back to it, and it carries whole tensors. Other peers learn its circuit addresses
 from its peer record (``learn``). Two relayed peers have no connection of their own, nor has a reachable
 peer that the relayed one has not dialed yet: their requests are forwarded whole by the target's relay
-(``swarm/forwarding.py``). How a backend uses the circuit addresses beyond that is its own: hivemind's
+(``net/forwarding.py``). How a backend uses the circuit addresses beyond that is its own: hivemind's
 p2pd also reserves a circuit on each relay, py-libp2p needs nothing more.
 """
 

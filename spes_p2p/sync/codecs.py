@@ -1,7 +1,7 @@
 """Codecs: how a unit's tensors travel between peers, as a contract both sides can check before decoding.
 
 This module is the registry (names, and the buffers each codec puts on the wire, as plain numbers; no torch).
-``spes_p2p.swarm.payload`` does the arithmetic and packs the buffers into a safetensors container.
+``spes_p2p.sync.payload`` does the arithmetic and packs the buffers into a safetensors container.
 
 For a tensor ``N`` of ``n`` float32 elements, each codec sends these buffers (safetensors dtype, shape):
 
@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from itertools import pairwise
 
 from spes_p2p.blockwise import int8_sizes, nf4_sizes
+from spes_p2p.swarm.records import MAX_PARTS
 
 CODECS = {
     "none": "float32 as it is (exact)",
@@ -28,7 +29,6 @@ CODECS = {
     "topk": "the largest fraction of entries, with error feedback at the sender",
 }
 TOPK_FRACTION = 0.02
-MAX_PARTS = 64  # the most parts a unit is split into for a reduce-scatter (one per group member)
 HEADER_ALLOWANCE = 4096  # safetensors' length prefix, its metadata, and slack
 ENTRY_ALLOWANCE = 256  # header bytes one buffer's entry may take (name, dtype, shape, offsets)
 _BYTES = {"F32": 4, "F16": 2, "U8": 1, "I32": 4}

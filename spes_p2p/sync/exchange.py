@@ -26,7 +26,11 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-from spes_p2p.swarm.aggregate import (
+from spes_p2p.net.transport import Transport
+from spes_p2p.net.waiting import AdaptiveDeadline, Deadline, poll
+from spes_p2p.swarm.gossip import Gossip
+from spes_p2p.swarm.records import Announcement, updates_key
+from spes_p2p.sync.aggregate import (
     RESYNC_FACTOR,
     Contribution,
     OuterStep,
@@ -35,17 +39,13 @@ from spes_p2p.swarm.aggregate import (
     norm_of,
     resynchronized,
 )
-from spes_p2p.swarm.codecs import TensorSpec
-from spes_p2p.swarm.config import SyncConfig
-from spes_p2p.swarm.fetching import Gone, Got, Refused, UpdateFetcher
-from spes_p2p.swarm.gossip import Gossip
-from spes_p2p.swarm.outcome import MISS_LIMIT, UnitRound, tensors_hash
-from spes_p2p.swarm.payload import ErrorFeedback, encode, payload_meta
-from spes_p2p.swarm.records import Announcement, updates_key
-from spes_p2p.swarm.reduce import ReduceScatter
-from spes_p2p.swarm.serving import Outbox, Posted
-from spes_p2p.swarm.transport import Transport
-from spes_p2p.swarm.waiting import AdaptiveDeadline, Deadline, poll
+from spes_p2p.sync.codecs import TensorSpec
+from spes_p2p.sync.config import SyncConfig
+from spes_p2p.sync.fetching import Gone, Got, Refused, UpdateFetcher
+from spes_p2p.sync.outcome import MISS_LIMIT, UnitRound, tensors_hash
+from spes_p2p.sync.payload import ErrorFeedback, encode, payload_meta
+from spes_p2p.sync.reduce_scatter import ReduceScatter
+from spes_p2p.sync.serving import Outbox, Posted
 
 logger = logging.getLogger(__name__)
 

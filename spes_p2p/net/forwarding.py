@@ -34,9 +34,7 @@ from typing import Annotated
 
 import msgspec
 
-from spes_p2p.swarm.messages import BadRequest
-from spes_p2p.swarm.records import Short, Strict
-from spes_p2p.swarm.transport import (
+from spes_p2p.net.transport import (
     Handler,
     PeerUnreachable,
     RemoteError,
@@ -44,6 +42,7 @@ from spes_p2p.swarm.transport import (
     TransportError,
     Unavailable,
 )
+from spes_p2p.net.wire import BadRequest, Short, Strict
 
 RPC_FORWARD = "spes/forward"  # to a relay: pass this signed request on
 RPC_RELAYED = "spes/relayed"  # from a relay: a request another peer signed

@@ -3,7 +3,7 @@ or downloads.
 
 For each unit it asks the holders (in an order shuffled per peer, to spread the load, those that failed to
 serve lately last) for what it ``Want``s of round ``min_round`` or later: their weights, their current
-version, or the change that made that version (``swarm/versions.py``), until one answers or the deadline
+version, or the change that made that version (``sync/versions.py``), until one answers or the deadline
 passes; holders whose records vanished are skipped. When no holder serves the change our copy needs, the
 exact version is asked for instead. A unit that no holder can serve may come from a ``fallback`` peer's own
 copy (newcomers). Every answer is a checked payload; a bad one is counted and the next holder is asked.
@@ -23,12 +23,12 @@ from dataclasses import dataclass
 
 import torch
 
-from spes_p2p.swarm.codecs import TensorSpec, max_payload_bytes
-from spes_p2p.swarm.config import SyncConfig
-from spes_p2p.swarm.messages import RPC_WEIGHTS, WeightsRequest
-from spes_p2p.swarm.payload import PayloadError, decode, metadata_of
-from spes_p2p.swarm.transport import Transport, TransportError
-from spes_p2p.swarm.waiting import Deadline, poll
+from spes_p2p.net.transport import Transport, TransportError
+from spes_p2p.net.waiting import Deadline, poll
+from spes_p2p.sync.codecs import TensorSpec, max_payload_bytes
+from spes_p2p.sync.config import SyncConfig
+from spes_p2p.sync.messages import RPC_WEIGHTS, WeightsRequest
+from spes_p2p.sync.payload import PayloadError, decode, metadata_of
 
 logger = logging.getLogger(__name__)
 

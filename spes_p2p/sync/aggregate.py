@@ -26,7 +26,7 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from spes_p2p.errors import SpesError
-from spes_p2p.swarm.config import AGGREGATES, OUTER_RULES
+from spes_p2p.sync.config import AGGREGATES, OUTER_RULES
 
 REJECT_FACTOR = 10.0
 CLIP_FACTOR = 2.0

@@ -28,9 +28,9 @@ from dataclasses import dataclass
 
 import torch
 
-from spes_p2p.swarm.codecs import TensorSpec
-from spes_p2p.swarm.outcome import tensors_hash
-from spes_p2p.swarm.payload import decode, encode, payload_meta, tensors_of
+from spes_p2p.sync.codecs import TensorSpec
+from spes_p2p.sync.outcome import tensors_hash
+from spes_p2p.sync.payload import decode, encode, payload_meta, tensors_of
 
 Tensors = dict[str, torch.Tensor]
 

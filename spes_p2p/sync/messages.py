@@ -1,10 +1,10 @@
 """The RPC requests peers send each other, as typed msgpack messages decoded strictly.
 
-Answers are payloads (``spes_p2p.swarm.payload``): safetensors whose metadata names the unit and round.
+Answers are payloads (``spes_p2p.sync.payload``): safetensors whose metadata names the unit and round.
 
     spes/update   UpdateRequest  -> our coded update of that round ("delta"), its end weights ("end"), part
                                   ``part`` of ``parts`` of it ("piece"), or the group's combined update of
-                                  that part, when we own it ("reduced"; see ``swarm/reduce.py``)
+                                  that part, when we own it ("reduced"; see ``sync/reduce_scatter.py``)
     spes/weights  WeightsRequest -> our weights of a unit, as of ``round`` when we still have it; or its
                                   current version, or the change that made version ``round``
 
@@ -18,19 +18,15 @@ from typing import Annotated, Literal
 
 import msgspec
 
-from spes_p2p.swarm.codecs import CODECS, MAX_PARTS
-from spes_p2p.swarm.records import Round, Strict, Unit
-from spes_p2p.swarm.transport import RemoteError
+from spes_p2p.net.wire import BadRequest, Strict
+from spes_p2p.swarm.records import MAX_PARTS, Round, Unit
+from spes_p2p.sync.codecs import CODECS
 
 RPC_UPDATE = "spes/update"
 RPC_WEIGHTS = "spes/weights"
 MAX_REQUEST_BYTES = 1024
 
 Codec = Literal[tuple(CODECS)]  # type: ignore[valid-type]
-
-
-class BadRequest(RemoteError):
-    """A request that does not decode into its message type."""
 
 
 class Message(Strict):
@@ -56,4 +52,4 @@ class WeightsRequest(Message):
     codec: Codec
     round: Annotated[int, msgspec.Meta(ge=-1)] = -1  # -1: the newest
     any_copy: bool = False  # newcomers: a unit we do not hold is answered from our own copy
-    kind: Literal["weights", "version", "change"] = "weights"  # see swarm/versions.py
+    kind: Literal["weights", "version", "change"] = "weights"  # see sync/versions.py

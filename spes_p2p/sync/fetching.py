@@ -20,15 +20,15 @@ from dataclasses import dataclass
 
 import torch
 
-from spes_p2p.swarm.aggregate import Contribution, Fetched
-from spes_p2p.swarm.codecs import HEADER_ALLOWANCE, TensorSpec, max_payload_bytes, piece_spec
-from spes_p2p.swarm.config import SyncConfig
+from spes_p2p.net.transport import RemoteError, RequestTimeout, Transport, TransportError
+from spes_p2p.net.waiting import Deadline
 from spes_p2p.swarm.gossip import Gossip
-from spes_p2p.swarm.messages import RPC_UPDATE, UpdateRequest
-from spes_p2p.swarm.payload import PayloadError, decode, metadata_of, payload_meta
 from spes_p2p.swarm.records import Announcement, decode_entries, updates_key
-from spes_p2p.swarm.transport import RemoteError, RequestTimeout, Transport, TransportError
-from spes_p2p.swarm.waiting import Deadline
+from spes_p2p.sync.aggregate import Contribution, Fetched
+from spes_p2p.sync.codecs import HEADER_ALLOWANCE, TensorSpec, max_payload_bytes, piece_spec
+from spes_p2p.sync.config import SyncConfig
+from spes_p2p.sync.messages import RPC_UPDATE, UpdateRequest
+from spes_p2p.sync.payload import PayloadError, decode, metadata_of, payload_meta
 
 logger = logging.getLogger(__name__)
 
