@@ -7,11 +7,10 @@ import pytest
 import torch
 from safetensors.torch import save
 
-from spes_p2p.sync.codecs import CODECS, TensorSpec, max_payload_bytes
+from spes_p2p.sync.codecs import CODECS, PayloadError, TensorSpec, TopK
 from spes_p2p.sync.payload import (
     FORMAT,
     ErrorFeedback,
-    PayloadError,
     buffers_digest,
     decode,
     encode,
@@ -35,23 +34,23 @@ def rel_error(a, b):
 @pytest.mark.parametrize(("codec", "bound"), [("none", 0.0), ("fp16", 1e-3), ("int8", 0.02), ("nf4", 0.12)])
 def test_round_trip_error_is_bounded(codec, bound):
     tensors = sample()
-    payload = encode(tensors, codec, meta={"unit": "dense/0"})
-    back = decode(payload, specs_of(tensors), codec, meta={"unit": "dense/0"})
+    payload = encode(tensors, CODECS[codec], meta={"unit": "dense/0"})
+    back = decode(payload, specs_of(tensors), CODECS[codec], meta={"unit": "dense/0"})
     assert rel_error(back, tensors) <= bound
-    assert len(payload) <= max_payload_bytes(specs_of(tensors), codec)
+    assert len(payload) <= CODECS[codec].max_bytes(specs_of(tensors))
 
 
 def test_an_uncompressed_payload_is_a_plain_safetensors_file():
     tensors = sample()
     from safetensors.torch import load
 
-    loaded = load(encode(tensors, "none"))
+    loaded = load(encode(tensors, CODECS["none"]))
     assert all(torch.equal(loaded[n], t) for n, t in tensors.items())
 
 
 def test_sizes_shrink_with_the_codec():
     tensors = sample()
-    sizes = {c: len(encode(tensors, c)) for c in CODECS}
+    sizes = {name: len(encode(tensors, codec)) for name, codec in CODECS.items()}
     body = sum(t.numel() for t in tensors.values())
     assert sizes["none"] >= 4 * body
     assert sizes["fp16"] < 0.55 * sizes["none"] and sizes["int8"] < 0.3 * sizes["none"]
@@ -61,10 +60,10 @@ def test_sizes_shrink_with_the_codec():
 def test_topk_sends_the_largest_entries_and_error_feedback_catches_up():
     update = {"w": torch.zeros(1000)}
     update["w"][[3, 500, 999]] = torch.tensor([5.0, -7.0, 0.5])
-    back = decode(encode(update, "topk", topk_fraction=0.002), specs_of(update), "topk", topk_fraction=0.002)
+    back = decode(encode(update, TopK(0.002)), specs_of(update), TopK(0.002))
     assert back["w"].nonzero().flatten().tolist() == [3, 500]
     # with error feedback, what was held back is sent later: the sums converge
-    feedback, sent_total = ErrorFeedback("topk", 0.05), torch.zeros(1000)
+    feedback, sent_total = ErrorFeedback(TopK(0.05)), torch.zeros(1000)
     g = torch.Generator().manual_seed(1)
     true_total = torch.zeros(1000)
     for _ in range(200):
@@ -80,14 +79,14 @@ def test_error_feedback_keeps_a_lossy_codecs_sum_within_one_rounds_loss(codec):
     """Small updates with a steady drift, as a lone holder's are: coded alone, each round's rounding adds up;
     with error feedback, the sum of what was sent stays within one round's residual of the true sum."""
     g = torch.Generator().manual_seed(0)
-    feedback, true_total, fed, plain = ErrorFeedback(codec, 0.05), torch.zeros(5000), 0, 0
+    coding = TopK(0.05) if codec == "topk" else CODECS[codec]
+    feedback, true_total, fed, plain = ErrorFeedback(coding), torch.zeros(5000), 0, 0
     drift = torch.randn(5000, generator=g) * 1e-3
     for round_ in range(100):
         u = {"w": drift + torch.randn(5000, generator=g) * 1e-4}
         true_total += u["w"]
         fed = fed + feedback.encode(u, round_=round_)[1]["w"]
-        payload = encode(u, codec, topk_fraction=0.05)
-        plain = plain + decode(payload, specs_of(u), codec, topk_fraction=0.05)["w"]
+        plain = plain + decode(encode(u, coding), specs_of(u), coding)["w"]
     fed_error, plain_error = (fed - true_total).norm(), (plain - true_total).norm()
     assert fed_error <= feedback.residual["w"].norm() * 1.05  # (up to float32 summation)
     if codec != "topk":  # (top-k alone never sends most entries: its plain error is the whole sum)
@@ -95,7 +94,7 @@ def test_error_feedback_keeps_a_lossy_codecs_sum_within_one_rounds_loss(codec):
 
 
 def test_error_feedback_drops_a_residual_after_a_gap():
-    feedback = ErrorFeedback("int8")
+    feedback = ErrorFeedback(CODECS["int8"])
     feedback.encode({"w": torch.randn(100)}, round_=3)
     assert feedback.residual
     _, sent = feedback.encode({"w": torch.zeros(100)}, round_=5)  # round 4 was missed: nothing carried
@@ -106,27 +105,27 @@ def test_error_feedback_drops_a_residual_after_a_gap():
 def test_damaged_or_mismatched_payloads_are_rejected(codec):
     tensors = sample()
     specs = specs_of(tensors)
-    payload = encode(tensors, codec, meta={"unit": "experts/1", "round": "3"})
+    payload = encode(tensors, CODECS[codec], meta={"unit": "experts/1", "round": "3"})
     with pytest.raises(PayloadError):
-        decode(payload[: len(payload) // 2], specs, codec)  # cut short
+        decode(payload[: len(payload) // 2], specs, CODECS[codec])  # cut short
     with pytest.raises(PayloadError, match="not a safetensors payload"):
-        decode(b"\x80\x04PKL" + payload[5:], specs, codec)  # a pickle is never read
+        decode(b"\x80\x04PKL" + payload[5:], specs, CODECS[codec])  # a pickle is never read
     with pytest.raises(PayloadError, match="differ from the expected"):
-        decode(payload, {**specs, "extra": TensorSpec((1,))}, codec)
+        decode(payload, {**specs, "extra": TensorSpec((1,))}, CODECS[codec])
     with pytest.raises(PayloadError, match="expected"):
-        decode(payload, {**specs, "layers.0.w": TensorSpec((300, 71))}, codec)
+        decode(payload, {**specs, "layers.0.w": TensorSpec((300, 71))}, CODECS[codec])
     with pytest.raises(PayloadError, match="round is '3', expected '4'"):
-        decode(payload, specs, codec, meta={"round": "4"})  # an old round's payload
+        decode(payload, specs, CODECS[codec], meta={"round": "4"})  # an old round's payload
     other = next(c for c in CODECS if c != codec)
     with pytest.raises(PayloadError):
-        decode(payload, specs, other)  # the sender does not choose the codec
+        decode(payload, specs, CODECS[other])  # the sender does not choose the codec
 
 
 def test_oversized_payloads_are_refused_before_parsing():
     tensors = {"w": torch.ones(64)}
-    huge = encode({"w": torch.ones(10_000)}, "none")
+    huge = encode({"w": torch.ones(10_000)}, CODECS["none"])
     with pytest.raises(PayloadError, match="over the"):
-        decode(huge, specs_of(tensors), "none")
+        decode(huge, specs_of(tensors), CODECS["none"])
 
 
 def forged(buffers: dict, codec: str, **meta) -> bytes:
@@ -140,12 +139,12 @@ def test_values_that_are_not_finite_are_rejected_in_every_codec():
     spec = {"w": TensorSpec((4,))}
     nan = torch.tensor([1.0, math.nan, 2.0, 0.0])
     with pytest.raises(PayloadError, match="not finite"):
-        decode(encode({"w": nan}, "none"), spec, "none")
+        decode(encode({"w": nan}, CODECS["none"]), spec, CODECS["none"])
     with pytest.raises(PayloadError, match="not finite"):
-        decode(forged({"w": nan.half()}, "fp16"), spec, "fp16")
+        decode(forged({"w": nan.half()}, "fp16"), spec, CODECS["fp16"])
     inf_scale = {"w#codes": torch.zeros(4, dtype=torch.uint8), "w#absmax": torch.tensor([math.inf])}
     with pytest.raises(PayloadError, match="scales are not finite"):
-        decode(forged(inf_scale, "int8"), spec, "int8")
+        decode(forged(inf_scale, "int8"), spec, CODECS["int8"])
 
 
 def test_topk_indices_must_be_in_range_and_distinct():
@@ -154,30 +153,30 @@ def test_topk_indices_must_be_in_range_and_distinct():
     for indices in ([5, 500], [7, 7], [9, 3]):
         payload = forged({"w#indices": torch.tensor(indices, dtype=torch.int32), "w#values": values}, "topk")
         with pytest.raises(PayloadError, match="indices"):
-            decode(payload, spec, "topk")
+            decode(payload, spec, CODECS["topk"])
 
 
 def test_buffers_of_the_wrong_dtype_or_a_forged_header_are_rejected():
     spec = {"w": TensorSpec((4,))}
     with pytest.raises(PayloadError, match="expected F32"):
-        decode(forged({"w": torch.ones(4, dtype=torch.float64)}, "none"), spec, "none")
-    good = encode({"w": torch.ones(4)}, "none")
+        decode(forged({"w": torch.ones(4, dtype=torch.float64)}, "none"), spec, CODECS["none"])
+    good = encode({"w": torch.ones(4)}, CODECS["none"])
     size = int.from_bytes(good[:8], "little")
     header = json.loads(good[8 : 8 + size])
     header["w"]["data_offsets"] = [0, 10_000]  # pointing outside the data
     raw = json.dumps(header).encode()
     with pytest.raises(PayloadError, match="not a safetensors payload"):
-        decode(len(raw).to_bytes(8, "little") + raw + good[8 + size :], spec, "none")
+        decode(len(raw).to_bytes(8, "little") + raw + good[8 + size :], spec, CODECS["none"])
 
 
 @pytest.mark.parametrize("codec", list(CODECS))
 def test_a_bit_flipped_in_transit_is_caught_by_the_payload_hash(codec):
     tensors = sample()
-    payload = encode(tensors, codec)
+    payload = encode(tensors, CODECS[codec])
     caught = 0
     for position in range(len(payload) - 1, len(payload) - 301, -1):  # bytes of the buffers, from the end
         flipped = payload[:position] + bytes([payload[position] ^ 0x10]) + payload[position + 1 :]
         with pytest.raises(PayloadError):
-            decode(flipped, specs_of(tensors), codec)
+            decode(flipped, specs_of(tensors), CODECS[codec])
         caught += 1
     assert caught == 300

@@ -18,8 +18,8 @@ import torch
 from spes_p2p.errors import ConfigError
 from spes_p2p.model import MoETransformer, UnitLayout, get_preset
 from spes_p2p.settings import Settings
-from spes_p2p.sync.codecs import CODECS
-from spes_p2p.sync.payload import ErrorFeedback, PayloadError, decode, encode, specs_of
+from spes_p2p.sync.codecs import CODECS, PayloadError
+from spes_p2p.sync.payload import ErrorFeedback, decode, encode, specs_of
 from spes_p2p.train.config import TrainConfig
 from spes_p2p.train.device import autocast, model_device, place, resolve_device
 from spes_p2p.train.fit import Plan, check_fits, estimate_bytes, flags, suggest
@@ -104,9 +104,9 @@ def test_the_model_trains_under_bf16_autocast_with_quantized_frozen_experts():
 def test_payloads_round_trip_onto_a_device(codec):
     torch.manual_seed(0)
     tensors = {"a.weight": torch.randn(64, 96), "b.norm": torch.randn(64)}
-    payload = encode(tensors, codec, meta={"unit": "dense/0"})
-    here = decode(payload, specs_of(tensors), codec, meta={"unit": "dense/0"}, device="cpu")
-    default = decode(payload, specs_of(tensors), codec, meta={"unit": "dense/0"})
+    payload = encode(tensors, CODECS[codec], meta={"unit": "dense/0"})
+    here = decode(payload, specs_of(tensors), CODECS[codec], meta={"unit": "dense/0"}, device="cpu")
+    default = decode(payload, specs_of(tensors), CODECS[codec], meta={"unit": "dense/0"})
     for name, t in tensors.items():
         assert here[name].device == torch.device("cpu") and here[name].dtype == torch.float32
         assert torch.equal(here[name], default[name])
@@ -117,12 +117,12 @@ def test_payloads_round_trip_onto_a_device(codec):
     flipped = bytearray(payload)
     flipped[-3] ^= 0x10
     with pytest.raises(PayloadError):
-        decode(bytes(flipped), specs_of(tensors), codec, device="cpu")
+        decode(bytes(flipped), specs_of(tensors), CODECS[codec], device="cpu")
 
 
 def test_error_feedback_decodes_where_the_update_lives():
     update = {"w": torch.randn(4096)}
-    feedback = ErrorFeedback("int8")
+    feedback = ErrorFeedback(CODECS["int8"])
     _, sent = feedback.encode(update, round_=1)
     assert sent["w"].device == update["w"].device
     assert torch.allclose(feedback.residual["w"], update["w"] - sent["w"])

@@ -10,6 +10,8 @@ from spes_p2p.net.transport import Unavailable
 from spes_p2p.peer.footprint import KINDS, Footprint, count
 from spes_p2p.settings import Settings
 from spes_p2p.sim.memory import report
+from spes_p2p.sync.codecs import CODECS, Codecs
+from spes_p2p.sync.config import SyncConfig
 from spes_p2p.sync.messages import UpdateRequest, WeightsRequest
 from spes_p2p.sync.payload import decode, specs_of
 from spes_p2p.sync.serving import Outbox, Posted
@@ -48,7 +50,8 @@ def test_the_outbox_keeps_payloads_not_tensors():
     transport = net.join("holder")
     weights = {"w1": torch.randn(64, 32), "w2": torch.randn(32)}
     specs = {UNIT: specs_of(weights)}
-    outbox = Outbox(transport, specs, 0.01, Versions("int8", 0.01))
+    codecs = Codecs.of(SyncConfig())
+    outbox = Outbox(transport, specs, codecs, Versions(codecs["int8"]))
     outbox.serve_weights(3, UNIT, weights)
     outbox.post_update(3, UNIT, Posted(b"update", b"end", 100, "base"))
     held = outbox.held()
@@ -59,10 +62,10 @@ def test_the_outbox_keeps_payloads_not_tensors():
     assert all(isinstance(x, bytes) for x in leaves(held))
     exact = outbox.rpc_weights("asker", WeightsRequest(unit=UNIT, round=3, codec="none").encode())
     assert exact in leaves(held)  # served as kept: no copy per request
-    got = decode(exact, specs[UNIT], "none", meta={"unit": UNIT, "round": "3", "kind": "weights"})
+    got = decode(exact, specs[UNIT], CODECS["none"], meta={"unit": UNIT, "round": "3", "kind": "weights"})
     assert all(torch.equal(got[n], weights[n]) for n in weights)
     coded = outbox.rpc_weights("asker", WeightsRequest(unit=UNIT, round=3, codec="int8").encode())
-    got = decode(coded, specs[UNIT], "int8", meta={"unit": UNIT, "round": "3", "kind": "weights"})
+    got = decode(coded, specs[UNIT], CODECS["int8"], meta={"unit": UNIT, "round": "3", "kind": "weights"})
     assert all((got[n] - weights[n]).abs().max() <= 0.02 * weights[n].abs().max() for n in weights)
     assert outbox.rpc_update("asker", UpdateRequest(unit=UNIT, round=3, kind="end").encode()) == b"end"
     outbox.forget_before(3 + 2)  # end weights go first

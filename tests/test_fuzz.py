@@ -18,9 +18,9 @@ from hypothesis import strategies as st
 from spes_p2p.net.reachability import DialbackAnswer, DialbackRequest
 from spes_p2p.swarm.manifest import Manifest, ManifestRecord
 from spes_p2p.swarm.records import Announcement, PeerRecord
-from spes_p2p.sync.codecs import CODECS, TensorSpec
+from spes_p2p.sync.codecs import CODECS, PayloadError, TensorSpec, TopK
 from spes_p2p.sync.messages import UpdateRequest, WeightsRequest
-from spes_p2p.sync.payload import PayloadError, decode, encode
+from spes_p2p.sync.payload import decode, encode
 
 EXAMPLES = int(os.environ.get("SPES_FUZZ_EXAMPLES", "200"))
 FUZZ = settings(
@@ -30,10 +30,10 @@ FUZZ = settings(
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
 )
 SPECS = {"w": TensorSpec((7, 5)), "b": TensorSpec((3,))}
+CODING = {**CODECS, "topk": TopK(0.1)}
 META = {"unit": "dense/0", "round": "3", "kind": "delta"}
 VALID = {
-    codec: encode({"w": torch.randn(7, 5), "b": torch.randn(3)}, codec, meta=META, topk_fraction=0.1)
-    for codec in CODECS
+    codec: encode({"w": torch.randn(7, 5), "b": torch.randn(3)}, CODING[codec], meta=META) for codec in CODECS
 }
 MESSAGES = [
     UpdateRequest,
@@ -64,7 +64,7 @@ json_values = st.recursive(
 
 def decoded_or_refused(payload: bytes, codec: str) -> None:
     try:
-        tensors = decode(payload, SPECS, codec, meta=META, topk_fraction=0.1)
+        tensors = decode(payload, SPECS, CODING[codec], meta=META)
     except PayloadError:
         return
     assert set(tensors) == set(SPECS)
@@ -126,7 +126,7 @@ def test_a_deeply_nested_header_is_refused():
     raw = b"[" * 40_000
     for codec in CODECS:
         with pytest.raises(PayloadError):
-            decode(len(raw).to_bytes(8, "little") + raw, SPECS, codec, meta=META)
+            decode(len(raw).to_bytes(8, "little") + raw, SPECS, CODECS[codec], meta=META)
 
 
 @pytest.mark.parametrize("cls", MESSAGES, ids=lambda c: c.__name__)

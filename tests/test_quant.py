@@ -9,6 +9,7 @@ from spes_p2p.model import MoETransformer, UnitLayout, get_preset, read_unit, wr
 from spes_p2p.model.moe import SwiGLUExpert
 from spes_p2p.model.quant import QuantizedTensor, frozen_matmul
 from spes_p2p.model.units import hold_frozen
+from spes_p2p.sync.codecs import CODECS
 from spes_p2p.sync.payload import decode, encode, specs_of
 from spes_p2p.train.config import TrainConfig
 from spes_p2p.train.memory import weights_bytes
@@ -59,7 +60,7 @@ def test_quantized_experts_are_smaller_and_read_write_like_the_others(kind):
     # a refresh that arrives in the peer's own format is stored with little or no further error (int8:
     # bitsandbytes' map reaches 1.0 but only -0.993, so a block whose largest value is negative shrinks a bit)
     exact = read_unit(full, LAYOUT, "experts/2")
-    refresh = decode(encode(exact, kind), specs_of(exact), kind)
+    refresh = decode(encode(exact, CODECS[kind]), specs_of(exact), CODECS[kind])
     write_unit(quantized, LAYOUT, "experts/2", refresh)
     held = read_unit(quantized, LAYOUT, "experts/2")
     assert set(held) == set(exact)
@@ -165,7 +166,7 @@ def test_quantized_dense_blocks_are_smaller_and_read_write_like_the_others(kind)
     assert weights_bytes(full) - weights_bytes(quantized) == {"int8": 442_224, "nf4": 506_880}[kind]
     assert quantized.num_params() == full.num_params()
     exact = read_unit(full, BLOCKS, "dense/3")  # the final norm and the lm_head
-    refresh = decode(encode(exact, kind), specs_of(exact), kind)
+    refresh = decode(encode(exact, CODECS[kind]), specs_of(exact), CODECS[kind])
     write_unit(quantized, BLOCKS, "dense/3", refresh)
     held = read_unit(quantized, BLOCKS, "dense/3")
     assert set(held) == set(exact) == {"norm.weight", "lm_head.weight"}

@@ -7,7 +7,7 @@ import torch
 
 from spes_p2p.net.memory import MemoryNetwork
 from spes_p2p.swarm.records import Announcement, updates_key
-from spes_p2p.sync.codecs import TensorSpec, max_payload_bytes
+from spes_p2p.sync.codecs import CODECS, TensorSpec
 from spes_p2p.sync.config import SyncConfig
 from spes_p2p.sync.engine import SyncEngine, dense_group
 from spes_p2p.sync.exchange import RESYNC_LIMIT
@@ -105,7 +105,7 @@ def test_holders_agree_on_the_token_weighted_mean_and_updates_reach_only_holders
         assert name == RPC_UPDATE
         unit = UpdateRequest.decode(request).unit
         assert caller in HOLDERS[unit] and target in HOLDERS[unit]
-        assert response_bytes <= max_payload_bytes(SPECS[unit], codec)
+        assert response_bytes <= CODECS[codec].max_bytes(SPECS[unit])
     fetched = [(c, t, UpdateRequest.decode(r).unit) for c, t, _, r, _ in net.log]
     assert sorted(u for _, _, u in fetched) == sorted(
         ["dense/0"] * 12 + ["experts/0"] * 2 + ["experts/1"] * 2

@@ -11,6 +11,7 @@ from spes_p2p.net.wire import RecordError
 from spes_p2p.settings import Settings
 from spes_p2p.swarm.manifest import Manifest, ManifestError, ManifestRecord
 from spes_p2p.swarm.records import Announcement, Holding, PeerRecord, Progress, parse_peers
+from spes_p2p.sync.codecs import CODECS
 from spes_p2p.sync.config import SyncConfig
 from spes_p2p.sync.engine import SyncEngine
 from spes_p2p.sync.messages import MAX_REQUEST_BYTES, RPC_UPDATE, RPC_WEIGHTS, UpdateRequest, WeightsRequest
@@ -110,6 +111,6 @@ def test_requests_round_trip_and_weights_carry_their_round():
     request = WeightsRequest(unit="dense/0", codec="none", round=7).encode()
     payload = net.join("client").request("server", RPC_WEIGHTS, request, timeout=1)
     got = decode(
-        payload, specs_of(weights), "none", meta={"unit": "dense/0", "round": "7", "kind": "weights"}
+        payload, specs_of(weights), CODECS["none"], meta={"unit": "dense/0", "round": "7", "kind": "weights"}
     )
     assert torch.equal(got["w"], weights["w"])

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 from spes_p2p.fields import PEER, SWARM, Section, check, setting
 from spes_p2p.swarm.records import MAX_PARTS
-from spes_p2p.sync.codecs import CODECS, TOPK_FRACTION
+from spes_p2p.sync.codecs import CODECS, TopK
 
 OUTER_RULES = ("fedavg", "nesterov")
 AGGREGATES = ("mean", "clipped_mean", "trimmed_mean", "median")
@@ -31,7 +31,7 @@ class SyncConfig(Section):
         "refresh_codec) or weights (the holders' weights in full, every time).",
         choices=FROZEN_REFRESHES,
     )
-    topk_fraction: float = setting(TOPK_FRACTION, "topk codec: the share of entries sent.")
+    topk_fraction: float = setting(TopK.fraction, "topk codec: the share of entries sent.")
     outer: str = setting("fedavg", "Outer rule: fedavg (SPES) or nesterov (DiLoCo).", choices=OUTER_RULES)
     outer_lr: float = setting(1.0, "Outer learning rate.")
     outer_momentum: float = setting(0.9, "Outer momentum (nesterov only).")

@@ -15,7 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 
 from spes_p2p.net.transport import Transport
-from spes_p2p.sync.codecs import TensorSpec
+from spes_p2p.sync.codecs import Codecs, TensorSpec
 from spes_p2p.sync.config import SyncConfig
 from spes_p2p.sync.exchange import Exchange, dense_group
 from spes_p2p.sync.outcome import UnitRound, tensors_hash
@@ -44,13 +44,15 @@ class SyncEngine:
         self.transport = transport
         self.abort = threading.Event()  # set when the peer stops: waits end at once, with what has arrived
         self._pool = ThreadPoolExecutor(PARALLEL_FETCHES, thread_name_prefix="spes-fetch")
-        self.versions = Versions(cfg.refresh_codec, cfg.topk_fraction)  # of the units we hold
+        codecs = Codecs.of(cfg)
+        self.versions = Versions(codecs.refresh)  # of the units we hold
         self.copies = Copies()  # which of our frozen copies are versions
-        self.outbox = Outbox(transport, specs, cfg.topk_fraction, self.versions, local_copy)
+        self.outbox = Outbox(transport, specs, codecs, self.versions, local_copy)
         self._exchange = Exchange(
             transport,
             run_id,
             cfg,
+            codecs,
             specs,
             self.outbox,
             self._pool,
@@ -58,7 +60,7 @@ class SyncEngine:
             live_peers,
             aggregate,
         )
-        self._refresh = Refresh(transport, cfg, specs, self._pool, self.abort, live_peers)
+        self._refresh = Refresh(transport, cfg, codecs, specs, self._pool, self.abort, live_peers)
         self.sample: Callable[[], None] = lambda: None  # measures the peer's memory (``peer.footprint``)
         self._exchange.sample = lambda: self.sample()
 

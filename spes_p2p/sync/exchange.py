@@ -39,7 +39,7 @@ from spes_p2p.sync.aggregate import (
     norm_of,
     resynchronized,
 )
-from spes_p2p.sync.codecs import TensorSpec
+from spes_p2p.sync.codecs import EXACT, Codecs, TensorSpec
 from spes_p2p.sync.config import SyncConfig
 from spes_p2p.sync.fetching import Gone, Got, Refused, UpdateFetcher
 from spes_p2p.sync.outcome import MISS_LIMIT, UnitRound, tensors_hash
@@ -80,6 +80,7 @@ class Exchange:
         transport: Transport,
         run_id: str,
         cfg: SyncConfig,
+        codecs: Codecs,
         specs: dict[str, dict[str, TensorSpec]],
         outbox: Outbox,
         pool: ThreadPoolExecutor,
@@ -88,9 +89,10 @@ class Exchange:
         aggregate: str = "mean",
     ) -> None:
         self.transport, self.run_id, self.cfg, self.specs = transport, run_id, cfg, specs
+        self.codec = codecs.update
         self.aggregate, self.outbox, self.abort = aggregate, outbox, abort
         self.gossip = Gossip(transport, run_id)
-        self.fetcher = UpdateFetcher(transport, run_id, cfg, specs, pool, abort, self.gossip)
+        self.fetcher = UpdateFetcher(transport, run_id, cfg, self.codec, specs, pool, abort, self.gossip)
         self.live_peers = live_peers  # who is still in the swarm: no round waits for peers that left
         self.deadline = AdaptiveDeadline(cfg.deadline_min, cfg.deadline_max)
         self.base_hashes: dict[tuple[int, str], str] = {}  # (round, unit) -> our start-weights hash
@@ -222,7 +224,7 @@ class Exchange:
     ) -> Tensors:
         """Codes, posts and announces our update; returns its decoded form, which is what we aggregate."""
         meta = payload_meta(unit, round_, "delta")
-        feedback = self.feedback.setdefault(unit, ErrorFeedback(self.cfg.codec, self.cfg.topk_fraction))
+        feedback = self.feedback.setdefault(unit, ErrorFeedback(self.codec))
         payload, sent = feedback.encode(update, meta, round_)
         self.post(round_, unit, payload, end, tokens, base)
         return sent
@@ -232,7 +234,7 @@ class Exchange:
     ) -> None:
         """Serves our update (whole ``payload``, or in ``pieces``) and the ``end`` weights behind it, and
         announces it."""
-        end_payload = encode(end, "none", meta=payload_meta(unit, round_, "end"))
+        end_payload = encode(end, EXACT, meta=payload_meta(unit, round_, "end"))
         posted = Posted(payload, end_payload, tokens, base, tuple(pieces))
         self.outbox.post_update(round_, unit, posted)
         self.base_hashes[(round_, unit)] = posted.base
@@ -241,7 +243,7 @@ class Exchange:
             round=round_,
             tokens=posted.tokens,
             bytes=len(posted.payload) + sum(len(p) for p in posted.pieces),
-            codec=self.cfg.codec,
+            codec=self.codec.name,
             sha256=hashlib.sha256(posted.payload or "".join(digests).encode()).hexdigest(),
             base=posted.base,
             pieces=digests,

@@ -25,10 +25,10 @@ from spes_p2p.net.waiting import Deadline
 from spes_p2p.swarm.gossip import Gossip
 from spes_p2p.swarm.records import Announcement, decode_entries, updates_key
 from spes_p2p.sync.aggregate import Contribution, Fetched
-from spes_p2p.sync.codecs import HEADER_ALLOWANCE, TensorSpec, max_payload_bytes, piece_spec
+from spes_p2p.sync.codecs import EXACT, HEADER_ALLOWANCE, Codec, PayloadError, TensorSpec, piece_spec
 from spes_p2p.sync.config import SyncConfig
 from spes_p2p.sync.messages import RPC_UPDATE, UpdateRequest
-from spes_p2p.sync.payload import PayloadError, decode, metadata_of, payload_meta
+from spes_p2p.sync.payload import decode, metadata_of, payload_meta
 
 logger = logging.getLogger(__name__)
 
@@ -75,12 +75,13 @@ class UpdateFetcher:
         transport: Transport,
         run_id: str,
         cfg: SyncConfig,
+        codec: Codec,
         specs: dict[str, dict[str, TensorSpec]],
         pool: ThreadPoolExecutor,
         abort: threading.Event,
         gossip: Gossip,
     ) -> None:
-        self.transport, self.run_id, self.cfg, self.specs = transport, run_id, cfg, specs
+        self.transport, self.run_id, self.cfg, self.codec, self.specs = transport, run_id, cfg, codec, specs
         self.pool, self.abort, self.gossip = pool, abort, gossip
         # (round, unit) -> when the DHT's announcements were last read, and what they were
         self._read: dict[tuple[int, str], tuple[float, dict[str, Announcement]]] = {}
@@ -124,7 +125,7 @@ class UpdateFetcher:
         """The combined update of one part from the member that owns it: ``Reduced``, ``Refused`` (a bad
         payload), or ``NotYet`` (not served yet, or unreachable)."""
         spec = piece_spec(self.specs[unit], part, parts)
-        limit = max_payload_bytes(spec, self.cfg.codec, self.cfg.topk_fraction)
+        limit = self.codec.max_bytes(spec)
         request = UpdateRequest(round=round_, unit=unit, kind="reduced", part=part, parts=parts).encode()
         try:
             payload = self._request(owner, request, limit, self._cutoff(deadline))
@@ -132,7 +133,7 @@ class UpdateFetcher:
             return NotYet(f"{owner}'s combined part {part} of {unit}: {exc}")
         meta = payload_meta(unit, round_, "reduced", part, parts)
         try:
-            tensors = decode(payload, spec, self.cfg.codec, meta=meta, topk_fraction=self.cfg.topk_fraction)
+            tensors = decode(payload, spec, self.codec, meta=meta)
             contributors = metadata_of(payload).get("peers", "")
         except PayloadError as exc:
             return self.refuse(owner, unit, str(exc))
@@ -169,9 +170,9 @@ class UpdateFetcher:
         part: tuple[int, int] | None,
     ):
         full = self.specs[unit]
-        limit = max_payload_bytes(full, self.cfg.codec, self.cfg.topk_fraction)
+        limit = self.codec.max_bytes(full)
         if (
-            announced.codec != self.cfg.codec
+            announced.codec != self.codec.name
             or announced.bytes > limit + len(announced.pieces) * HEADER_ALLOWANCE
         ):
             return self.refuse(peer, unit, f"announced {announced.bytes} bytes of {announced.codec!r}")
@@ -182,7 +183,7 @@ class UpdateFetcher:
         kind, where = ("delta", {}) if part is None else ("piece", {"part": part[0], "parts": part[1]})
         request = UpdateRequest(round=round_, unit=unit, kind=kind, **where).encode()
         try:
-            bound = max_payload_bytes(spec, self.cfg.codec, self.cfg.topk_fraction)
+            bound = self.codec.max_bytes(spec)
             payload = self._request(peer, request, bound, cutoff)
         except RemoteError as exc:  # it announced the update, so it will not come back
             return Gone(f"{peer} no longer has its {unit} update of round {round_}: {exc}")
@@ -193,7 +194,7 @@ class UpdateFetcher:
             if hashlib.sha256(payload).hexdigest() != digest:
                 raise PayloadError("payload does not match its announced checksum")
             meta = payload_meta(unit, round_, kind, *(part or (0, 0)))
-            tensors = decode(payload, spec, self.cfg.codec, meta=meta, topk_fraction=self.cfg.topk_fraction)
+            tensors = decode(payload, spec, self.codec, meta=meta)
         except PayloadError as exc:
             return self.refuse(peer, unit, str(exc))
         self.transport.guard.accept(peer)
@@ -202,10 +203,10 @@ class UpdateFetcher:
 
     def _end(self, round_: int, unit: str, c: Contribution, cutoff: Deadline) -> Contribution | None:
         request = UpdateRequest(round=round_, unit=unit, kind="end").encode()
-        limit = max_payload_bytes(self.specs[unit], "none")
+        limit = EXACT.max_bytes(self.specs[unit])
         try:
             payload = self._request(c.peer_id, request, limit, cutoff)
-            tensors = decode(payload, self.specs[unit], "none", meta=payload_meta(unit, round_, "end"))
+            tensors = decode(payload, self.specs[unit], EXACT, meta=payload_meta(unit, round_, "end"))
         except TransportError as exc:
             logger.info("could not fetch %s's %s end weights: %s", c.peer_id, unit, exc)
             return None

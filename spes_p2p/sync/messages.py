@@ -26,7 +26,7 @@ RPC_UPDATE = "spes/update"
 RPC_WEIGHTS = "spes/weights"
 MAX_REQUEST_BYTES = 1024
 
-Codec = Literal[tuple(CODECS)]  # type: ignore[valid-type]
+CodecName = Literal[tuple(CODECS)]  # type: ignore[valid-type]
 
 
 class Message(Strict):
@@ -49,7 +49,7 @@ class UpdateRequest(Message):
 
 class WeightsRequest(Message):
     unit: Unit
-    codec: Codec
+    codec: CodecName
     round: Annotated[int, msgspec.Meta(ge=-1)] = -1  # -1: the newest
     any_copy: bool = False  # newcomers: a unit we do not hold is answered from our own copy
     kind: Literal["weights", "version", "change"] = "weights"  # see sync/versions.py

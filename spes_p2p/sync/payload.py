@@ -1,14 +1,15 @@
-"""Payloads: a unit's tensors, coded (``spes_p2p.sync.codecs``), in a safetensors container.
+"""Payloads: a unit's tensors, coded by a codec (``spes_p2p.sync.codecs``), in a safetensors container.
 
 Never pickle, never ``torch.load``: the safetensors library parses the container (its header, dtypes,
 shapes and offsets), then ``decode`` checks it against what the receiver expects before using a byte:
 
-1. the size, before parsing: at most ``max_payload_bytes`` for the expected tensors and codec;
+1. the size, before parsing: at most the codec's ``max_bytes`` for the expected tensors;
 2. the metadata: ``format``, ``codec`` and whatever the caller pins (the unit, the round);
 3. the buffers: exactly the names, dtypes and shapes the codec defines for the expected tensors;
 4. their SHA-256 (names and bytes, in name order), against the ``sha256`` in the metadata: a flipped bit in
    transit is caught, not decoded into plausible weights;
-5. the values: finite, block scales included; top-k indices in range and distinct.
+5. the values: finite, and whatever the codec checks (block scales finite; top-k indices in range and
+   distinct).
 
 Anything else is a ``PayloadError``, which the caller counts as a rejected payload.
 
@@ -25,25 +26,12 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load, save
 
-from spes_p2p.errors import SpesError
-from spes_p2p.quantize import dequantize_int8, dequantize_nf4, quantize_int8, quantize_nf4
-from spes_p2p.sync.codecs import (
-    TOPK_FRACTION,
-    TensorSpec,
-    buffer_name,
-    layout,
-    max_payload_bytes,
-    topk_count,
-)
+from spes_p2p.sync.codecs import Codec, PayloadError, TensorSpec, buffer_name
 
 FORMAT = "spes-payload/2"
 _DTYPES = {torch.float32: "F32", torch.float16: "F16", torch.uint8: "U8", torch.int32: "I32"}
 
 Tensors = dict[str, torch.Tensor]
-
-
-class PayloadError(SpesError):
-    """A payload that is corrupt, oversized, or does not match what was expected."""
 
 
 class _Header(msgspec.Struct):
@@ -84,48 +72,41 @@ def unflatten(flat: torch.Tensor, specs: dict[str, TensorSpec]) -> Tensors:
     return out
 
 
-def encode(
-    tensors: Tensors, codec: str, *, meta: dict[str, str] | None = None, topk_fraction: float = TOPK_FRACTION
-) -> bytes:
+def encode(tensors: Tensors, codec: Codec, *, meta: dict[str, str] | None = None) -> bytes:
     """The payload of ``tensors`` under ``codec``, coded on the tensors' device."""
     buffers: Tensors = {}
     for name, tensor in tensors.items():
         flat = tensor.detach().float().contiguous().flatten()
-        parts = _ENCODE[codec](flat, topk_fraction)
-        for suffix, part in zip(
-            layout(codec, TensorSpec(tuple(tensor.shape)), topk_fraction), parts, strict=True
-        ):
+        layout = codec.layout(TensorSpec(tuple(tensor.shape)))
+        for suffix, part in zip(layout, codec.encode(flat), strict=True):
             buffer = part.contiguous() if suffix else part.view(tensor.shape)
             buffers[buffer_name(name, suffix)] = buffer.cpu()
-    return save(
-        buffers,
-        metadata={**(meta or {}), "format": FORMAT, "codec": codec, "sha256": buffers_digest(buffers)},
-    )
+    metadata = {**(meta or {}), "format": FORMAT, "codec": codec.name, "sha256": buffers_digest(buffers)}
+    return save(buffers, metadata=metadata)
 
 
 def decode(
     payload: bytes,
     expected: dict[str, TensorSpec],
-    codec: str,
+    codec: Codec,
     *,
     meta: dict[str, str] | None = None,
-    topk_fraction: float = TOPK_FRACTION,
     device: torch.device | str | None = None,
 ) -> Tensors:
     """The tensors of a checked payload, on ``device`` (default: the CPU); ``expected`` names every tensor it
     must hold and nothing else, and ``meta`` the metadata values it must carry."""
-    limit = max_payload_bytes(expected, codec, topk_fraction)
+    limit = codec.max_bytes(expected)
     if len(payload) > limit:
         raise PayloadError(f"payload of {len(payload)} bytes, over the {limit}-byte bound for its unit")
     try:
         buffers = load(payload)
     except (SafetensorError, ValueError, OverflowError) as exc:
         raise PayloadError(f"not a safetensors payload: {exc}") from None
-    _check_metadata(payload, {**(meta or {}), "format": FORMAT, "codec": codec})
+    _check_metadata(payload, {**(meta or {}), "format": FORMAT, "codec": codec.name})
     wanted = {
         buffer_name(name, suffix): entry
         for name, spec in expected.items()
-        for suffix, entry in layout(codec, spec, topk_fraction).items()
+        for suffix, entry in codec.layout(spec).items()
     }
     if set(buffers) != set(wanted):
         raise PayloadError(f"payload buffers {_few(buffers)} differ from the expected {_few(wanted)}")
@@ -136,8 +117,8 @@ def decode(
     _check_metadata(payload, {"sha256": buffers_digest(buffers)})
     out = {}
     for name, spec in expected.items():
-        parts = [buffers[buffer_name(name, s)].to(device) for s in layout(codec, spec, topk_fraction)]
-        values = _DECODE[codec](parts, spec.numel)
+        parts = [buffers[buffer_name(name, s)].to(device) for s in codec.layout(spec)]
+        values = codec.decode(parts, spec.numel)
         if not torch.isfinite(values).all():
             raise PayloadError(f"{name}: values are not finite")
         out[name] = values.view(spec.shape)
@@ -174,55 +155,13 @@ def _few(names) -> str:
     return ", ".join(names[:3]) + (f" (+{len(names) - 3} more)" if len(names) > 3 else "")
 
 
-# ---------------------------------------------------------------------------------------- per codec
-
-
-def _enc_topk(flat: torch.Tensor, fraction: float) -> list[torch.Tensor]:
-    k = topk_count(flat.numel(), fraction)
-    indices = flat.abs().topk(k, sorted=False).indices.sort().values
-    return [indices.int(), flat[indices].half()]
-
-
-def _dec_topk(parts: list[torch.Tensor], numel: int) -> torch.Tensor:
-    indices, values = parts[0].long(), parts[1].float()
-    if len(indices) and (indices.min() < 0 or indices.max() >= numel or (indices[1:] <= indices[:-1]).any()):
-        raise PayloadError("top-k indices out of range or not strictly increasing")
-    return torch.zeros(numel, device=values.device).index_put_((indices,), values)
-
-
-def _dec_quantized(dequantize):
-    def decode_parts(parts: list[torch.Tensor], numel: int) -> torch.Tensor:
-        codes, absmax = parts
-        if not torch.isfinite(absmax).all():
-            raise PayloadError("block scales are not finite")
-        return dequantize(codes, absmax, numel)
-
-    return decode_parts
-
-
-_ENCODE = {
-    "none": lambda flat, _: [flat],
-    "fp16": lambda flat, _: [flat.half()],
-    "int8": lambda flat, _: list(quantize_int8(flat)),
-    "nf4": lambda flat, _: list(quantize_nf4(flat)),
-    "topk": _enc_topk,
-}
-_DECODE = {
-    "none": lambda parts, numel: parts[0].flatten(),
-    "fp16": lambda parts, numel: parts[0].flatten().float(),
-    "int8": _dec_quantized(lambda codes, absmax, numel: dequantize_int8(codes, absmax)),
-    "nf4": _dec_quantized(dequantize_nf4),
-    "topk": _dec_topk,
-}
-
-
 class ErrorFeedback:
     """Error feedback for a lossy codec: what one round's payload lost to the codec (top-k's unsent entries,
     int8's and nf4's rounding) is added to the next round's update, so a peer's coded updates sum to its
     true ones. The residual is kept only from one round to the next: after a gap it is dropped."""
 
-    def __init__(self, codec: str, fraction: float = TOPK_FRACTION) -> None:
-        self.codec, self.fraction = codec, fraction
+    def __init__(self, codec: Codec) -> None:
+        self.codec = codec
         self.residual: Tensors = {}
         self.round: int | None = None  # the round whose loss ``residual`` holds
 
@@ -233,9 +172,8 @@ class ErrorFeedback:
         given) drops a residual that is not from the round before."""
         full = self.carry(update, round_)
         device = next((t.device for t in full.values()), None)
-        payload = encode(full, self.codec, meta=meta, topk_fraction=self.fraction)
-        specs = specs_of(full)
-        sent = decode(payload, specs, self.codec, meta=meta, topk_fraction=self.fraction, device=device)
+        payload = encode(full, self.codec, meta=meta)
+        sent = decode(payload, specs_of(full), self.codec, meta=meta, device=device)
         self.keep(full, sent, round_)
         return payload, sent
 
@@ -247,7 +185,7 @@ class ErrorFeedback:
 
     def keep(self, full: Tensors, sent: Tensors, round_: int | None = None) -> None:
         """Remembers what coding ``full`` lost (``sent`` is what its payloads decode to)."""
-        lossless = self.codec == "none"
+        lossless = self.codec.lossless
         self.residual, self.round = ({} if lossless else {n: full[n] - sent[n] for n in full}), round_
 
     def reset(self) -> None:

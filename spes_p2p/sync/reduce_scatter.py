@@ -174,7 +174,7 @@ class ReduceScatter:
         """Codes our update (plus what coding lost last round) as one piece per part, posts and announces
         them; returns the pieces as they decode."""
         x = self.x
-        feedback = x.feedback.setdefault(r.unit, ErrorFeedback(x.cfg.codec, x.cfg.topk_fraction))
+        feedback = x.feedback.setdefault(r.unit, ErrorFeedback(x.codec))
         full = feedback.carry(update, r.round)
         flat = flatten(full)
         payloads, decoded = [], []
@@ -289,10 +289,8 @@ class ReduceScatter:
         return unflatten(torch.cat(pieces), self.x.specs[unit])
 
     def _encode(self, piece: torch.Tensor, meta: dict[str, str]) -> bytes:
-        return encode({"piece": piece}, self.x.cfg.codec, meta=meta, topk_fraction=self.x.cfg.topk_fraction)
+        return encode({"piece": piece}, self.x.codec, meta=meta)
 
     def _decode(self, payload: bytes, numel: int, meta: dict[str, str]) -> torch.Tensor:
         spec = {"piece": TensorSpec((numel,))}
-        return decode(payload, spec, self.x.cfg.codec, meta=meta, topk_fraction=self.x.cfg.topk_fraction)[
-            "piece"
-        ]
+        return decode(payload, spec, self.x.codec, meta=meta)["piece"]

@@ -25,10 +25,10 @@ import torch
 
 from spes_p2p.net.transport import Transport, TransportError
 from spes_p2p.net.waiting import Deadline, poll
-from spes_p2p.sync.codecs import TensorSpec, max_payload_bytes
+from spes_p2p.sync.codecs import Codecs, PayloadError, TensorSpec
 from spes_p2p.sync.config import SyncConfig
 from spes_p2p.sync.messages import RPC_WEIGHTS, WeightsRequest
-from spes_p2p.sync.payload import PayloadError, decode, metadata_of
+from spes_p2p.sync.payload import decode, metadata_of
 
 logger = logging.getLogger(__name__)
 
@@ -75,12 +75,14 @@ class Refresh:
         self,
         transport: Transport,
         cfg: SyncConfig,
+        codecs: Codecs,
         specs: dict[str, dict[str, TensorSpec]],
         pool: ThreadPoolExecutor,
         abort: threading.Event,
         live_peers=None,
     ) -> None:
         self.transport, self.cfg, self.specs, self.pool, self.abort = transport, cfg, specs, pool, abort
+        self.codecs = codecs
         self.live_peers = live_peers
         self.rejected = 0
         self.failed: Counter[str] = Counter()  # holder -> fetches in a row it did not serve
@@ -173,7 +175,8 @@ class Refresh:
             unit=unit, codec=want.codec, round=max(min_round, -1), any_copy=any_copy, kind=want.kind
         ).encode()
         timeout = min(self.cfg.request_timeout, max(deadline.remaining(), MIN_REQUEST_SECONDS))
-        limit = max_payload_bytes(self.specs[unit], want.codec, self.cfg.topk_fraction)
+        codec = self.codecs[want.codec]
+        limit = codec.max_bytes(self.specs[unit])
         try:
             payload = self.transport.request(
                 peer, RPC_WEIGHTS, request, timeout=timeout, max_response_bytes=limit
@@ -186,9 +189,8 @@ class Refresh:
         decoder = functools.partial(
             decode,
             expected=self.specs[unit],
-            codec=want.codec,
+            codec=codec,
             meta={"unit": unit, "kind": want.kind},
-            topk_fraction=self.cfg.topk_fraction,
         )
         try:
             decoder(payload)  # checked now; decoded again when used

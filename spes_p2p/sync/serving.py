@@ -26,7 +26,7 @@ import torch
 
 from spes_p2p.net.transport import Transport, Unavailable
 from spes_p2p.net.wire import BadRequest
-from spes_p2p.sync.codecs import TensorSpec
+from spes_p2p.sync.codecs import EXACT, Codecs, TensorSpec
 from spes_p2p.sync.messages import (
     MAX_REQUEST_BYTES,
     RPC_UPDATE,
@@ -62,11 +62,11 @@ class Outbox:
         self,
         transport: Transport,
         specs: dict[str, dict[str, TensorSpec]],
-        topk_fraction: float,
+        codecs: Codecs,
         versions: Versions,
         local_copy: Callable[[str], Tensors] | None = None,
     ) -> None:
-        self.specs, self.topk_fraction = specs, topk_fraction
+        self.specs, self.codecs = specs, codecs
         self.versions = versions  # of the units we hold
         self.local_copy = local_copy  # our copy of any unit, for newcomers that find no holder ready
         self.guard = transport.guard
@@ -94,7 +94,7 @@ class Outbox:
 
     def serve_weights(self, round_: int, unit: str, weights: Tensors) -> None:
         """From now on, those who ask for ``unit`` get these weights (as of round ``round_``)."""
-        payload = encode(weights, "none", meta=payload_meta(unit, round_, "weights"))
+        payload = encode(weights, EXACT, meta=payload_meta(unit, round_, "weights"))
         with self._lock:
             versions = self._weights.setdefault(unit, {})
             versions[round_] = payload
@@ -159,9 +159,7 @@ class Outbox:
             return self._coded((round_, req.unit, "weights", req.codec), versions[round_])
         if req.any_copy and self.local_copy is not None and req.unit in self.specs:
             copy = self.local_copy(req.unit)
-            return encode(
-                copy, req.codec, meta=payload_meta(req.unit, -1, "weights"), topk_fraction=self.topk_fraction
-            )
+            return encode(copy, self.codecs[req.codec], meta=payload_meta(req.unit, -1, "weights"))
         raise Unavailable(f"this peer does not hold {req.unit}")
 
     def _parse(self, message: type[M], caller: str, request: bytes) -> M:
@@ -181,7 +179,7 @@ class Outbox:
             cached = self._encoded.get(key)
         if cached is None:
             meta = payload_meta(unit, round_, kind)
-            cached = encode(tensors_of(exact), codec, meta=meta, topk_fraction=self.topk_fraction)
+            cached = encode(tensors_of(exact), self.codecs[codec], meta=meta)
             with self._lock:
                 self._encoded[key] = cached
         return cached

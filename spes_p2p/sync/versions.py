@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 import torch
 
-from spes_p2p.sync.codecs import TensorSpec
+from spes_p2p.sync.codecs import EXACT, Codec, TensorSpec
 from spes_p2p.sync.outcome import tensors_hash
 from spes_p2p.sync.payload import decode, encode, payload_meta, tensors_of
 
@@ -47,7 +47,7 @@ class Version:
 
     @classmethod
     def of(cls, unit: str, round_: int, weights: Tensors) -> Version:
-        payload = encode(weights, "none", meta=payload_meta(unit, round_, "version"))
+        payload = encode(weights, EXACT, meta=payload_meta(unit, round_, "version"))
         return cls(round_, payload, tensors_hash(weights))
 
     @property
@@ -72,8 +72,8 @@ class Versions:
     """The current version of each unit this peer holds, and the change that made it. Thread-safe: the
     sync thread advances; handler threads serve."""
 
-    def __init__(self, codec: str, topk_fraction: float) -> None:
-        self.codec, self.topk_fraction = codec, topk_fraction
+    def __init__(self, codec: Codec) -> None:
+        self.codec = codec  # how a change travels
         self._lock = threading.Lock()
         self._current: dict[str, Version] = {}
         self._changes: dict[str, Change] = {}  # unit -> the change that made its current version
@@ -104,9 +104,9 @@ class Versions:
         meta = change_meta(unit, round_, since, before.hash)
         previous = before.weights
         delta = {n: weights[n] - previous[n] for n in weights}
-        payload = encode(delta, self.codec, meta=meta, topk_fraction=self.topk_fraction)
+        payload = encode(delta, self.codec, meta=meta)
         specs = {n: TensorSpec(tuple(t.shape)) for n, t in weights.items()}
-        sent = decode(payload, specs, self.codec, meta=meta, topk_fraction=self.topk_fraction)
+        sent = decode(payload, specs, self.codec, meta=meta)
         version = Version.of(unit, round_, {n: previous[n] + sent[n] for n in weights})
         with self._lock:
             self._current[unit] = version
