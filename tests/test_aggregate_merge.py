@@ -3,8 +3,8 @@ import torch
 
 from spes_p2p.sync.aggregate import (
     Contribution,
-    Fetched,
     OuterStep,
+    Received,
     averaged,
     combine,
     decide,
@@ -81,7 +81,7 @@ def contribution(peer, tokens, value, round_=0):
 
 def test_a_round_averages_updates_on_one_base_and_counts_late_ones():
     own = contribution("a", 100, 1.0)
-    fetched = [Fetched(contribution("b", 300, 3.0), base="s0")]
+    fetched = [Received(contribution("b", 300, 3.0), base="s0")]
     late = [contribution("c", 100, -2.0, round_=4)]
     decision = decide("s0", own, fetched, late)
     assert not decision.resync
@@ -92,7 +92,7 @@ def test_a_round_averages_updates_on_one_base_and_counts_late_ones():
 
 
 def test_a_newcomer_adopts_the_others_result_and_alone_a_peer_keeps_its_own():
-    fetched = [Fetched(contribution("b", 300, 3.0), base="s0")]
+    fetched = [Received(contribution("b", 300, 3.0), base="s0")]
     decision = decide("s0", None, fetched, [])
     assert [c.peer_id for c in decision.contributions] == ["b"]
     start, end = {"w": torch.zeros(3)}, {"w": torch.full((3,), 9.0)}
@@ -106,15 +106,15 @@ def test_a_newcomer_adopts_the_others_result_and_alone_a_peer_keeps_its_own():
 def test_the_base_most_participants_share_wins_and_others_are_left_out():
     own = contribution("a", 100, 1.0)
     fetched = [
-        Fetched(contribution("b", 300, 3.0), base="s0"),
-        Fetched(contribution("c", 100, 5.0), base="s9"),
+        Received(contribution("b", 300, 3.0), base="s0"),
+        Received(contribution("c", 100, 5.0), base="s9"),
     ]
     outnumbered = decide("s0", own, fetched, [contribution("d", 50, 7.0)])
     assert not outnumbered.resync and outnumbered.differ == ["c"]
     assert [c.peer_id for c in outnumbered.contributions] == ["a", "b", "d"]
     # on the other side, c re-synchronizes toward the two on s0, without its own end weights
     other = decide(
-        "s9", contribution("c", 100, 5.0), [Fetched(own, "s0"), Fetched(fetched[0].contribution, "s0")], []
+        "s9", contribution("c", 100, 5.0), [Received(own, "s0"), Received(fetched[0].contribution, "s0")], []
     )
     assert other.resync and not other.ours_leads and [c.peer_id for c in other.resync_from] == ["a", "b"]
     # a tie: everyone's end weights, ours included (honest holders that missed a round meet halfway)

@@ -19,7 +19,7 @@ from spes_p2p.sim import run, simulation
 from spes_p2p.sim.summary import read_rows
 from spes_p2p.swarm.claims import block_permutation, carry_block, holders_at_epoch
 from spes_p2p.swarm.member import SwarmMember
-from spes_p2p.sync.refresh import Fetched, Want
+from spes_p2p.sync.versions import Download, Want
 from spes_p2p.train.config import TrainConfig
 from spes_p2p.train.optim import tensor_bytes
 from spes_p2p.train.trainer import Trainer
@@ -215,20 +215,17 @@ def test_switch_state_cpu_parks_and_restores_the_state_of_a_block():
 # ------------------------------------------------------------------------ frozen copies held quantized
 
 
-class FakeCopies:
+class FakeSync:
     """The sync's record of which frozen copies are exact versions: here every copy is the version before."""
 
     def __init__(self, round_: int) -> None:
-        self.round, self.forgotten = round_, []
+        self.round, self.landed = round_, []
 
-    def get(self, unit):
+    def copy_version(self, unit):
         return (self.round, "hash")
 
-    def set(self, unit, round_, digest):
-        raise AssertionError(f"{unit} is held quantized: not an exact version")
-
-    def forget(self, unit):
-        self.forgotten.append(unit)
+    def copy_landed(self, unit, download, weights, full):
+        self.landed.append((unit, full))
 
 
 @pytest.mark.parametrize("refresh", ["changes", "weights"])
@@ -236,8 +233,8 @@ def test_a_dense_block_held_quantized_is_fetched_in_its_own_codec(refresh):
     s = blocks_settings().override(train__frozen_dense="nf4", sync__frozen_refresh=refresh)
     member = SimpleNamespace(transport=SimpleNamespace(peer_id="me"), units_held=["dense/1", "experts/0"])
     every = s.method.refresh_every_rounds
-    copies = FakeCopies(10 - every)
-    frozen = FrozenCopies(s, member, SimpleNamespace(copies=copies), s.model.layout())
+    sync = FakeSync(10 - every)
+    frozen = FrozenCopies(s, member, sync, s.model.layout())
     for experts in (None, {}):  # an ordinary version round, and a merge (which reads experts only)
         job = SimpleNamespace(round=10, experts=experts)
         kind = "version" if refresh == "changes" else "weights"
@@ -246,8 +243,8 @@ def test_a_dense_block_held_quantized_is_fetched_in_its_own_codec(refresh):
     job = SimpleNamespace(round=10, experts=None)
     if refresh == "changes":  # experts stay in full precision: the change since our copy's version
         assert frozen._want("experts/1", job) == Want("change", s.sync.refresh_codec, (10 - every, "hash"))
-    frozen.landed("dense/2", Fetched(10, Want("version", "none")), {"w": torch.zeros(1)})  # stored lossy
-    assert copies.forgotten == ["dense/2"]
+    frozen.landed("dense/2", Download(10, Want("version", "none")), {"w": torch.zeros(1)})
+    assert sync.landed == [("dense/2", False)]  # stored lossy: no exact version
 
 
 # ----------------------------------------------------------------------------------- simulated swarms

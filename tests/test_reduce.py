@@ -12,6 +12,7 @@ from spes_p2p.sim.byzantine import rewrite
 from spes_p2p.sync.codecs import TensorSpec
 from spes_p2p.sync.config import SyncConfig
 from spes_p2p.sync.engine import SyncEngine
+from spes_p2p.sync.jobs import UnitJob
 
 UNIT = "dense/0"
 SPECS = {UNIT: {"embed": TensorSpec((256, 64)), "norm": TensorSpec((64,))}}
@@ -51,7 +52,7 @@ def exchange(engines, peers=None, start=None, round_=0):
     def one(p):
         try:
             s = (start or {}).get(p, START)
-            out[p] = engines[p].exchange(round_, UNIT, s, ENDS[p], TOKENS[p], GROUP, grouped=True)
+            out[p] = engines[p].exchange(UnitJob(round_, UNIT, s, ENDS[p], TOKENS[p], GROUP, grouped=True))
         except Exception as exc:  # surfaced below
             errors.append(exc)
 
@@ -69,7 +70,9 @@ def exchange_with_newcomer(engines):
     newcomer, joined = engines.pop("p4"), {}
 
     def join():
-        joined["p4"] = newcomer.exchange(0, UNIT, START, weights(9), 50, GROUP, counted=False, grouped=True)
+        joined["p4"] = newcomer.exchange(
+            UnitJob(0, UNIT, START, weights(9), 50, GROUP, counted=False, grouped=True)
+        )
 
     thread = threading.Thread(target=join)
     thread.start()
@@ -133,9 +136,9 @@ def test_a_member_that_never_shows_up_costs_only_its_part_and_the_rest_agree():
 def test_an_owner_serving_a_false_combined_part_is_refused_and_the_others_agree(attack):
     engines = swarm(patient=True)  # each honest member must hear the liar, not time out on it first
     liar = engines["p3"]
-    post = liar.outbox.post_reduced
+    post = liar._outbox.post_reduced
     change = {"scale": lambda t: t * 1000, "signflip": lambda t: -t}[attack]
-    liar.outbox.post_reduced = lambda r, u, part, parts, payload: post(
+    liar._outbox.post_reduced = lambda r, u, part, parts, payload: post(
         r, u, part, parts, rewrite(payload, change)
     )
     results = exchange(engines)
@@ -146,8 +149,8 @@ def test_an_owner_serving_a_false_combined_part_is_refused_and_the_others_agree(
 
 
 def lie_with_scale(engine):
-    post = engine.outbox.post_reduced
-    engine.outbox.post_reduced = lambda r, u, part, parts, payload: post(
+    post = engine._outbox.post_reduced
+    engine._outbox.post_reduced = lambda r, u, part, parts, payload: post(
         r, u, part, parts, rewrite(payload, lambda t: t * 1000)
     )
 

@@ -9,11 +9,12 @@ from spes_p2p.net.memory import MemoryNetwork
 from spes_p2p.swarm.records import Announcement, updates_key
 from spes_p2p.sync.codecs import CODECS, TensorSpec
 from spes_p2p.sync.config import SyncConfig
-from spes_p2p.sync.engine import SyncEngine, dense_group
-from spes_p2p.sync.exchange import RESYNC_LIMIT
+from spes_p2p.sync.engine import SyncEngine
+from spes_p2p.sync.exchange import dense_group
+from spes_p2p.sync.jobs import UnitJob
+from spes_p2p.sync.ledger import MISS_LIMIT, RESYNC_LIMIT
 from spes_p2p.sync.messages import RPC_UPDATE, UpdateRequest
-from spes_p2p.sync.outcome import MISS_LIMIT
-from spes_p2p.sync.refresh import Want
+from spes_p2p.sync.versions import Want
 
 SPECS = {
     "dense/0": {"embed": TensorSpec((40, 8)), "norm": TensorSpec((8,))},
@@ -41,7 +42,9 @@ def run_round(engines, start, ends, peers=None, holders=HOLDERS):
         try:
             for unit, members in holders.items():
                 if peer in members:
-                    r = engines[peer].exchange(0, unit, start[unit], ends[peer][unit], TOKENS[peer], members)
+                    r = engines[peer].exchange(
+                        UnitJob(0, unit, start[unit], ends[peer][unit], TOKENS[peer], members)
+                    )
                     engines[peer].serve_weights(0, unit, r.new_weights)
                     results[(peer, unit)] = r
         except Exception as exc:  # surfaced below
@@ -68,7 +71,9 @@ def exchange_concurrently(engines, round_, unit, starts, ends, holders, tokens=T
 
     def one(p):
         try:
-            out[p] = engines[p].exchange(round_, unit, starts[p], ends[p], tokens.get(p, 100), holders)
+            out[p] = engines[p].exchange(
+                UnitJob(round_, unit, starts[p], ends[p], tokens.get(p, 100), holders)
+            )
         except Exception as exc:  # surfaced below
             errors.append(exc)
 
@@ -118,7 +123,7 @@ def test_holders_agree_on_the_token_weighted_mean_and_updates_reach_only_holders
     got = engines["p1"].refresh(
         0,
         {"experts/0": ["p0", "p2"]},
-        deadline=5.0,
+        seconds=5.0,
         want=Want("weights", "int8"),
         on_unit=lambda u, fetched: frozen.update(fetched.tensors),
     )
@@ -163,9 +168,11 @@ def test_a_participant_that_announces_and_never_serves_stops_being_waited_for():
         results = exchange_concurrently(engines, round_, unit, {p: start for p in engines}, ends, holders)
         assert results["p0"].missing == ["ghost"] and results["p0"].participants == ["p0", "p2"]
         start = results["p0"].new_weights
-    assert engines["p0"].deadline.mean_wait is not None  # it learns from the answers, whoever is missing
+    assert (
+        engines["p0"]._gatherer.deadline.mean_wait is not None
+    )  # it learns from the answers, whoever is missing
     for engine in engines.values():  # from now on a wait for the ghost would outlive this test's timeout
-        engine.deadline.low = engine.deadline.high = 600.0
+        engine._gatherer.deadline.low = engine._gatherer.deadline.high = 600.0
     ghost_announces(MISS_LIMIT)
     ends = {p: {"w1": start["w1"] + 0.01} for p in engines}
     results = exchange_concurrently(engines, MISS_LIMIT, unit, {p: start for p in engines}, ends, holders)
@@ -191,7 +198,7 @@ def test_different_start_weights_are_resynced_by_averaging_end_weights():
 
     def one(peer, s):
         results[peer] = engines[peer].exchange(
-            0, "experts/0", s["experts/0"], ends[peer]["experts/0"], TOKENS[peer], ["p0", "p2"]
+            UnitJob(0, "experts/0", s["experts/0"], ends[peer]["experts/0"], TOKENS[peer], ["p0", "p2"])
         )
 
     threads = [
@@ -226,7 +233,9 @@ def test_a_late_update_counts_in_the_next_round():
     same = {p: start for p in holders}
     first = exchange_concurrently(engines, 0, unit, {p: start for p in ("p0", "p1")}, end, holders)
     assert first["p0"].missing == ["p2"]  # p2 is late for round 0...
-    engines["p2"].exchange(0, unit, start, end["p2"], TOKENS["p2"], holders)  # ...and announces afterwards
+    engines["p2"].exchange(
+        UnitJob(0, unit, start, end["p2"], TOKENS["p2"], holders)
+    )  # ...and announces afterwards
     base = first["p0"].new_weights
     two = {p: base for p in ("p0", "p1")}
     second = exchange_concurrently(engines, 1, unit, two, two, holders)
@@ -248,12 +257,14 @@ def test_a_non_participant_cannot_slip_in_a_late_update():
     first = exchange_concurrently(engines, 0, unit, {p: start for p in holders}, end, holders)
     # the intruder announces a round-0 update on the holders' public base hash, after the round
     engines["intruder"].exchange(
-        0,
-        unit,
-        start,
-        end["intruder"],
-        10**6,
-        ["intruder"],
+        UnitJob(
+            0,
+            unit,
+            start,
+            end["intruder"],
+            10**6,
+            ["intruder"],
+        )
     )
     base = first["p0"].new_weights
     two = {p: base for p in holders}
@@ -393,18 +404,18 @@ def test_a_deadline_that_cut_off_a_peer_still_training_waits_longer_next_round()
     grows round after round, so a peer that ran ahead falls back into step instead of landing alone. A holder
     that never announces (a fake one) stops stretching it after MISS_LIMIT rounds."""
     _, engines = make_swarm("none", deadline=5.0, peers=("p0", "p1"))  # deadline_min 0.2
-    engines["p0"].deadline.observe(0.5)  # a 1 s deadline
+    engines["p0"]._gatherer.deadline.observe(0.5)  # a 1 s deadline
     unit, holders = "experts/0", ["p0", "p1", "p2"]
     start, waits = tensors(0)[unit], []
     for round_ in range(MISS_LIMIT + 1):
-        waits.append(engines["p0"].deadline.seconds())
+        waits.append(engines["p0"]._gatherer.deadline.seconds())
         ends = {p: {"w1": start["w1"] + 0.01 * (i + 1)} for i, p in enumerate(engines)}
         results = exchange_concurrently(engines, round_, unit, {p: start for p in engines}, ends, holders)
         assert results["p0"].missing == ["p2"] and results["p0"].participants == ["p0", "p1"]
         start = results["p0"].new_weights
     assert waits[0] < waits[1] < waits[2] < waits[3]  # each wait the whole deadline: 1.3x or more a round
-    counted = engines["p0"]._exchange
-    assert counted.behind["p2"] == MISS_LIMIT + 1 and "p2" not in counted.misses  # (it is waited for still)
+    ledger = engines["p0"]._ledger  # it stretches the deadline no more, and is waited for still
+    assert not ledger.stretches("p2") and ledger.waited_for("p2")
 
 
 def test_a_lone_holders_int8_updates_do_not_accumulate_rounding():
@@ -418,7 +429,7 @@ def test_a_lone_holders_int8_updates_do_not_accumulate_rounding():
         step = drift + torch.randn(8, 16, generator=g) * 1e-4
         end = {"w1": synced["w1"] + step}
         true = {"w1": true["w1"] + step}
-        synced = engines["p0"].exchange(round_, "experts/0", synced, end, 100, ["p0"]).new_weights
+        synced = engines["p0"].exchange(UnitJob(round_, "experts/0", synced, end, 100, ["p0"])).new_weights
     one_round = (drift.abs().max() * 2 / 127).item()  # int8's step on an update of this size
     assert (synced["w1"] - true["w1"]).abs().max() < one_round
 
@@ -435,7 +446,7 @@ def test_announcements_come_by_gossip_and_the_dht_covers_what_gossip_loses(drop)
         got = [results[(p, unit)].new_weights for p in members]
         assert all(torch.equal(g[n], got[0][n]) for g in got for n in got[0]), unit
         assert all(sorted(results[(p, unit)].participants) == members for p in members)
-    heard = {p: set(engines[p]._exchange.gossip.heard(0, "experts/0")) for p in HOLDERS["experts/0"]}
+    heard = {p: set(engines[p]._gatherer.gossip.heard(0, "experts/0")) for p in HOLDERS["experts/0"]}
     if drop:
         assert heard == {"p0": set(), "p2": set()} and net.faults["gossip dropped"] > 0
     else:  # (whoever posted first was told before the other subscribed: it heard nothing, or the other)
@@ -446,7 +457,7 @@ def test_gossip_for_another_unit_or_past_a_peers_share_is_not_kept():
     from spes_p2p.swarm.gossip import MAX_HEARD_PER_PEER, Told, topic_of
 
     net, engines = make_swarm(peers=("p0", "p1"))
-    gossip = engines["p0"]._exchange.gossip
+    gossip = engines["p0"]._gatherer.gossip
     gossip.follow("experts/0")
     liar = net.peers["p1"]
 

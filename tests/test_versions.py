@@ -14,9 +14,8 @@ from spes_p2p.sim.summary import read_rows
 from spes_p2p.sync.codecs import TensorSpec
 from spes_p2p.sync.config import SyncConfig
 from spes_p2p.sync.engine import SyncEngine
-from spes_p2p.sync.outcome import tensors_hash
-from spes_p2p.sync.refresh import Want
-from spes_p2p.sync.versions import is_version_round
+from spes_p2p.sync.payload import tensors_hash
+from spes_p2p.sync.versions import Want, is_version_round
 
 UNIT = "experts/0"
 SWARM = {  # a small swarm of 4 peers in one process, 2 shards, rounds of 5 steps
@@ -50,19 +49,19 @@ def test_a_copy_that_follows_the_changes_never_drifts(codec, every):
     g = torch.Generator().manual_seed(0)
     weights = {"w1": torch.randn(64, 128, generator=g)}
     drift = torch.randn(64, 128, generator=g) * 1e-3  # a steady direction, as training has
-    holder.versions.start(UNIT, -1, weights)
+    holder.start_version(UNIT, -1, weights)
     copy = dict(weights)
-    peer.copies.set(UNIT, -1, tensors_hash(copy))
+    peer.start_versions(-1, lambda _: copy, held=[], versioned=lambda _: True)  # our copy: version -1
     errors, kinds = [], []
     for round_ in range(60):
         weights = {"w1": weights["w1"] + drift + torch.randn(64, 128, generator=g) * 1e-4}
         if not is_version_round(round_, every):
             continue
-        version = holder.versions.advance(UNIT, round_, round_ - every, weights)
-        fetched = refresh(peer, round_, Want("change", codec, peer.copies.get(UNIT)))
+        version = holder.advance_version(UNIT, round_, round_ - every, weights)
+        fetched = refresh(peer, round_, Want("change", codec, peer.copy_version(UNIT)))
         kinds.append(fetched.want.kind)
-        copy = {"w1": copy["w1"] + fetched.tensors["w1"]}
-        peer.copies.set(UNIT, round_, tensors_hash(copy))
+        copy = fetched.onto(lambda: copy)  # noqa: B023
+        peer.copy_landed(UNIT, fetched, copy, full=True)
         assert tensors_hash(copy) == version.hash, round_  # the copy is the holders' version, bit for bit
         errors.append(float((copy["w1"] - weights["w1"]).abs().max()))
     assert set(kinds) == {"change"}  # no exact copy was ever needed
@@ -75,17 +74,18 @@ def test_the_changes_carry_what_the_codec_dropped():
     g = torch.Generator().manual_seed(1)
     weights = {"w1": torch.randn(64, 128, generator=g)}
     drift = torch.randn(64, 128, generator=g) * 1e-3
-    holder.versions.start(UNIT, -1, weights)
-    peer.copies.set(UNIT, -1, tensors_hash(weights))
+    holder.start_version(UNIT, -1, weights)
+    peer.start_versions(-1, lambda _: weights, held=[], versioned=lambda _: True)
     copy = naive = weights["w1"].clone()
     for round_ in range(60):
         new = {"w1": weights["w1"] + drift}
-        holder.versions.advance(UNIT, round_, round_ - 1, new)
-        copy = copy + refresh(peer, round_, Want("change", "nf4", peer.copies.get(UNIT))).tensors["w1"]
-        peer.copies.set(UNIT, round_, tensors_hash({"w1": copy}))
+        holder.advance_version(UNIT, round_, round_ - 1, new)
+        fetched = refresh(peer, round_, Want("change", "nf4", peer.copy_version(UNIT)))
+        copy = copy + fetched.tensors["w1"]
+        peer.copy_landed(UNIT, fetched, {"w1": copy}, full=True)
         other, _ = pair("nf4")
-        other.versions.start(UNIT, 0, weights)  # a chain restarted every round: no memory of what dropped
-        naive = naive + (other.versions.advance(UNIT, 1, 0, new).weights["w1"] - weights["w1"])
+        other.start_version(UNIT, 0, weights)  # a chain restarted every round: no memory of what dropped
+        naive = naive + (other.advance_version(UNIT, 1, 0, new).weights["w1"] - weights["w1"])
         weights = new
     chained, alone = (copy - weights["w1"]).abs().max(), (naive - weights["w1"]).abs().max()
     assert chained < 0.1 * alone, (chained, alone)
@@ -94,18 +94,18 @@ def test_the_changes_carry_what_the_codec_dropped():
 def test_a_copy_off_the_holders_chain_gets_the_exact_version():
     holder, peer = pair()
     weights = {"w1": torch.randn(64, 128)}
-    holder.versions.start(UNIT, 4, {"w1": weights["w1"] + 1})  # the holder's chain is not ours
-    holder.versions.advance(UNIT, 5, 4, weights)
+    holder.start_version(UNIT, 4, {"w1": weights["w1"] + 1})  # the holder's chain is not ours
+    holder.advance_version(UNIT, 5, 4, weights)
     fetched = refresh(peer, 5, Want("change", "int8", (4, tensors_hash(weights))))
     assert fetched.want == Want("version", "none")
-    assert tensors_hash(fetched.tensors) == holder.versions.current(UNIT).hash
+    assert tensors_hash(fetched.tensors) == holder.version(UNIT).hash
 
 
 def test_a_holder_without_the_version_before_serves_its_weights_as_the_next_version():
     holder, peer = pair()
     weights = {"w1": torch.randn(64, 128)}
-    version = holder.versions.advance(UNIT, 3, 2, weights)  # it never had version 2
-    assert torch.equal(version.weights["w1"], weights["w1"]) and holder.versions.change(UNIT, 3) is None
+    version = holder.advance_version(UNIT, 3, 2, weights)  # it never had version 2
+    assert torch.equal(version.weights["w1"], weights["w1"]) and holder._versions.change(UNIT, 3) is None
     fetched = refresh(peer, 3, Want("change", "int8", (2, "0" * 16)))
     assert fetched.want.kind == "version" and torch.equal(fetched.tensors["w1"], weights["w1"])
 

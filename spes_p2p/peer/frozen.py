@@ -17,9 +17,7 @@ from spes_p2p.model.units import UnitLayout
 from spes_p2p.settings import Settings
 from spes_p2p.swarm.member import SwarmMember, SwarmView
 from spes_p2p.sync.engine import SyncEngine
-from spes_p2p.sync.outcome import tensors_hash
-from spes_p2p.sync.refresh import Fetched, Want
-from spes_p2p.sync.versions import is_version_round
+from spes_p2p.sync.versions import EXACT_VERSION, EXACT_WEIGHTS, Download, Want, is_version_round
 from spes_p2p.train.merge import merge_experts
 
 if TYPE_CHECKING:
@@ -58,19 +56,19 @@ class FrozenCopies:
         for unit, result in job.results.items():
             if not self.versioned(unit):
                 continue
-            current = self.sync.versions.current(unit)
+            current = self.sync.version(unit)
             if current is None or current.round < since:  # from its holders then, or now
                 holders = view.participants(unit, since) | view.participants(unit, job.round)
                 self.sync.refresh(
                     since,
                     {unit: sorted(holders - {self.me})},
-                    self.sync.deadline.seconds(),
-                    want=Want("version", "none"),
-                    on_unit=lambda u, fetched: self.sync.versions.start(u, fetched.round, fetched.tensors),
+                    self.sync.deadline_seconds(),
+                    want=EXACT_VERSION,
+                    on_unit=lambda u, download: self.sync.start_version(u, download.round, download.tensors),
                 )
-                current = self.sync.versions.current(unit)
+                current = self.sync.version(unit)
             if current is None or current.round < job.round:
-                self.sync.versions.advance(unit, job.round, since, result.new_weights)
+                self.sync.advance_version(unit, job.round, since, result.new_weights)
 
     def versioned(self, unit: str) -> bool:
         """Whether some peers keep a frozen copy of ``unit``: an expert shard, or a dense block of several."""
@@ -90,9 +88,9 @@ class FrozenCopies:
         got = self.sync.refresh(
             job.round,
             frozen,
-            self.sync.deadline.seconds(),
+            self.sync.deadline_seconds(),
             want={u: self._want(u, job) for u in frozen},
-            on_unit=lambda unit, fetched: job.refreshed.__setitem__(unit, fetched),
+            on_unit=lambda unit, download: job.refreshed.__setitem__(unit, download),
         )
         for unit, holders in frozen.items():
             if holders:
@@ -103,7 +101,7 @@ class FrozenCopies:
         (or, when it is not one, the exact version); held quantized, the version in its own format. At a
         merge, every peer needs this round's version of every expert alike: exact ones."""
         if unit in self.member.units_held:
-            return Want("weights", "none")
+            return EXACT_WEIGHTS
         sync, stored = self.settings.sync, self._stored(unit)
         quantized = stored != "full"
         merging = job.experts is not None and unit.startswith("experts/")
@@ -111,24 +109,19 @@ class FrozenCopies:
             return Want("weights", stored if quantized and not merging else sync.refresh_codec)
         if quantized:
             return Want("version", "none" if merging else stored)
-        copy = self.sync.copies.get(unit)
+        copy = self.sync.copy_version(unit)
         if copy is not None and copy[0] == job.round - self.every:
             return Want("change", sync.refresh_codec, copy)
-        return Want("version", "none")
+        return EXACT_VERSION
 
     def _stored(self, unit: str) -> str:
         """How we hold our frozen copy of ``unit``: full, int8 or nf4."""
         train = self.settings.train
         return train.frozen_experts if unit.startswith("experts/") else train.frozen_dense
 
-    def landed(self, unit: str, fetched: Fetched, weights: Tensors | None) -> None:
-        """A refreshed copy was written (``weights``; None: the unit is trained now, and moves on): it is a
-        version exactly when it was one (or a change to ours) and it is kept in full precision."""
-        exact = fetched.want.kind == "change" or fetched.want == Want("version", "none")
-        if weights is not None and exact and self._stored(unit) == "full":
-            self.sync.copies.set(unit, fetched.round, tensors_hash(weights))
-        else:
-            self.sync.copies.forget(unit)
+    def landed(self, unit: str, download: Download, weights: Tensors | None) -> None:
+        """A refreshed copy was written (``weights``; None: the unit is trained now, and moves on)."""
+        self.sync.copy_landed(unit, download, weights, full=self._stored(unit) == "full")
 
     def merge(self, job: RoundJob) -> None:
         """The expert-merging warm-up, on every expert's version of this round (ours as we published it,
@@ -158,14 +151,13 @@ class FrozenCopies:
         holders served them, and ours as we trained them)."""
         by_weights = self.settings.sync.frozen_refresh == "weights"
         if unit in job.results:
-            current = self.sync.versions.current(unit)
+            current = self.sync.version(unit)
             if by_weights:
                 return job.results[unit].new_weights
             return current.weights if current is not None and current.round == job.round else None
-        fetched = job.refreshed.get(unit)
-        if fetched is None or fetched.round != job.round:
+        download = job.refreshed.get(unit)
+        if download is None or download.round != job.round:
             return None
-        if fetched.want.kind == "change":  # added to our copy, which was the version before
-            return {n: job.experts[n] + t for n, t in fetched.tensors.items()}
-        exact = fetched.want == Want("version", "none") or fetched.want.kind == "weights"
-        return fetched.tensors if exact else None
+        if download.want.makes_version or download.want.kind == "weights":  # (a change: onto our copy)
+            return download.onto(lambda: job.experts)
+        return None

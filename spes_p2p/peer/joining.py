@@ -23,7 +23,7 @@ from spes_p2p.net.waiting import Deadline, poll
 from spes_p2p.peer.admission import weights_fingerprint
 from spes_p2p.swarm.member import SwarmMember, SwarmView
 from spes_p2p.sync.engine import SyncEngine
-from spes_p2p.sync.refresh import Want
+from spes_p2p.sync.versions import EXACT_WEIGHTS
 
 logger = logging.getLogger(__name__)
 
@@ -95,11 +95,11 @@ def catch_up(view: SwarmView, me: str, sync: SyncEngine, write: Write, seconds: 
         max(landed, -1),
         holders,
         seconds,
-        want=Want("weights", "none"),
+        want=EXACT_WEIGHTS,
         on_unit=lambda unit, found: write(unit, found.tensors),
         fallback=furthest_first,  # a unit whose holders are newcomers too comes from any peer's copy
     )
-    sync.copies.forget()  # downloaded weights are no versions: the next refresh fetches those
+    sync.forget_copies()  # downloaded weights are no versions: the next refresh fetches those
     round_ = landed + 1
     logger.info("caught up at round %d: downloaded %s (unit: its round; -1: a peer's own copy)", round_, got)
     return round_
@@ -110,7 +110,7 @@ def serve_initial_model(sync: SyncEngine, read: Callable[[str], dict], units: li
     -1): newcomers download it from here, also the units this peer holds only as frozen, quantized copies.
     Like any served weights, they are forgotten a few rounds later."""
     for unit in units:
-        sync.outbox.serve_weights(-1, unit, read(unit))
+        sync.serve_initial(unit, read(unit))
 
 
 def check_initial_model(model: torch.nn.Module, fingerprint: str) -> None:
@@ -136,6 +136,6 @@ def fetch_exact(
         round_,
         {u: sorted(view.participants(u, round_) - {me}) for u in units},
         seconds,
-        want=Want("weights", "none"),
+        want=EXACT_WEIGHTS,
         on_unit=lambda unit, found: write(unit, found.tensors),
     )

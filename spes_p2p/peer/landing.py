@@ -9,11 +9,12 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from functools import partial
 
 import torch
 
 from spes_p2p.peer.rounds import RoundJob
-from spes_p2p.sync.refresh import Fetched
+from spes_p2p.sync.versions import Download
 
 Tensors = dict[str, torch.Tensor]
 
@@ -32,7 +33,7 @@ class Landing:
         write: Callable[[str, Tensors], None],
         overlap: bool,
         reset_state: Callable[[str], None] = lambda unit: None,
-        on_copy: Callable[[str, Fetched, Tensors | None], None] = lambda unit, fetched, weights: None,
+        on_copy: Callable[[str, Download, Tensors | None], None] = lambda unit, download, weights: None,
     ) -> None:
         """``on_copy`` hears of every refreshed copy as it is written (None: of a unit trained now, which is
         no frozen copy any more)."""
@@ -71,14 +72,15 @@ class Landing:
                     self.synced_start[unit] = result.new_weights
             else:
                 self._write(unit, result.new_weights, since=job.end[unit])
-        for unit, fetched in job.refreshed.items():  # frozen in that round; maybe trained now
+        for unit, download in job.refreshed.items():  # frozen in that round; maybe trained now
             trained_now = unit in self.training  # (a unit claimed now: it has a snapshot)
-            weights = fetched.tensors
-            if fetched.want.kind == "change":  # what changed since the version our copy was
-                copy = self.round_start[unit] if trained_now else self.read(unit)
-                weights = {n: copy[n] + weights[n] for n in copy}
+            weights = download.onto(partial(self._copy, unit))  # (a change: added to our copy)
             self._write(unit, weights, since=self.round_start.get(unit))
-            self.on_copy(unit, fetched, None if trained_now else weights)
+            self.on_copy(unit, download, None if trained_now else weights)
+
+    def _copy(self, unit: str) -> Tensors:
+        """Our copy of ``unit``, the version a change applies to (a unit trained now: as its round began)."""
+        return self.round_start[unit] if unit in self.training else self.read(unit)
 
     def held(self) -> dict[str, list]:
         return {"snapshots": [self.round_start, self.synced_start]}

@@ -158,7 +158,7 @@ class Peer:
         if self.settings.model.init and not training and not checkpoint:  # before frozen units are quantized
             joining.serve_initial_model(self.sync, self.local.read, self.layout.units)
         self.local.start(self.member.units_held, self.round, checkpoint, sample=self.footprint.sample)
-        self.sync.sample = self.footprint.recount
+        self.sync.measure_with(self.footprint.recount)
         for unit in self.member.units_held:
             self.sync.serve_weights(self.round - 1, unit, self.local.read(unit))
         if not training and not checkpoint:  # every peer has the initial model: its first version
@@ -207,7 +207,7 @@ class Peer:
             if on_update:
                 on_update(self.status())
         if stop.is_set():
-            self.sync.abort.set()  # the sync in flight stops waiting and lands with what it has
+            self.sync.stop_waiting()  # the sync in flight stops waiting and lands with what it has
         self._land(self.pipeline.take())
 
     def _train_round(self, stop: threading.Event, rounds: int) -> bool:
@@ -314,7 +314,7 @@ class Peer:
         """Simulations: vanish like a killed process, without releasing claims or writing anything."""
         self.crashed = True
         self.heartbeat.stop()
-        self.sync.abort.set()
+        self.sync.stop_waiting()
         self.transport.shutdown(0)
 
     def close(self, timeout: float = 5.0) -> None:

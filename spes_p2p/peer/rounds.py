@@ -24,8 +24,10 @@ from spes_p2p.model.units import UnitLayout
 from spes_p2p.peer.frozen import FrozenCopies
 from spes_p2p.settings import Settings
 from spes_p2p.swarm.member import SwarmMember, SwarmView
-from spes_p2p.sync.engine import SyncEngine, UnitRound, dense_group
-from spes_p2p.sync.refresh import Fetched, Want
+from spes_p2p.sync.engine import SyncEngine
+from spes_p2p.sync.exchange import dense_group
+from spes_p2p.sync.jobs import UnitJob, UnitResult
+from spes_p2p.sync.versions import Download
 
 logger = logging.getLogger(__name__)
 
@@ -43,8 +45,8 @@ class RoundJob:
     tokens: int
     metrics: dict
     experts: Tensors | None = None  # when a merge is due: the frozen experts a change adds to (or {})
-    results: dict[str, UnitRound] = field(default_factory=dict)  # trained units
-    refreshed: dict[str, Fetched] = field(default_factory=dict)  # frozen copies, and units trained next
+    results: dict[str, UnitResult] = field(default_factory=dict)  # trained units
+    refreshed: dict[str, Download] = field(default_factory=dict)  # frozen copies, and units trained next
     error: BaseException | None = None
     thread: threading.Thread | None = None
 
@@ -80,7 +82,9 @@ class RoundSync:
         except BaseException as exc:  # re-raised on the training thread when the job lands
             job.error = exc
 
-    def _exchange(self, job: RoundJob, unit: str, view: SwarmView) -> UnitRound:
+    def _exchange(self, job: RoundJob, unit: str, view: SwarmView) -> UnitResult:
+        """The unit's round: its participants are its holders in that round, or (the dense part, and every
+        unit in DiLoCo) the round's random group; a unit we started to hold since then does not count."""
         counted = self.member.since_of(unit) <= job.round
         participants = sorted(view.participants(unit, job.round) | {self.me})
         grouped = unit.startswith("dense/") or self.settings.method.mode == "diloco"
@@ -88,18 +92,10 @@ class RoundSync:
             members = participants if counted else [p for p in participants if p != self.me]
             size = self.settings.sync.dense_group_size
             participants = dense_group(members, self.me, job.round, self.settings.swarm.run_id, size)
-        result = self.sync.exchange(
-            job.round, unit, job.start[unit], job.end[unit], job.tokens, participants, counted, grouped
+        start, end = job.start[unit], job.end[unit]
+        return self.sync.exchange(
+            UnitJob(job.round, unit, start, end, job.tokens, participants, counted, grouped)
         )
-        if result.download_from:  # off the swarm's weights: take a leader's result of this round
-            self.sync.refresh(
-                job.round,
-                {unit: result.download_from},
-                self.sync.deadline.seconds(),
-                want=Want("weights", "none"),
-                on_unit=lambda _, fetched: result.new_weights.update(fetched.tensors),
-            )
-        return result
 
     def bound(self, job: RoundJob) -> float:
         """Seconds a job's sync can take when every wait runs to its limit (each unit's exchange, a download,

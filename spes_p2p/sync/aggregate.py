@@ -185,7 +185,7 @@ class OuterStep:
 
 
 @dataclass(frozen=True)
-class Fetched:
+class Received:
     """Another participant's update, and the hash of the start weights it was measured from."""
 
     contribution: Contribution
@@ -207,23 +207,23 @@ class Decision:
 
 
 def decide(
-    our_base: str, own: Contribution | None, fetched: list[Fetched], late: list[Contribution]
+    our_base: str, own: Contribution | None, received: list[Received], late: list[Contribution]
 ) -> Decision:
     """Which contributions a round combines, and how. ``own`` is None when this peer's update does not count
     (a newcomer's first round, or a diverged update): it then adopts the others' result."""
-    counts = Counter([our_base] + [f.base for f in fetched])
+    counts = Counter([our_base] + [r.base for r in received])
     top = max(counts.values())
     leading = {b for b, n in counts.items() if n == top}
     if leading == {our_base}:
-        same = [f.contribution for f in fetched if f.base == our_base]
-        differ = sorted(f.contribution.peer_id for f in fetched if f.base != our_base)
+        same = [r.contribution for r in received if r.base == our_base]
+        differ = sorted(r.contribution.peer_id for r in received if r.base != our_base)
         return Decision(False, ([own] if own else []) + same + late, [], differ=differ)
     return Decision(
         True,
         [],
-        [f.contribution for f in fetched if f.base in leading],
+        [r.contribution for r in received if r.base in leading],
         ours_leads=our_base in leading,
-        differ=sorted(f.contribution.peer_id for f in fetched if f.base not in leading),
+        differ=sorted(r.contribution.peer_id for r in received if r.base not in leading),
     )
 
 

@@ -1,9 +1,17 @@
-"""The sync protocol, in three parts behind one facade: serving (``serving.Outbox``), the exchange of
-updates among a unit's holders (``exchange.Exchange``) and the refresh of frozen copies
-(``refresh.Refresh``). It moves tensors; it knows nothing of optimizers or data. See docs/protocol.md.
+"""The sync's one facade: the exchange of each trained unit's update with its other holders (all-to-all, or
+by reduce-scatter in a group), serving what others ask for, the versions of the units we hold and the
+frozen copies of the others. It moves tensors; it knows nothing of optimizers or data. See
+docs/protocol.md, and docs/architecture.md for its parts:
+
+    Outbox        (serving.py)         what we serve: updates, weights, combined parts, versions
+    Ledger        (ledger.py)          what carries across rounds
+    Gatherer      (gather.py)          announcements, fetches of updates, the adaptive deadline
+    AllToAll, ReduceScatter            the two strategies of a unit's round (exchange.py: what they share)
+    Refresh       (refresh.py)         units fetched from their holders: frozen copies, catch-up downloads
+    Versions, Copies (versions.py)     the versions of the units we hold; which of our copies are versions
 
 No wait is unbounded: every request has a timeout, and every round and refresh a deadline that adapts to
-observed arrival times within [deadline_min, deadline_max]; ``abort`` ends every wait at once.
+observed arrival times within [deadline_min, deadline_max]; ``stop_waiting`` ends every wait at once.
 """
 
 from __future__ import annotations
@@ -15,18 +23,23 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 
 from spes_p2p.net.transport import Transport
+from spes_p2p.sync.all_to_all import AllToAll
 from spes_p2p.sync.codecs import Codecs, TensorSpec
 from spes_p2p.sync.config import SyncConfig
-from spes_p2p.sync.exchange import Exchange, dense_group
-from spes_p2p.sync.outcome import UnitRound, tensors_hash
+from spes_p2p.sync.exchange import Exchange
+from spes_p2p.sync.fetching import UpdateFetcher
+from spes_p2p.sync.gather import Gatherer
+from spes_p2p.sync.jobs import UnitJob, UnitResult
+from spes_p2p.sync.ledger import Ledger
+from spes_p2p.sync.payload import tensors_hash
+from spes_p2p.sync.reduce_scatter import ReduceScatter
 from spes_p2p.sync.refresh import Refresh
 from spes_p2p.sync.serving import KEEP_ROUNDS, Outbox
-from spes_p2p.sync.versions import Copies, Versions
+from spes_p2p.sync.versions import EXACT_WEIGHTS, Copies, Download, Version, Versions, Want
 
 PARALLEL_FETCHES = 4
 
 Tensors = dict[str, torch.Tensor]
-__all__ = ["SyncEngine", "UnitRound", "dense_group"]
 
 
 class SyncEngine:
@@ -40,94 +53,156 @@ class SyncEngine:
         live_peers: Callable[[], set[str]] | None = None,
         aggregate: str = "mean",
     ) -> None:
-        """``aggregate`` is the rule that combines a round's updates (``aggregate.combine``)."""
-        self.transport = transport
-        self.abort = threading.Event()  # set when the peer stops: waits end at once, with what has arrived
-        self._pool = ThreadPoolExecutor(PARALLEL_FETCHES, thread_name_prefix="spes-fetch")
+        """``specs``: every unit's tensors; ``local_copy``: our copy of any unit (for newcomers that find no
+        holder ready); ``live_peers``: who is in the swarm now; ``aggregate``: the rule that combines a
+        round's updates (``aggregate.combine``)."""
+        self.transport, self.cfg, self._specs = transport, cfg, specs
         codecs = Codecs.of(cfg)
-        self.versions = Versions(codecs.refresh)  # of the units we hold
-        self.copies = Copies()  # which of our frozen copies are versions
-        self.outbox = Outbox(transport, specs, codecs, self.versions, local_copy)
-        self._exchange = Exchange(
-            transport,
-            run_id,
-            cfg,
-            codecs,
-            specs,
-            self.outbox,
-            self._pool,
-            self.abort,
-            live_peers,
-            aggregate,
-        )
-        self._refresh = Refresh(transport, cfg, codecs, specs, self._pool, self.abort, live_peers)
-        self.sample: Callable[[], None] = lambda: None  # measures the peer's memory (``peer.footprint``)
-        self._exchange.sample = lambda: self.sample()
+        self._abort = threading.Event()  # set when the peer stops: waits end at once, with what has arrived
+        self._pool = ThreadPoolExecutor(PARALLEL_FETCHES, thread_name_prefix="spes-fetch")
+        self._versions = Versions(codecs.refresh)  # of the units we hold
+        self._copies = Copies()  # which of our frozen copies are versions
+        self._outbox = Outbox(transport, specs, codecs, self._versions, local_copy)
+        self._ledger = Ledger(cfg, codecs.update)
+        fetcher = UpdateFetcher(transport, cfg, codecs.update, specs, self._pool, self._abort)
+        self._gatherer = Gatherer(transport, run_id, cfg, fetcher, self._ledger, self._abort, live_peers)
+        parts = (transport.peer_id, codecs.update, specs, aggregate, self._outbox, self._ledger)
+        self._all_to_all = AllToAll(*parts, self._gatherer, fetcher)
+        self._reduce_scatter = ReduceScatter(*parts, self._gatherer, fetcher)
+        self._refresh = Refresh(transport, cfg, codecs, specs, self._pool, self._abort, live_peers)
+        self._fetcher = fetcher
+        self._sample: Callable[[], None] = lambda: None
 
-    @property
-    def deadline(self):
-        """The adaptive round deadline (``waiting.AdaptiveDeadline``)."""
-        return self._exchange.deadline
+    # ---------------------------------------------------------------------------------- a round
+
+    def exchange(self, job: UnitJob) -> UnitResult:
+        """One unit's round with its other participants: its new weights, and who took part. A peer left off
+        the swarm's weights takes a leader's result of the round."""
+        self._gatherer.follow(job.unit)
+        try:
+            result = self._strategy(job).run(job)
+            self._sample()  # (the round holds the most now: every update received is decoded)
+        finally:
+            self._gatherer.received.clear()
+        if result.download_from:
+            self.refresh(
+                job.round,
+                {job.unit: result.download_from},
+                self.deadline_seconds(),
+                want=EXACT_WEIGHTS,
+                on_unit=lambda _, download: result.new_weights.update(download.tensors),
+            )
+        return result
+
+    def _strategy(self, job: UnitJob) -> Exchange:
+        """A grouped unit (the dense part) goes by reduce-scatter when the swarm says so and the group has
+        three members or more; anything else all-to-all."""
+        grouped = job.grouped and self.cfg.dense_exchange == "reduce_scatter" and len(job.participants) >= 3
+        return self._reduce_scatter if grouped else self._all_to_all
+
+    def deadline_seconds(self) -> float:
+        """How long a round waits for its last participant now (adapting to how long they took)."""
+        return self._gatherer.deadline.seconds()
+
+    def refresh(
+        self,
+        min_round: int,
+        holders: dict[str, list[str]],
+        seconds: float,
+        want: Want | dict[str, Want] | None = None,
+        on_unit: Callable[[str, Download], None] | None = None,
+        fallback: list[str] = (),
+    ) -> dict[str, int]:
+        """Fetches each unit in ``holders`` from one of them (``refresh.Refresh.run``); unit -> round got."""
+        return self._refresh.run(min_round, holders, seconds, want, on_unit, fallback)
 
     @property
     def rejected_payloads(self) -> int:
-        return self._exchange.rejected + self._refresh.rejected
+        return self._fetcher.rejected + self._refresh.rejected
 
-    def exchange(
-        self,
-        round_: int,
-        unit: str,
-        start: Tensors,
-        end: Tensors,
-        tokens: int,
-        participants: list[str],
-        counted: bool = True,
-        grouped: bool = False,
-    ) -> UnitRound:
-        return self._exchange.run(round_, unit, start, end, tokens, participants, counted, grouped)
+    # ---------------------------------------------------------------------------------- serving
 
-    def refresh(
-        self, min_round: int, holders: dict[str, list[str]], deadline: float, **kwargs
-    ) -> dict[str, int]:
-        return self._refresh.run(min_round, holders, deadline, **kwargs)
+    def serve_weights(self, round_: int, unit: str, weights: Tensors) -> None:
+        """Serves our weights of a unit we hold (so our copy of it is no frozen copy any more)."""
+        self._outbox.serve_weights(round_, unit, weights)
+        self._copies.forget(unit)
+
+    def serve_initial(self, unit: str, weights: Tensors) -> None:
+        """Serves the swarm's initial weights of ``unit`` exactly, as round -1 (a founder from ``--init``)."""
+        self._outbox.serve_weights(-1, unit, weights)
+
+    # ---------------------------------------------------------------------------------- versions
 
     def start_versions(
         self, round_: int, read: Callable[[str], Tensors], held: list[str], versioned: Callable[[str], bool]
     ) -> None:
         """From the swarm's initial model (version ``round_``): every unit we hold that has versions starts
         its chain, and every frozen copy is that version."""
-        for unit in self.outbox.specs:
+        for unit in self._specs:
             if unit not in held:
-                self.copies.set(unit, round_, tensors_hash(read(unit)))
+                self._copies.set(unit, round_, tensors_hash(read(unit)))
             elif versioned(unit):
-                self.versions.start(unit, round_, read(unit))
+                self._versions.start(unit, round_, read(unit))
 
-    def serve_weights(self, round_: int, unit: str, weights: Tensors) -> None:
-        """Serves our weights of a unit we hold (so our copy of it is no frozen copy any more)."""
-        self.outbox.serve_weights(round_, unit, weights)
-        self.copies.forget(unit)
+    def version(self, unit: str) -> Version | None:
+        """Our current version of a unit we hold."""
+        return self._versions.current(unit)
+
+    def start_version(self, unit: str, round_: int, weights: Tensors) -> None:
+        """Our version chain of ``unit`` starts at ``round_`` (a co-holder's exact version)."""
+        self._versions.start(unit, round_, weights)
+
+    def advance_version(self, unit: str, round_: int, since: int, weights: Tensors) -> Version:
+        return self._versions.advance(unit, round_, since, weights)
+
+    def copy_version(self, unit: str) -> tuple[int, str] | None:
+        """The version (round and hash) our frozen copy of ``unit`` is exactly, if it is one."""
+        return self._copies.get(unit)
+
+    def copy_landed(self, unit: str, download: Download, weights: Tensors | None, full: bool) -> None:
+        """A refreshed copy was written (``weights``; None: the unit is trained now, and moves on): it is a
+        version exactly when what came makes one and the copy is kept in ``full`` precision."""
+        if weights is not None and download.want.makes_version and full:
+            self._copies.set(unit, download.round, tensors_hash(weights))
+        else:
+            self._copies.forget(unit)
+
+    def forget_copies(self) -> None:
+        """After a download of the whole model: no copy is a version (the next refresh fetches those)."""
+        self._copies.forget()
+
+    # ---------------------------------------------------------------------------------- upkeep
+
+    def measure_with(self, sample: Callable[[], None]) -> None:
+        """Calls ``sample`` (the peer's memory sampling) when a round holds the most."""
+        self._sample = sample
+
+    def sample(self) -> None:
+        self._sample()
 
     def held(self) -> dict[str, list]:
         """What the sync keeps, by kind (``peer.footprint``)."""
-        x = self._exchange
-        residuals = [f.residual for f in list(x.feedback.values())]
-        momenta = [o.buffers for o in list(x.outer.values())]
-        versions = self.versions.held()
+        kept, versions = self._ledger.held(), self._versions.held()
         return {
-            "outer": [residuals, momenta],
+            "outer": [kept["residuals"], kept["momenta"]],
             "versions": versions["versions"],
-            "served": [self.outbox.held(), versions["served"]],
-            "received": [list(x.inputs)],
+            "served": [self._outbox.held(), versions["served"]],
+            "received": [list(self._gatherer.received)],
         }
 
     def forget_before(self, round_: int, held: list[str] = ()) -> None:
         """Drops what was kept for rounds older than ``KEEP_ROUNDS`` before ``round_`` (versions of units
         not ``held`` too, and their gossip)."""
-        self.outbox.forget_before(round_)
-        self._exchange.gossip.follow_only(held)
-        self.versions.forget(set(held), round_ - KEEP_ROUNDS)
-        self._exchange.forget_before(round_, KEEP_ROUNDS)
+        self._outbox.forget_before(round_)
+        self._gatherer.follow_only(held)
+        self._versions.forget(set(held), round_ - KEEP_ROUNDS)
+        self._ledger.forget_before(round_, KEEP_ROUNDS)
+        self._gatherer.forget_before(round_ - KEEP_ROUNDS - self.cfg.staleness)
+
+    def stop_waiting(self) -> None:
+        """The peer stops: every wait ends at once, with what has arrived."""
+        self._abort.set()
 
     def close(self) -> None:
-        self.abort.set()
+        self._abort.set()
         self._pool.shutdown(wait=False, cancel_futures=True)

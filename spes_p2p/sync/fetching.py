@@ -1,4 +1,5 @@
-"""Fetching a round's updates (and, to re-synchronize, end weights) from the other participants.
+"""Fetching what the other participants of a round announced: their updates (or a part of one), a
+reduce-scatter's combined parts, and (to re-synchronize) their end weights.
 
 Fetches run several at a time on the sync engine's pool, each against a **cutoff**: the round's deadline, or
 ``MIN_REQUEST_SECONDS`` from the start of the batch when less is left. A fetch that would start after its
@@ -12,9 +13,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
-import math
 import threading
-import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -22,9 +21,8 @@ import torch
 
 from spes_p2p.net.transport import RemoteError, RequestTimeout, Transport, TransportError
 from spes_p2p.net.waiting import Deadline
-from spes_p2p.swarm.gossip import Gossip
-from spes_p2p.swarm.records import Announcement, decode_entries, updates_key
-from spes_p2p.sync.aggregate import Contribution, Fetched
+from spes_p2p.swarm.records import Announcement
+from spes_p2p.sync.aggregate import Contribution, Received
 from spes_p2p.sync.codecs import EXACT, HEADER_ALLOWANCE, Codec, PayloadError, TensorSpec, piece_spec
 from spes_p2p.sync.config import SyncConfig
 from spes_p2p.sync.messages import RPC_UPDATE, UpdateRequest
@@ -33,12 +31,11 @@ from spes_p2p.sync.payload import decode, metadata_of, payload_meta
 logger = logging.getLogger(__name__)
 
 MIN_REQUEST_SECONDS = 0.5  # a batch started just before the deadline still gets this long
-FALLBACK_READ_SECONDS = 1.0  # between DHT reads of a round's announcements, when gossip brings them
 
 
 @dataclass(frozen=True)
 class Got:
-    fetched: Fetched
+    received: Received
 
 
 @dataclass(frozen=True)
@@ -68,46 +65,21 @@ FetchOutcome = Got | Refused | Gone | NotYet
 
 
 class UpdateFetcher:
-    """Reads announcements and fetches what they announce; ``rejected`` counts refused payloads."""
+    """Fetches on the pool and checks what comes; ``rejected`` counts refused payloads (read by others)."""
 
     def __init__(
         self,
         transport: Transport,
-        run_id: str,
         cfg: SyncConfig,
         codec: Codec,
         specs: dict[str, dict[str, TensorSpec]],
         pool: ThreadPoolExecutor,
         abort: threading.Event,
-        gossip: Gossip,
     ) -> None:
-        self.transport, self.run_id, self.cfg, self.codec, self.specs = transport, run_id, cfg, codec, specs
-        self.pool, self.abort, self.gossip = pool, abort, gossip
-        # (round, unit) -> when the DHT's announcements were last read, and what they were
-        self._read: dict[tuple[int, str], tuple[float, dict[str, Announcement]]] = {}
+        self.transport, self.cfg, self.codec, self.specs = transport, cfg, codec, specs
+        self.pool, self.abort = pool, abort
         self.rejected = 0
         self._lock = threading.Lock()
-
-    def announcements(self, round_: int, unit: str) -> dict[str, Announcement]:
-        """The round's announcements of ``unit``: those heard by gossip, and those in the DHT, read at every
-        call without gossip, and with it at most every ``FALLBACK_READ_SECONDS`` (at least four times in
-        the shortest round deadline); the DHT's win."""
-        key, now = (round_, unit), time.monotonic()
-        every = min(FALLBACK_READ_SECONDS, self.cfg.deadline_min / 4)
-        with self._lock:
-            read_at, announced = self._read.get(key, (-math.inf, {}))
-        if not self.gossip.works or now >= read_at + every:
-            entries = self.transport.read(updates_key(self.run_id, round_, unit))
-            decoded = decode_entries(entries, Announcement, "update announcement", self.transport.guard)
-            announced = {p: a for p, a in decoded.items() if a.round == round_}
-            with self._lock:
-                self._read[key] = (now, announced)
-        return {**self.gossip.heard(round_, unit), **announced}
-
-    def forget_before(self, round_: int) -> None:
-        with self._lock:
-            self._read = {k: v for k, v in self._read.items() if k[0] >= round_}
-        self.gossip.forget_before(round_)
 
     def updates(
         self,
@@ -121,23 +93,12 @@ class UpdateFetcher:
         cutoff = self._cutoff(deadline)
         return list(self.pool.map(lambda item: self._update(unit, *item, cutoff, part), todo))
 
-    def reduced(self, round_: int, unit: str, owner: str, part: int, parts: int, deadline: Deadline):
-        """The combined update of one part from the member that owns it: ``Reduced``, ``Refused`` (a bad
-        payload), or ``NotYet`` (not served yet, or unreachable)."""
-        spec = piece_spec(self.specs[unit], part, parts)
-        limit = self.codec.max_bytes(spec)
-        request = UpdateRequest(round=round_, unit=unit, kind="reduced", part=part, parts=parts).encode()
-        try:
-            payload = self._request(owner, request, limit, self._cutoff(deadline))
-        except TransportError as exc:  # (a refusal too: the owner may still be combining)
-            return NotYet(f"{owner}'s combined part {part} of {unit}: {exc}")
-        meta = payload_meta(unit, round_, "reduced", part, parts)
-        try:
-            tensors = decode(payload, spec, self.codec, meta=meta)
-            contributors = metadata_of(payload).get("peers", "")
-        except PayloadError as exc:
-            return self.refuse(owner, unit, str(exc))
-        return Reduced(tensors["piece"], contributors.split(",") if contributors else [])
+    def reduced(self, round_: int, unit: str, owners: dict[int, str], parts: int, deadline: Deadline):
+        """Part -> the combined update of that part from the member that owns it (``owners``), in parallel:
+        ``Reduced``, ``Refused`` (a bad payload), or ``NotYet`` (not served yet, or unreachable)."""
+        cutoff = self._cutoff(deadline)
+        ask = lambda part: self._reduced(round_, unit, owners[part], part, parts, cutoff)  # noqa: E731
+        return dict(zip(owners, self.pool.map(ask, owners), strict=True))
 
     def ends(self, round_: int, unit: str, of: list[Contribution], deadline: Deadline) -> list[Contribution]:
         """The end weights behind the given participants' updates (in parallel); those that came in time."""
@@ -199,7 +160,22 @@ class UpdateFetcher:
             return self.refuse(peer, unit, str(exc))
         self.transport.guard.accept(peer)
         contribution = Contribution(peer, self.clamped(announced.tokens), tensors, round_)
-        return Got(Fetched(contribution, announced.base))
+        return Got(Received(contribution, announced.base))
+
+    def _reduced(self, round_: int, unit: str, owner: str, part: int, parts: int, cutoff: Deadline):
+        spec = piece_spec(self.specs[unit], part, parts)
+        request = UpdateRequest(round=round_, unit=unit, kind="reduced", part=part, parts=parts).encode()
+        try:
+            payload = self._request(owner, request, self.codec.max_bytes(spec), cutoff)
+        except TransportError as exc:  # (a refusal too: the owner may still be combining)
+            return NotYet(f"{owner}'s combined part {part} of {unit}: {exc}")
+        meta = payload_meta(unit, round_, "reduced", part, parts)
+        try:
+            tensors = decode(payload, spec, self.codec, meta=meta)
+            contributors = metadata_of(payload).get("peers", "")
+        except PayloadError as exc:
+            return self.refuse(owner, unit, str(exc))
+        return Reduced(tensors["piece"], contributors.split(",") if contributors else [])
 
     def _end(self, round_: int, unit: str, c: Contribution, cutoff: Deadline) -> Contribution | None:
         request = UpdateRequest(round=round_, unit=unit, kind="end").encode()

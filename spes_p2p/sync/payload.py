@@ -58,6 +58,16 @@ def specs_of(tensors: Tensors) -> dict[str, TensorSpec]:
     }
 
 
+def tensors_hash(tensors: Tensors) -> str:
+    """A short hash of a unit's weights (names and float32 values, in name order): whether two peers, or two
+    versions, hold the same numbers."""
+    h = hashlib.sha256()
+    for name in sorted(tensors):
+        h.update(name.encode())
+        h.update(tensors[name].detach().float().contiguous().cpu().numpy().tobytes())
+    return h.hexdigest()[:16]
+
+
 def flatten(tensors: Tensors) -> torch.Tensor:
     """A unit's tensors as one float32 vector, in name order (the order ``unflatten`` reads back)."""
     return torch.cat([tensors[n].detach().reshape(-1).float() for n in sorted(tensors)])

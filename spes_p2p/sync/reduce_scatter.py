@@ -6,9 +6,9 @@ contiguous part each (``codecs.part_bounds``); member ``i`` owns part ``i``:
 1. every member codes its update (with error feedback) as one piece per part, posts the pieces and announces
    their SHA-256s, with its start-weights hash as in the all-to-all exchange;
 2. the owner of a part fetches that piece of every other member's update, exactly as the all-to-all
-   exchange fetches whole updates (same deadline, misses, checks and start-weights vote), combines the
-   pieces on its base with the swarm's rule (``aggregate.combine``), codes the result once and serves it,
-   naming the members it combined ("reduced");
+   exchange fetches whole updates (``gather.Gatherer``: same deadline, misses, checks and start-weights
+   vote), combines the pieces on its base with the swarm's rule (``aggregate.combine``), codes the result
+   once and serves it, naming the members it combined ("reduced");
 3. every member fetches the other parts' results from their owners and decodes them (an owner decodes its
    own too), then applies the whole with the outer rule: members end with the same weights.
 
@@ -32,27 +32,17 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
-from typing import TYPE_CHECKING
 
 import torch
 
 from spes_p2p.net.waiting import Deadline, poll
-from spes_p2p.sync.aggregate import (
-    REJECT_FACTOR,
-    Combined,
-    Contribution,
-    Fetched,
-    OuterStep,
-    combine,
-    decide,
-)
+from spes_p2p.sync.aggregate import REJECT_FACTOR, Combined, Contribution, Received, combine
 from spes_p2p.sync.codecs import TensorSpec, part_bounds
-from spes_p2p.sync.fetching import Got, Reduced, Refused
-from spes_p2p.sync.outcome import MISS_LIMIT, UnitRound, tensors_hash
-from spes_p2p.sync.payload import ErrorFeedback, decode, encode, flatten, payload_meta, unflatten
-
-if TYPE_CHECKING:
-    from spes_p2p.sync.exchange import Exchange
+from spes_p2p.sync.exchange import Exchange
+from spes_p2p.sync.fetching import Reduced, Refused
+from spes_p2p.sync.gather import Gathered
+from spes_p2p.sync.jobs import UnitJob, UnitResult
+from spes_p2p.sync.payload import decode, encode, flatten, payload_meta, unflatten
 
 POLL_SECONDS = 0.1  # between asks for the combined parts not served yet
 
@@ -60,177 +50,132 @@ Tensors = dict[str, torch.Tensor]
 
 
 @dataclass
-class _Round:
-    """One member's view of a grouped unit's round."""
+class _Split:
+    """Our side of a grouped unit's round: how its flattened update is split, the tokens our update counts
+    for, and our pieces as they decode (None: our update does not count this round)."""
 
-    round: int
-    unit: str
-    group: list[str]
-    base: str  # the hash of our start weights
-    bounds: list[tuple[int, int]]  # each part's range of the flattened unit
+    bounds: list[tuple[int, int]]
     tokens: int
-    pieces: list[torch.Tensor] | None = None  # our update's parts as they decode; None: ours does not count
+    pieces: list[torch.Tensor] | None = None
 
-    def own(self, me: str, part: int) -> Contribution | None:
+    def own(self, me: str, round_: int, part: int) -> Contribution | None:
         if self.pieces is None:
             return None
-        return Contribution(me, self.tokens, {"piece": self.pieces[part]}, self.round)
+        return Contribution(me, self.tokens, {"piece": self.pieces[part]}, round_)
 
 
-class ReduceScatter:
-    """A grouped unit's round, on the exchange's state (fetcher, deadline, misses, outer steps, error
-    feedback). Sync thread only."""
-
-    def __init__(self, exchange: Exchange) -> None:
-        self.x = exchange
-        self.me = exchange.transport.peer_id
-
-    def run(
-        self,
-        round_: int,
-        unit: str,
-        start: Tensors,
-        end: Tensors,
-        tokens: int,
-        group: list[str],
-        counted: bool,
-    ) -> UnitRound:
-        x, me = self.x, self.me
-        numel = sum(s.numel for s in x.specs[unit].values())
-        bounds = part_bounds(numel, len(group))
-        r = _Round(round_, unit, group, tensors_hash(start), bounds, x.fetcher.clamped(tokens))
-        x.participants[(round_, unit)] = set(group)
-        update = {n: end[n] - start[n] for n in start}
-        diverged = not all(torch.isfinite(t).all() for t in update.values())
-        if me not in group:  # a newcomer's first round: it takes the group's result
-            return self._follow(r, start, end, UnitRound(unit, [], [], [], diverged=diverged))
-        mine = group.index(me)
-        if counted and not diverged:
-            r.pieces = self._post_pieces(r, update, end)
-        deadline = Deadline(x.deadline.seconds(), x.abort)
-        others = [p for p in group if p != me]
-        fetched, missing, rejected = x.gather(round_, unit, others, deadline, (mine, len(group)))
-        own = r.own(me, mine)
-        decision = decide(r.base, own, fetched, [])
-        result = UnitRound(unit, [me], missing, rejected, decision.resync, diverged)
-        if decision.resync or diverged:
-            x.feedback.pop(unit, None)
+class ReduceScatter(Exchange):
+    def run(self, job: UnitJob) -> UnitResult:
+        group, unit = job.participants, job.unit
+        numel = sum(s.numel for s in self.specs[unit].values())
+        split = _Split(part_bounds(numel, len(group)), self.fetcher.clamped(job.tokens))
+        self.ledger.opened(job.round, unit, group)
+        if self.me not in group:  # a newcomer's first round: it takes the group's result
+            return self._follow(job, split)
+        mine = group.index(self.me)
+        if job.counted and not job.diverged:
+            split.pieces = self._post_pieces(job, split)
+        deadline = self.gatherer.round_deadline()
+        gathered = self.gatherer.gather(job.round, unit, job.others(self.me), deadline, (mine, len(group)))
+        own = split.own(self.me, job.round, mine)
+        result, decision = self.settle(job, own, gathered, [])
         if decision.resync:  # we combine nothing this round: the others combine our part themselves
-            whole = None if own is None else Contribution(me, r.tokens, self._whole(unit, r.pieces), round_)
-            counting = x.resync(round_, unit, end, whole, decision, deadline, result)
-            leads = whole is not None and decision.ours_leads
-            return self._close(r, result, {c.peer_id for c in counting} | ({me} if leads else set()))
-        x.off_base[unit] = 0
-        combined = combine(decision.contributions, x.aggregate, me if own else None)
-        x.count_outliers(result, combined.rejected)
-        parts = self._collect(r, {mine: self._post_reduced(r, mine, combined)})
-        return self._apply(r, start, start if diverged else end, parts, result)
+            whole = None if own is None else self._whole(unit, split.pieces)
+            mean = None if whole is None else Contribution(self.me, split.tokens, whole, job.round)
+            return self.resync(job, mean, decision, deadline, result)
+        combined = combine(decision.contributions, self.aggregate, self.me if own else None)
+        self.count_outliers(result, combined.rejected)
+        parts = self._collect(job, split, {mine: self._post_reduced(job, split, mine, combined)})
+        return self._apply(job, job.start if job.diverged else job.end, parts, result)
 
-    def _follow(self, r: _Round, start: Tensors, end: Tensors, result: UnitRound) -> UnitRound:
+    def _follow(self, job: UnitJob, split: _Split) -> UnitResult:
         """Not a member: the group's combined parts applied to our start weights when they are the group's,
         or (they are not) the members' end weights averaged."""
-        x = self.x
-        deadline = Deadline(x.deadline.seconds(), x.abort)
+        deadline = self.gatherer.round_deadline()
 
         def bases() -> dict | None:
-            announced = x.fetcher.announcements(r.round, r.unit)
-            return announced if set(r.group) <= set(announced) else None
+            announced = self.gatherer.announcements(job.round, job.unit)
+            return announced if set(job.participants) <= set(announced) else None
 
-        announced = poll(bases, deadline, POLL_SECONDS) or x.fetcher.announcements(r.round, r.unit)
+        announced = poll(bases, deadline, POLL_SECONDS) or self.gatherer.announcements(job.round, job.unit)
         members = [
-            Fetched(Contribution(p, x.fetcher.clamped(a.tokens), {}, r.round), a.base)
+            Received(Contribution(p, self.fetcher.clamped(a.tokens), {}, job.round), a.base)
             for p, a in sorted(announced.items())
-            if p in r.group
+            if p in job.participants
         ]
-        decision = decide(r.base, None, members, [])
+        result, decision = self.settle(job, None, Gathered(members, [], []), [])
         if decision.resync or not members:
-            result.resynced = decision.resync
-            counting = x.resync(r.round, r.unit, end, None, decision, deadline, result)
-            return self._close(r, result, {c.peer_id for c in counting})
-        return self._apply(r, start, start, self._collect(r, {}), result)
+            return self.resync(job, None, decision, deadline, result)
+        return self._apply(job, job.start, self._collect(job, split, {}), result)
 
-    def _apply(
-        self, r: _Round, start: Tensors, fallback: Tensors, parts: list[Reduced], result: UnitRound
-    ) -> UnitRound:
-        """The parts' combined updates applied to ``start`` with the outer rule (``fallback`` when nobody's
-        update arrived anywhere)."""
-        x = self.x
+    def _apply(self, job: UnitJob, fallback: Tensors, parts: list[Reduced], result: UnitResult) -> UnitResult:
+        """The parts' combined updates applied to the start weights with the outer rule (``fallback`` when
+        nobody's update arrived anywhere)."""
         peers = set().union(*(p.contributors for p in parts))
         if peers:
-            rule = x.outer.setdefault(r.unit, OuterStep(x.cfg.outer, x.cfg.outer_lr, x.cfg.outer_momentum))
-            result.new_weights = rule.apply(start, self._whole(r.unit, [p.piece for p in parts]))
+            whole = self._whole(job.unit, [p.piece for p in parts])
+            result.new_weights = self.ledger.outer(job.unit).apply(job.start, whole)
         else:
             result.new_weights = {n: t.clone() for n, t in fallback.items()}
-        return self._close(r, result, peers)
-
-    def _close(self, r: _Round, result: UnitRound, peers: set[str]) -> UnitRound:
-        result.participants = sorted(peers)
-        self.x.applied |= {(p, r.round, r.unit) for p in peers}
-        return result
+        return self.close(job, result, peers)
 
     # ---------------------------------------------------------------------------------- our pieces
 
-    def _post_pieces(self, r: _Round, update: Tensors, end: Tensors) -> list[torch.Tensor]:
+    def _post_pieces(self, job: UnitJob, split: _Split) -> list[torch.Tensor]:
         """Codes our update (plus what coding lost last round) as one piece per part, posts and announces
         them; returns the pieces as they decode."""
-        x = self.x
-        feedback = x.feedback.setdefault(r.unit, ErrorFeedback(x.codec))
-        full = feedback.carry(update, r.round)
+        feedback = self.ledger.feedback(job.unit)
+        full = feedback.carry(job.update, job.round)
         flat = flatten(full)
         payloads, decoded = [], []
-        for part, (a, b) in enumerate(r.bounds):
-            meta = payload_meta(r.unit, r.round, "piece", part, len(r.bounds))
+        for part, (a, b) in enumerate(split.bounds):
+            meta = payload_meta(job.unit, job.round, "piece", part, len(split.bounds))
             payloads.append(self._encode(flat[a:b], meta))
             decoded.append(self._decode(payloads[-1], b - a, meta))
-        feedback.keep(full, self._whole(r.unit, decoded), r.round)
-        x.post(r.round, r.unit, b"", end, r.tokens, r.base, payloads)
+        feedback.keep(full, self._whole(job.unit, decoded), job.round)
+        self.post(job, split.tokens, b"", tuple(payloads))
         return decoded
 
-    def _post_reduced(self, r: _Round, part: int, combined: Combined) -> Reduced:
+    def _post_reduced(self, job: UnitJob, split: _Split, part: int, combined: Combined) -> Reduced:
         """Serves our part's combined update (zeros when nothing arrived); returns it as it decodes."""
-        a, b = r.bounds[part]
+        a, b = split.bounds[part]
         piece = combined.update["piece"] if combined.used else torch.zeros(b - a)
         contributors = sorted(c.peer_id for c in combined.used)
-        meta = {
-            **payload_meta(r.unit, r.round, "reduced", part, len(r.group)),
-            "peers": ",".join(contributors),
-        }
+        parts = len(split.bounds)
+        meta = {**payload_meta(job.unit, job.round, "reduced", part, parts), "peers": ",".join(contributors)}
         payload = self._encode(piece, meta)
-        self.x.outbox.post_reduced(r.round, r.unit, part, len(r.group), payload)
+        self.outbox.post_reduced(job.round, job.unit, part, parts, payload)
         return Reduced(self._decode(payload, b - a, meta), contributors)
 
     # ---------------------------------------------------------------------------------- the others
 
-    def _collect(self, r: _Round, got: dict[int, Reduced]) -> list[Reduced]:
+    def _collect(self, job: UnitJob, split: _Split, got: dict[int, Reduced]) -> list[Reduced]:
         """Every part's combined update (``got``: those we have): from its owner, or combined here from its
         pieces. An owner that missed ``MISS_LIMIT`` rounds in a row is not waited for."""
-        x, group, parts = self.x, r.group, len(r.group)
+        group, parts = job.participants, len(split.bounds)
         pending = set(range(parts)) - set(got)
-        fallback = {j for j in pending if x.misses.get(group[j], 0) >= MISS_LIMIT}
-        deadline = Deadline(x.deadline.seconds(), x.abort)
-
-        def ask(j: int):
-            return x.fetcher.reduced(r.round, r.unit, group[j], j, parts, deadline)
+        fallback = {j for j in pending if not self.ledger.waited_for(group[j])}
+        deadline = self.gatherer.round_deadline()
 
         def one_pass() -> bool | None:
-            announced = x.fetcher.announcements(r.round, r.unit)
-            live = x.live_peers() if x.live_peers is not None else set(group)
+            announced = self.gatherer.announcements(job.round, job.unit)
+            live = self.gatherer.live(group)
             for j in sorted(pending):  # an owner on other start weights, or gone, combines nothing for us
-                if group[j] not in live or (group[j] in announced and announced[group[j]].base != r.base):
+                if group[j] not in live or (group[j] in announced and announced[group[j]].base != job.base):
                     fallback.add(j)
             pending.difference_update(fallback)
-            todo = sorted(pending)
-            for j, outcome in zip(todo, x.fetcher.pool.map(ask, todo), strict=True):
+            owners = {j: group[j] for j in sorted(pending)}
+            for j, outcome in self.fetcher.reduced(job.round, job.unit, owners, parts, deadline).items():
                 if isinstance(outcome, Reduced):
                     # (a member with no piece checks against the pieces it can fetch within this deadline,
                     # so that a dead member delays all the parts' references by one deadline, not one each)
-                    here = partial(self._combine_here, r, j, deadline)
-                    problem = self._problem(outcome, group, r.pieces[j] if r.pieces else None, here)
+                    here = partial(self._combine_here, job, split, j, deadline)
+                    problem = self._problem(outcome, group, split.pieces[j] if split.pieces else None, here)
                     if not problem:
                         got[j] = outcome
                         pending.discard(j)
                         continue
-                    outcome = x.fetcher.refuse(group[j], r.unit, problem)
+                    outcome = self.fetcher.refuse(group[j], job.unit, problem)
                 if isinstance(outcome, Refused):
                     pending.discard(j)
                     fallback.add(j)
@@ -238,11 +183,11 @@ class ReduceScatter:
 
         poll(one_pass, deadline, POLL_SECONDS)
         for j in sorted(fallback | pending):
-            got[j] = self._combine_here(r, j)
+            got[j] = self._combine_here(job, split, j)
         return [got[j] for j in range(parts)]
 
     def _problem(
-        self, reduced: Reduced, group: list[str], own: torch.Tensor | None, here: Callable[[], Reduced]
+        self, reduced: Reduced, group: tuple[str, ...], own: torch.Tensor | None, here: Callable[[], Reduced]
     ) -> str:
         """Why a combined part from its owner cannot be used ('' when it can). It is checked against our
         own piece of it or, when we have none (our update does not count this round, or its piece is
@@ -262,35 +207,30 @@ class ReduceScatter:
             return f"its combined part points against {what}"
         return ""
 
-    def _combine_here(self, r: _Round, part: int, deadline: Deadline | None = None) -> Reduced:
+    def _combine_here(
+        self, job: UnitJob, split: _Split, part: int, deadline: Deadline | None = None
+    ) -> Reduced:
         """A part whose owner failed us: its pieces, fetched from the members on our base (within a deadline
         of its own unless given one), combined here. Every member that does this combines the same pieces,
         with no reference of its own, and agrees."""
-        x = self.x
-        announced = x.fetcher.announcements(r.round, r.unit)
-        todo = [
-            (r.round, p, a)
-            for p, a in sorted(announced.items())
-            if p in r.group and p != self.me and a.base == r.base
-        ]
-        deadline = deadline or Deadline(x.deadline.seconds(), x.abort)
-        outcomes = x.fetcher.updates(r.unit, todo, deadline, (part, len(r.group)))
-        contributions = [o.fetched.contribution for o in outcomes if isinstance(o, Got)]
-        own = r.own(self.me, part)
-        combined = combine(contributions + ([own] if own else []), x.aggregate)
+        others = [p for p in job.participants if p != self.me]
+        where = (part, len(split.bounds))
+        deadline = deadline or self.gatherer.round_deadline()
+        contributions = self.gatherer.pieces(job.round, job.unit, others, job.base, where, deadline)
+        own = split.own(self.me, job.round, part)
+        combined = combine(contributions + ([own] if own else []), self.aggregate)
         if not combined.used:
-            a, b = r.bounds[part]
+            a, b = split.bounds[part]
             return Reduced(torch.zeros(b - a), [])
         return Reduced(combined.update["piece"], sorted(c.peer_id for c in combined.used))
 
     # ---------------------------------------------------------------------------------- helpers
 
     def _whole(self, unit: str, pieces: list[torch.Tensor]) -> Tensors:
-        return unflatten(torch.cat(pieces), self.x.specs[unit])
+        return unflatten(torch.cat(pieces), self.specs[unit])
 
     def _encode(self, piece: torch.Tensor, meta: dict[str, str]) -> bytes:
-        return encode({"piece": piece}, self.x.codec, meta=meta)
+        return encode({"piece": piece}, self.codec, meta=meta)
 
     def _decode(self, payload: bytes, numel: int, meta: dict[str, str]) -> torch.Tensor:
-        spec = {"piece": TensorSpec((numel,))}
-        return decode(payload, spec, self.x.codec, meta=meta)["piece"]
+        return decode(payload, {"piece": TensorSpec((numel,))}, self.codec, meta=meta)["piece"]

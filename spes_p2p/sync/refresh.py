@@ -19,7 +19,6 @@ from collections import Counter
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
-from dataclasses import dataclass
 
 import torch
 
@@ -29,6 +28,7 @@ from spes_p2p.sync.codecs import Codecs, PayloadError, TensorSpec
 from spes_p2p.sync.config import SyncConfig
 from spes_p2p.sync.messages import RPC_WEIGHTS, WeightsRequest
 from spes_p2p.sync.payload import decode, metadata_of
+from spes_p2p.sync.versions import ELSEWHERE, EXACT_VERSION, NOBODY, Download, Want
 
 logger = logging.getLogger(__name__)
 
@@ -36,36 +36,6 @@ POLL_SECONDS = 0.1
 MIN_REQUEST_SECONDS = 0.5
 
 Tensors = dict[str, torch.Tensor]
-
-
-@dataclass(frozen=True)
-class Want:
-    """What to fetch of a unit: ``weights`` (as of a round), its ``version``, or the ``change`` to a version
-    from the one we have (``since``: its round and hash), in ``codec``."""
-
-    kind: str = "weights"
-    codec: str = "none"
-    since: tuple[int, str] | None = None
-
-
-@dataclass(frozen=True)
-class Fetched:
-    """What came: the round it is of, what it was, and its payload, checked. It is kept coded until it is
-    used (a copy held as int8 waits for its landing in a quarter of the bytes) and decoded on each use."""
-
-    round: int
-    want: Want
-    payload: bytes = b""
-    decoder: Callable[[bytes], Tensors] = lambda payload: {}
-
-    @property
-    def tensors(self) -> Tensors:
-        """Its tensors (a change: what to add)."""
-        return self.decoder(self.payload)
-
-
-NOBODY = Fetched(-2, Want())  # every holder left and there is no fallback: stop asking
-ELSEWHERE = Fetched(-3, Want())  # a change to another version than ours: that holder's chain differs
 
 
 class Refresh:
@@ -94,7 +64,7 @@ class Refresh:
         holders: dict[str, list[str]],
         seconds: float,
         want: Want | dict[str, Want] | None = None,
-        on_unit: Callable[[str, Fetched], None] | None = None,
+        on_unit: Callable[[str, Download], None] | None = None,
         fallback: list[str] = (),
     ) -> dict[str, int]:
         """Fetches each unit in ``holders`` (unit -> live holders) from one of them; returns unit -> round
@@ -130,13 +100,13 @@ class Refresh:
         want: Want,
         deadline: Deadline,
         patience: Deadline,
-    ) -> Fetched | None:
+    ) -> Download | None:
         """``patience``: how long to wait for a change before asking for the exact version instead."""
         order = list(holders)
         random.Random(f"{self.transport.peer_id}:{unit}:{min_round}").shuffle(order)
         order.sort(key=lambda p: self.failed[p])  # (stable) holders that served lately first
 
-        def one_pass() -> Fetched | None:
+        def one_pass() -> Download | None:
             nonlocal order, want
             if self.live_peers is not None:
                 live = self.live_peers()
@@ -150,7 +120,7 @@ class Refresh:
                 if found is not None and found is not ELSEWHERE:
                     return found
             if want.kind == "change" and (elsewhere or patience.passed()):  # the exact version instead
-                want = Want("version", "none")
+                want = EXACT_VERSION
             if order and not deadline.passed():
                 return None  # holders first, while they may still catch up
             for peer in fallback:
@@ -168,7 +138,7 @@ class Refresh:
 
     def _fetch(
         self, peer: str, unit: str, want: Want, min_round: int, any_copy: bool, deadline: Deadline
-    ) -> Fetched | None:
+    ) -> Download | None:
         """What we want of ``unit`` from ``peer``, or None when it cannot serve it (yet)."""
         # the round to match (refreshes: every peer then gets the same version), or the newest (catch-up)
         request = WeightsRequest(
@@ -206,7 +176,7 @@ class Refresh:
             self.failed.pop(peer, None)
         if want.kind == "change" and (since != ":".join(map(str, want.since)) or round_ != min_round):
             return ELSEWHERE
-        return Fetched(round_, want, payload, decoder) if round_ >= min_round else None
+        return Download(round_, want, payload, decoder) if round_ >= min_round else None
 
 
 def _round_of(payload: bytes) -> int:

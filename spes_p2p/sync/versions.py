@@ -19,24 +19,77 @@ Holders keep the current version of each unit they hold (``Versions``), as the p
 peers keep, for each frozen copy that is a version, its round and hash (``Copies``). A change names the
 version it applies to (``since``: round and hash); a copy whose hash is not that one has drifted, and is
 replaced by the exact version.
+
+What a peer asks of a unit's holders is a ``Want`` (weights, a version, or a change, in a codec); what comes
+back is a ``Download`` (``refresh.Refresh`` fetches them), which makes the unit's new weights from our copy
+(``Download.onto``: a change is added to it; anything else replaces it).
 """
 
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
 from spes_p2p.sync.codecs import EXACT, Codec, TensorSpec
-from spes_p2p.sync.outcome import tensors_hash
-from spes_p2p.sync.payload import decode, encode, payload_meta, tensors_of
+from spes_p2p.sync.payload import decode, encode, payload_meta, tensors_hash, tensors_of
 
 Tensors = dict[str, torch.Tensor]
 
 
 def is_version_round(round_: int, every: int) -> bool:
     return (round_ + 1) % every == 0
+
+
+@dataclass(frozen=True)
+class Want:
+    """What to fetch of a unit: ``weights`` (as of a round), its ``version``, or the ``change`` to a version
+    from the one we have (``since``: its round and hash), in ``codec`` (a name: it travels in the request)."""
+
+    kind: str = "weights"
+    codec: str = "none"
+    since: tuple[int, str] | None = None
+
+    @property
+    def makes_version(self) -> bool:
+        """Whether what comes makes the holders' version exactly (a change, added to our version before; or
+        the exact version itself)."""
+        return self.kind == "change" or self == EXACT_VERSION
+
+
+EXACT_WEIGHTS = Want("weights", "none")
+EXACT_VERSION = Want("version", "none")
+
+
+@dataclass(frozen=True)
+class Download:
+    """What came of a unit: the round it is of, what it was, and its payload, checked. It is kept coded until
+    it is used (a copy held as int8 waits for its landing in a quarter of the bytes) and decoded on each
+    use."""
+
+    round: int
+    want: Want
+    payload: bytes = b""
+    decoder: Callable[[bytes], Tensors] = lambda payload: {}
+
+    @property
+    def tensors(self) -> Tensors:
+        """Its tensors (a change: what to add)."""
+        return self.decoder(self.payload)
+
+    def onto(self, copy: Callable[[], Tensors]) -> Tensors:
+        """The unit's new weights: a change added to our copy (of the version before; ``copy()`` is read only
+        for a change), anything else as it came."""
+        if self.want.kind != "change":
+            return self.tensors
+        before = copy()
+        return {n: before[n] + t for n, t in self.tensors.items()}
+
+
+NOBODY = Download(-2, Want())  # every holder left and there is no fallback: stop asking
+ELSEWHERE = Download(-3, Want())  # a change to another version than ours: that holder's chain differs
 
 
 @dataclass(frozen=True)

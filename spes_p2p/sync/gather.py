@@ -1,0 +1,190 @@
+"""Gathering a round's updates: the announcements (ours out; the others' in, by gossip and from the DHT),
+the fetches of what they announce, and the adaptive deadline that bounds the wait.
+
+A round waits for the participants still waited for (``Ledger.waited_for``) until all have answered, left
+or been refused, or the deadline passed; a participant that announced and was not heard from in time counts
+a miss, one that had not even announced (it is behind: this peer ran ahead) makes the next round wait
+longer, so the peers fall back into step (``Ledger.attend``). Late updates of the last ``staleness`` rounds
+count too, from those rounds' participants only, measured from our base of then.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from spes_p2p.net.transport import Transport
+from spes_p2p.net.waiting import AdaptiveDeadline, Deadline, poll
+from spes_p2p.swarm.gossip import Gossip
+from spes_p2p.swarm.records import Announcement, decode_entries, updates_key
+from spes_p2p.sync.aggregate import Contribution, Received
+from spes_p2p.sync.config import SyncConfig
+from spes_p2p.sync.fetching import Gone, Got, Refused, UpdateFetcher
+from spes_p2p.sync.jobs import UnitJob
+from spes_p2p.sync.ledger import Ledger
+
+logger = logging.getLogger(__name__)
+
+POLL_SECONDS = 0.1  # between reads of a round's announcements
+LIVENESS_CHECK_SECONDS = 1.0  # between checks that the participants we wait for are still in the swarm
+FALLBACK_READ_SECONDS = 1.0  # between DHT reads of a round's announcements, when gossip brings them
+ANNOUNCE_TTL = 120.0  # seconds an announcement lives in the DHT
+
+
+@dataclass(frozen=True)
+class Gathered:
+    """What came of a round's wait: the updates received (by peer id), and who did not deliver."""
+
+    received: list[Received]
+    missing: list[str]  # expected, and not heard from in time
+    refused: list[str]  # sent something that failed its checks
+
+
+class Gatherer:
+    """Sync thread (and the fetch pool); ``received`` (the round's decoded updates, for memory sampling) is
+    read by the peer's sampler."""
+
+    def __init__(
+        self,
+        transport: Transport,
+        run_id: str,
+        cfg: SyncConfig,
+        fetcher: UpdateFetcher,
+        ledger: Ledger,
+        abort: threading.Event,
+        live_peers: Callable[[], set[str]] | None = None,
+    ) -> None:
+        """``abort``: set when the peer stops, it ends every wait at once, with what has arrived."""
+        self.transport, self.run_id, self.cfg = transport, run_id, cfg
+        self.fetcher, self.ledger, self.abort = fetcher, ledger, abort
+        self.live_peers = live_peers  # who is still in the swarm: no round waits for peers that left
+        self.gossip = Gossip(transport, run_id)
+        self.deadline = AdaptiveDeadline(cfg.deadline_min, cfg.deadline_max)
+        self.received: list = []  # the decoded updates (or pieces) of the unit's round in progress
+        # (round, unit) -> when the DHT's announcements were last read, and what they were
+        self._read: dict[tuple[int, str], tuple[float, dict[str, Announcement]]] = {}
+        self._lock = threading.Lock()
+
+    def round_deadline(self) -> Deadline:
+        """A deadline for one wait of a round, as long as the adaptive deadline says now."""
+        return Deadline(self.deadline.seconds(), self.abort)
+
+    def live(self, peers) -> set[str]:
+        """Those of ``peers`` still in the swarm (all of them, without a way to tell)."""
+        return set(peers) & self.live_peers() if self.live_peers is not None else set(peers)
+
+    # ------------------------------------------------------------------------------------ announcements
+
+    def follow(self, unit: str) -> None:
+        """Hears announcements of ``unit`` by gossip from now on."""
+        self.gossip.follow(unit)
+
+    def follow_only(self, units) -> None:
+        """Hears announcements of these units only (the ones this peer still holds)."""
+        self.gossip.follow_only(units)
+
+    def announce(self, round_: int, unit: str, announcement: Announcement) -> None:
+        key = updates_key(self.run_id, round_, unit)
+        self.transport.publish(key, announcement.encode(), self.transport.now() + ANNOUNCE_TTL)
+        self.gossip.tell(unit, announcement)
+
+    def announcements(self, round_: int, unit: str) -> dict[str, Announcement]:
+        """The round's announcements of ``unit``: those heard by gossip, and those in the DHT, read at every
+        call without gossip, and with it at most every ``FALLBACK_READ_SECONDS`` (at least four times in
+        the shortest round deadline); the DHT's win."""
+        key, now = (round_, unit), time.monotonic()
+        every = min(FALLBACK_READ_SECONDS, self.cfg.deadline_min / 4)
+        with self._lock:
+            read_at, announced = self._read.get(key, (-math.inf, {}))
+        if not self.gossip.works or now >= read_at + every:
+            entries = self.transport.read(updates_key(self.run_id, round_, unit))
+            decoded = decode_entries(entries, Announcement, "update announcement", self.transport.guard)
+            announced = {p: a for p, a in decoded.items() if a.round == round_}
+            with self._lock:
+                self._read[key] = (now, announced)
+        return {**self.gossip.heard(round_, unit), **announced}
+
+    # ------------------------------------------------------------------------------------ the wait
+
+    def gather(
+        self,
+        round_: int,
+        unit: str,
+        others: list[str],
+        deadline: Deadline,
+        part: tuple[int, int] | None = None,
+    ) -> Gathered:
+        """Fetches the others' updates of this round (with ``part`` = (part, parts), that part of them) until
+        all that are waited for answered, left, or the deadline passed. The deadline adapts to when the last
+        answer came, whoever is still missing."""
+        started = last_answer = time.monotonic()
+        wanted, got, refused, announcing = set(others), {}, set(), set()
+        waiting = {p for p in others if self.ledger.waited_for(p)}
+        next_liveness_check = started + LIVENESS_CHECK_SECONDS
+
+        def one_pass() -> bool | None:
+            nonlocal last_answer, next_liveness_check
+            announced = self.announcements(round_, unit)
+            announcing.update(announced)
+            todo = [(round_, p, announced[p]) for p in sorted(wanted) if p in announced]
+            for (_, peer, _), outcome in zip(
+                todo, self.fetcher.updates(unit, todo, deadline, part), strict=True
+            ):
+                if isinstance(outcome, Got | Refused | Gone):
+                    wanted.discard(peer)
+                    waiting.discard(peer)
+                if isinstance(outcome, Got):
+                    got[peer], last_answer = outcome.received, time.monotonic()
+                elif isinstance(outcome, Refused):
+                    refused.add(peer)
+            if waiting and time.monotonic() >= next_liveness_check:
+                waiting.intersection_update(self.live(waiting))  # one whose records vanished has left
+                next_liveness_check = time.monotonic() + LIVENESS_CHECK_SECONDS
+            return True if not waiting else None
+
+        if not poll(one_pass, deadline, POLL_SECONDS):
+            logger.info("round %d %s: deadline passed without %s", round_, unit, sorted(waiting))
+        self.received.extend(r.contribution.tensors for r in got.values())
+        behind = {p for p in waiting - announcing if self.ledger.stretches(p)}
+        if behind:  # cut off while still training: this peer ran ahead, and waits longer next round to fall
+            self.deadline.observe(time.monotonic() - started)  # back into step (a fake holder: MISS_LIMIT)
+        elif got:
+            self.deadline.observe(last_answer - started)
+        missing = set(others) - set(got) - refused
+        self.ledger.attend(round_, others, set(got), missing, announcing)
+        return Gathered([got[p] for p in sorted(got)], sorted(missing), sorted(refused))
+
+    def late_updates(self, job: UnitJob, deadline: Deadline) -> list[Contribution]:
+        """Updates of the last ``staleness`` rounds that came after those rounds closed, on our base of then,
+        from peers that took part in those rounds (nobody else may slip an update in)."""
+        me, todo = self.transport.peer_id, []
+        for past in range(max(0, job.round - self.cfg.staleness), job.round):
+            our_base = self.ledger.base(past, job.unit)
+            took_part = self.ledger.participants(past, job.unit) - {me}
+            for peer, announced in sorted(self.announcements(past, job.unit).items()):
+                fresh = peer in took_part and not self.ledger.applied(peer, past, job.unit)
+                if fresh and our_base is not None and announced.base == our_base:
+                    todo.append((past, peer, announced))
+        outcomes = self.fetcher.updates(job.unit, todo, deadline)
+        return [o.received.contribution for o in outcomes if isinstance(o, Got)]
+
+    def pieces(
+        self, round_: int, unit: str, peers: list[str], base: str, part, deadline
+    ) -> list[Contribution]:
+        """Part ``part`` = (part, parts) of the updates that ``peers`` announced on ``base`` (a reduce-
+        scatter's fallback, when a part's owner failed us)."""
+        announced = self.announcements(round_, unit)
+        todo = [(round_, p, a) for p, a in sorted(announced.items()) if p in peers and a.base == base]
+        outcomes = self.fetcher.updates(unit, todo, deadline, part)
+        return [o.received.contribution for o in outcomes if isinstance(o, Got)]
+
+    # ------------------------------------------------------------------------------------ upkeep
+
+    def forget_before(self, round_: int) -> None:
+        with self._lock:
+            self._read = {k: v for k, v in self._read.items() if k[0] >= round_}
+        self.gossip.forget_before(round_)
