@@ -25,6 +25,7 @@ import torch
 
 from spes_p2p.model import MoETransformer
 from spes_p2p.model.config import STEP_BATCH, STEP_SEQ_LEN
+from spes_p2p.model.units import layout_of
 from spes_p2p.settings import Settings
 from spes_p2p.train.trainer import Trainer
 
@@ -33,7 +34,7 @@ TRAINED = ["dense/0", "experts/0"]
 
 def step_seconds(preset: str, warmup: int, steps: int) -> dict:
     settings = Settings().override(model__preset=preset, model__shards=4, model__dense_blocks=2)
-    arch, layout = settings.model.architecture(), settings.model.layout()
+    arch, layout = settings.model.architecture(), layout_of(settings.model)
     torch.manual_seed(0)
     model = MoETransformer(arch)
     trainer = Trainer(model, layout, TRAINED, settings.train)

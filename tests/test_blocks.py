@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 from spes_p2p.errors import ConfigError
 from spes_p2p.model import MoETransformer, UnitLayout, get_preset
-from spes_p2p.model.units import balanced_starts, dense_partition, read_unit
+from spes_p2p.model.units import balanced_starts, dense_partition, layout_of, read_unit
 from spes_p2p.net.memory import FakeClock, MemoryNetwork
 from spes_p2p.peer.frozen import FrozenCopies
 from spes_p2p.peer.setup import member_config
@@ -234,7 +234,7 @@ def test_a_dense_block_held_quantized_is_fetched_in_its_own_codec(refresh):
     member = SimpleNamespace(transport=SimpleNamespace(peer_id="me"), units_held=["dense/1", "experts/0"])
     every = s.method.refresh_every_rounds
     sync = FakeSync(10 - every)
-    frozen = FrozenCopies(s, member, sync, s.model.layout())
+    frozen = FrozenCopies(s, member, sync, layout_of(s.model))
     for experts in (None, {}):  # an ordinary version round, and a merge (which reads experts only)
         job = SimpleNamespace(round=10, experts=experts)
         kind = "version" if refresh == "changes" else "weights"

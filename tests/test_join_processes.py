@@ -18,7 +18,7 @@ import torch
 from safetensors.torch import load_file
 
 from spes_p2p.model import UnitLayout
-from spes_p2p.sim.runner import stop_process_groups
+from spes_p2p.sim.processes import stop_process_groups
 
 pytestmark = [pytest.mark.timeout(240), pytest.mark.slow]
 

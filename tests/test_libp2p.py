@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from spes_p2p.sim.runner import stop_process_groups
+from spes_p2p.sim.processes import stop_process_groups
 
 BIN = Path(sys.executable).parent
 PEER = Path(__file__).with_name("backend_peer.py")

@@ -5,7 +5,8 @@ import threading
 import pytest
 
 from spes_p2p.errors import SpesError
-from spes_p2p.peer.rounds import Pipeline, RoundJob
+from spes_p2p.peer.job import RoundJob
+from spes_p2p.peer.rounds import Pipeline
 
 
 class StuckSync:

@@ -17,7 +17,8 @@ from spes_cli.main import spes
 from spes_p2p.errors import ConfigError
 from spes_p2p.sim import run, simulation
 from spes_p2p.sim.config import SOLE, Event, SimConfig
-from spes_p2p.sim.runner import ProcessFleet, stop_process_groups
+from spes_p2p.sim.fleets import ProcessFleet
+from spes_p2p.sim.processes import stop_process_groups
 from spes_p2p.sim.summary import read_rows
 
 pytestmark = [pytest.mark.timeout(300), pytest.mark.slow]

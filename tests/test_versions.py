@@ -9,7 +9,7 @@ import torch
 
 from spes_p2p.net.memory import MemoryNetwork
 from spes_p2p.sim import run, simulation
-from spes_p2p.sim.runner import MemoryFleet
+from spes_p2p.sim.fleets import MemoryFleet
 from spes_p2p.sim.summary import read_rows
 from spes_p2p.sync.codecs import TensorSpec
 from spes_p2p.sync.config import SyncConfig

@@ -11,6 +11,7 @@ import torch
 
 from spes_p2p.errors import CheckpointError, ConfigError
 from spes_p2p.model.config import STEP_SECONDS
+from spes_p2p.model.units import layout_of
 from spes_p2p.net.memory import MemoryNetwork
 from spes_p2p.peer import Peer, local
 from spes_p2p.peer.virtual import VirtualTraining, step_seconds
@@ -139,14 +140,14 @@ def test_a_virtual_peer_checkpoints_and_resumes(tmp_path, virtual_peers):
     again = Peer(s, MemoryNetwork(seed=0).join("p0"), out_dir=tmp_path)
     again.join(resume=True)
     assert again.round == 2 and again.local.tokens == 2 * H * 4 * 64
-    for unit in s.model.layout().units:
+    for unit in layout_of(s.model).units:
         before, after = peer.local.read(unit), again.local.read(unit)
         assert all(torch.equal(before[n], after[n]) for n in before), unit
     again.run(stop, rounds=3)
     again.close()
     assert [r["round"] for r in read_rows(tmp_path)] == [0, 1, 2]
 
-    real = local.LocalTraining(s.override(sim__compute="real"), s.model.layout(), 0, "p0")
+    real = local.LocalTraining(s.override(sim__compute="real"), layout_of(s.model), 0, "p0")
     with pytest.raises(CheckpointError, match="virtual compute"):
         real.start(["experts/0"], 2, checkpoint)
 
@@ -169,6 +170,7 @@ import sys, threading
 from spes_p2p.peer import Peer
 from spes_p2p.sim import simulation
 from spes_p2p.net.memory import MemoryNetwork
+from spes_p2p.model.units import layout_of
 
 s = simulation(sim__compute="virtual=0", model__dense_blocks=1, run__out=sys.argv[1], **eval(sys.argv[2]))
 peer = Peer(s, MemoryNetwork(seed=0).join("p0"), out_dir=sys.argv[1])

@@ -284,9 +284,3 @@ class ModelSettings(Section):
             "norm_eps": self.norm_eps,
         }
         return self._base().replace(**{name: value for name, value in overrides.items() if value})
-
-    def layout(self):
-        """The units of this model (``spes_p2p.model.units.UnitLayout``; imports torch)."""
-        from spes_p2p.model.units import UnitLayout
-
-        return UnitLayout.for_model(self.architecture(), self.shards, self.dense_blocks)

@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from spes_p2p.errors import ConfigError
-from spes_p2p.model.config import ModelConfig
+from spes_p2p.model.config import ModelConfig, ModelSettings
 from spes_p2p.model.quant import QuantizedWeights
 
 _EXPERT_PARAM = re.compile(r"^layers\.\d+\.moe\.experts\.(\d+)\.")
@@ -238,3 +238,8 @@ def set_trainable(model: nn.Module, layout: UnitLayout, units: list[str]) -> lis
         if p.requires_grad:
             trainable.append(p)
     return trainable
+
+
+def layout_of(model: ModelSettings) -> UnitLayout:
+    """The units of the model that ``[model]`` settings describe."""
+    return UnitLayout.for_model(model.architecture(), model.shards, model.dense_blocks)

@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 
 from spes_p2p.errors import SpesError
+from spes_p2p.model.units import layout_of
 from spes_p2p.net.transport import Transport
 from spes_p2p.net.waiting import Deadline, poll
 from spes_p2p.settings import Settings
@@ -63,7 +64,7 @@ def manifest_for(settings: Settings, tokenizer: bytes, data: dict, initial_model
         run_id=settings.swarm.run_id,
         settings=settings.swarm_wide(),
         model=settings.model.architecture().to_dict(),
-        units=settings.model.layout().units,
+        units=layout_of(settings.model).units,
         tokenizer_sha256=hashlib.sha256(tokenizer).hexdigest(),
         tokenizer_bytes=len(tokenizer),
         data=data,

@@ -21,7 +21,7 @@ from spes_p2p.sync.versions import EXACT_VERSION, EXACT_WEIGHTS, Download, Want,
 from spes_p2p.train.merge import merge_experts
 
 if TYPE_CHECKING:
-    from spes_p2p.peer.rounds import RoundJob
+    from spes_p2p.peer.job import RoundJob
 
 logger = logging.getLogger(__name__)
 

@@ -13,7 +13,7 @@ from functools import partial
 
 import torch
 
-from spes_p2p.peer.rounds import RoundJob
+from spes_p2p.peer.job import RoundJob
 from spes_p2p.sync.versions import Download
 
 Tensors = dict[str, torch.Tensor]

@@ -6,7 +6,7 @@ through ``step``, ``read``, ``write`` or ``retarget``, which hold the lock.
 
 ``LocalModel`` is the part every peer has: the swarm's seeded initial model and those accessors.
 ``LocalTraining`` trains it; ``spes_p2p.peer.virtual.VirtualTraining`` stands in for it in simulations with
-virtual compute (``[sim] compute``). ``local_training`` picks the one the settings ask for.
+virtual compute (``[sim] compute``). ``peer.setup.local_training`` picks the one the settings ask for.
 
 The model trains on ``[train] device``; the sync sees CPU tensors only: ``read`` copies a unit to the CPU and
 ``write`` copies one back. So the sync's arithmetic (updates, aggregation, versions and their hashes) is
@@ -44,15 +44,6 @@ class Steps:
     loss: float | None  # None: no model ran (virtual compute)
     tokens: int
     seconds: float
-
-
-def local_training(settings: Settings, layout: UnitLayout, seed: int, peer_id: str) -> LocalModel:
-    """The peer's training: real, or virtual when ``[sim] compute`` says so."""
-    if settings.sim.virtual:
-        from spes_p2p.peer.virtual import VirtualTraining
-
-        return VirtualTraining(settings, layout, seed, peer_id)
-    return LocalTraining(settings, layout, seed, peer_id)
 
 
 class LocalModel:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 
 from spes_p2p.net.transport import Transport
-from spes_p2p.peer.rounds import RoundJob
+from spes_p2p.peer.job import RoundJob
 from spes_p2p.swarm.records import Progress
 
 

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from spes_p2p.errors import CheckpointError
+from spes_p2p.model.units import layout_of
 from spes_p2p.net.reachability import SelfCheck
 from spes_p2p.net.transport import Transport
 from spes_p2p.net.waiting import Deadline, poll
@@ -32,12 +33,12 @@ from spes_p2p.peer import joining
 from spes_p2p.peer.admission import Admission, found, weights_fingerprint
 from spes_p2p.peer.footprint import Footprint
 from spes_p2p.peer.heartbeat import Heartbeat
+from spes_p2p.peer.job import RoundJob
 from spes_p2p.peer.landing import Landing
-from spes_p2p.peer.local import local_training
 from spes_p2p.peer.metrics import RoundMetrics, crossed, progress
 from spes_p2p.peer.outputs import RunOutputs
-from spes_p2p.peer.rounds import Pipeline, RoundJob, RoundSync
-from spes_p2p.peer.setup import initial_seed, member_config, sync_engine
+from spes_p2p.peer.rounds import Pipeline, RoundSync
+from spes_p2p.peer.setup import initial_seed, local_training, member_config, sync_engine
 from spes_p2p.settings import Settings
 from spes_p2p.swarm.manifest import ManifestServer
 from spes_p2p.swarm.member import SwarmMember, SwarmView
@@ -99,7 +100,7 @@ class Peer:
         (or, in tests, computes the manifest every peer of its settings computes alike)."""
         self.settings, self.transport, self.me = settings, transport, transport.peer_id
         transport.guard.allow_only(settings.swarm.allowlist)
-        self.layout = settings.model.layout()
+        self.layout = layout_of(settings.model)
         self.local = local_training(settings, self.layout, initial_seed(settings), self.me)
         self.admission = admission
         self.initial_fingerprint = weights_fingerprint(self.local.model)

@@ -1,11 +1,10 @@
 """A round's sync, from the end of its training until it lands.
 
-``RoundJob`` is what the training thread hands over: snapshots of the trained units at the round's start
-and end (and of the frozen experts, when a merge is due), its tokens and metrics. ``RoundSync`` does the
-sync's work on it: exchange each trained unit's update and serve the new weights, then (``frozen``)
-publish their versions, refresh the frozen copies and merge when due. It reads the swarm view and the job;
-it never touches the model. ``Pipeline`` runs it in the
-background while the next round trains (overlap), or at once, and hands finished jobs back for landing.
+``RoundJob`` (``job.py``) is what the training thread hands over. ``RoundSync`` does the sync's work on it:
+exchange each trained unit's update and serve the new weights, then (``frozen``) publish their versions,
+refresh the frozen copies and merge when due. It reads the swarm view and the job; it never touches the
+model. ``Pipeline`` runs it in the background while the next round trains (overlap), or at once, and hands
+finished jobs back for landing.
 
 Threads: a job belongs to the sync thread from ``submit`` until ``take`` returns it to the training thread.
 """
@@ -15,47 +14,24 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from dataclasses import dataclass, field
 
 import torch
 
 from spes_p2p.errors import SpesError
 from spes_p2p.model.units import UnitLayout
 from spes_p2p.peer.frozen import FrozenCopies
+from spes_p2p.peer.job import RoundJob
 from spes_p2p.settings import Settings
 from spes_p2p.swarm.member import SwarmMember, SwarmView
 from spes_p2p.sync.engine import SyncEngine
 from spes_p2p.sync.exchange import dense_group
 from spes_p2p.sync.jobs import UnitJob, UnitResult
-from spes_p2p.sync.versions import Download
 
 logger = logging.getLogger(__name__)
 
 SYNC_MARGIN_SECONDS = 60.0
 
 Tensors = dict[str, torch.Tensor]
-
-
-@dataclass
-class RoundJob:
-    round: int
-    units: list[str]  # the units trained this round
-    start: dict[str, Tensors]  # where each unit's update is measured from
-    end: dict[str, Tensors]  # the local end-of-round weights
-    tokens: int
-    metrics: dict
-    experts: Tensors | None = None  # when a merge is due: the frozen experts a change adds to (or {})
-    results: dict[str, UnitResult] = field(default_factory=dict)  # trained units
-    refreshed: dict[str, Download] = field(default_factory=dict)  # frozen copies, and units trained next
-    error: BaseException | None = None
-    thread: threading.Thread | None = None
-
-    def held(self) -> dict[str, list]:
-        results = [r.new_weights for r in list(self.results.values())]
-        return {
-            "snapshots": [self.start, self.end, self.experts or {}, results],
-            "received": [f.payload for f in list(self.refreshed.values())],
-        }
 
 
 class RoundSync:

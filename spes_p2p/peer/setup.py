@@ -10,7 +10,10 @@ from pathlib import Path
 from spes_p2p import __version__
 from spes_p2p.errors import CheckpointError, ConfigError
 from spes_p2p.model.config import ModelConfig
+from spes_p2p.model.units import UnitLayout, layout_of
 from spes_p2p.net.transport import Transport
+from spes_p2p.peer.local import LocalModel, LocalTraining
+from spes_p2p.peer.virtual import VirtualTraining
 from spes_p2p.settings import Settings
 from spes_p2p.swarm.member import MemberConfig
 from spes_p2p.sync.engine import SyncEngine
@@ -47,8 +50,15 @@ def initial_seed(settings: Settings) -> int:
     return int(hashlib.sha256(json.dumps(swarm, sort_keys=True).encode()).hexdigest()[:8], 16)
 
 
+def local_training(settings: Settings, layout: UnitLayout, seed: int, peer_id: str) -> LocalModel:
+    """The peer's training: real, or virtual when ``[sim] compute`` says so."""
+    if settings.sim.virtual:
+        return VirtualTraining(settings, layout, seed, peer_id)
+    return LocalTraining(settings, layout, seed, peer_id)
+
+
 def member_config(settings: Settings) -> MemberConfig:
-    units = settings.model.layout().units
+    units = layout_of(settings.model).units
     dense = [u for u in units if u.startswith("dense/")]
     blocks = len(dense) > 1  # block coordinate descent over the dense part; B = 1 is SPES as published
     diloco = settings.method.mode == "diloco"  # the baseline: every peer trains every unit

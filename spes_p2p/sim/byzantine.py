@@ -29,6 +29,7 @@ import threading
 import msgspec
 from safetensors.torch import load, save
 
+from spes_p2p.model.units import layout_of
 from spes_p2p.net.transport import Entry, Handler, Transport, TransportError
 from spes_p2p.net.wire import RecordError
 from spes_p2p.sim.config import BYZANTINE_MODES as MODES
@@ -255,7 +256,7 @@ def main(argv: list[str]) -> int:
 
     def attacking(settings) -> ByzantineTransport:
         transport = open_transport(settings, new_swarm=settings.run.new_swarm)
-        return ByzantineTransport(transport, argv[2], settings.model.layout().units)
+        return ByzantineTransport(transport, argv[2], layout_of(settings.model).units)
 
     return peer_main(argv[:2], attacking)
 

@@ -246,3 +246,8 @@ def _partition(text: str) -> Partition:
         raise FieldError(
             "partitions", f"take GROUP/GROUP@START[-END], e.g. 0,1/2,3@2-4; got {text!r}"
         ) from None
+
+
+def name_of(index: int) -> str:
+    """A simulated peer's name: its run folder, log and settings file are named after it."""
+    return f"peer{index}"

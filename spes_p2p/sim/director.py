@@ -8,21 +8,17 @@ import random
 from typing import TYPE_CHECKING
 
 from spes_p2p.settings import Settings
-from spes_p2p.sim.config import SOLE, Event, Partition
+from spes_p2p.sim.config import SOLE, Event, Partition, name_of
 from spes_p2p.sim.summary import read_rows
 
 if TYPE_CHECKING:
-    from spes_p2p.sim.runner import Fleet
+    from spes_p2p.sim.fleets import Fleet
 
 # no churn kill in the last rounds, so that a restarted peer has rounds to come back in: a round passes
 # before its restart, then on 2 shared cores its process takes 60-100 s to import, start its DHT, wait out
 # the round in progress and download the model. In the soak (docs/simulate.md) a restarted peer wrote its
 # first row 2 to 5 rounds (of 20 steps) after its restart
 CHURN_TAIL_ROUNDS = 6
-
-
-def name_of(index: int) -> str:
-    return f"peer{index}"
 
 
 class Director:

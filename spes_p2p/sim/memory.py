@@ -11,8 +11,8 @@ from pathlib import Path
 from spes_p2p.errors import SpesError
 from spes_p2p.peer.footprint import KINDS
 from spes_p2p.settings import Settings, key_of
-from spes_p2p.sim.config import LOCAL_SWARM_DEFAULTS
-from spes_p2p.sim.runner import name_of, run
+from spes_p2p.sim.config import LOCAL_SWARM_DEFAULTS, name_of
+from spes_p2p.sim.runner import run
 from spes_p2p.sim.summary import read_rows
 from spes_p2p.train.fit import preflight
 from spes_p2p.train.memory import compare

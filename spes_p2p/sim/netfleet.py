@@ -8,8 +8,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from spes_p2p.settings import Settings
+from spes_p2p.sim.fleets import ProcessFleet
 from spes_p2p.sim.netns import Layout, Namespaces, NetnsError, existing, missing_tools, new_tag
-from spes_p2p.sim.runner import ProcessFleet
 
 PORT = 31337  # every peer has an address of its own: one port for all
 RELAYS = 2  # public peers a NATed peer reserves a relay slot on

@@ -9,6 +9,7 @@ from pathlib import Path
 from safetensors.torch import load_file
 
 from spes_p2p.model import UnitLayout
+from spes_p2p.model.units import layout_of
 from spes_p2p.settings import Settings
 
 
@@ -232,7 +233,7 @@ def _coverage(
     settings: Settings, rows: dict[str, list[dict]], completed: int, peers_dir: Path, killed: set
 ) -> dict:
     """Who trained each unit in each round, the unit-rounds nobody trained, and whether holders agree."""
-    layout = settings.model.layout()
+    layout = layout_of(settings.model)
     holders = {
         u: {  # string keys, as in summary.json
             str(r): sorted(

@@ -28,12 +28,11 @@ from typing import TYPE_CHECKING, ClassVar
 
 from spes_p2p.blockwise import int8_sizes, nf4_sizes
 from spes_p2p.errors import SpesError
+from spes_p2p.fields import Section
 from spes_p2p.swarm.records import MAX_PARTS
 
 if TYPE_CHECKING:
     import torch
-
-    from spes_p2p.sync.config import SyncConfig
 
 HEADER_ALLOWANCE = 4096  # safetensors' length prefix, its metadata, and slack
 ENTRY_ALLOWANCE = 256  # header bytes one buffer's entry may take (name, dtype, shape, offsets)
@@ -76,8 +75,8 @@ class Codec:
     def decode(self, buffers: list[torch.Tensor], numel: int) -> torch.Tensor:
         raise NotImplementedError
 
-    def configured(self, sync: SyncConfig) -> Codec:
-        """This codec with the parameters the swarm's settings give it (most have none)."""
+    def configured(self, sync: Section) -> Codec:
+        """This codec with the parameters the swarm's ``[sync]`` settings give it (most have none)."""
         return self
 
     def max_bytes(self, specs: dict[str, TensorSpec]) -> int:
@@ -164,7 +163,7 @@ class TopK(Codec):
     fraction: float = 0.02
     name, help = "topk", "the largest fraction of entries, with error feedback at the sender"
 
-    def configured(self, sync: SyncConfig) -> TopK:
+    def configured(self, sync: Section) -> TopK:
         return TopK(sync.topk_fraction)
 
     def count(self, numel: int) -> int:
@@ -202,7 +201,7 @@ class Codecs:
     refresh: Codec
 
     @classmethod
-    def of(cls, sync: SyncConfig) -> Codecs:
+    def of(cls, sync: Section) -> Codecs:
         by_name = {name: codec.configured(sync) for name, codec in CODECS.items()}
         return cls(by_name, by_name[sync.codec], by_name[sync.refresh_codec])
 

@@ -17,6 +17,7 @@ from spes_p2p.errors import ConfigError
 from spes_p2p.model import ModelConfig, MoETransformer, UnitLayout
 from spes_p2p.model.config import ModelSettings
 from spes_p2p.model.quant import quantized_bytes
+from spes_p2p.model.units import layout_of
 from spes_p2p.train.config import TrainConfig
 from spes_p2p.train.optim import optimizer_step, tensor_bytes
 from spes_p2p.train.trainer import Trainer
@@ -95,7 +96,7 @@ def compare(model: ModelSettings, capacity: int, active_blocks: int, train: Trai
     """A SPES peer that trains ``capacity`` expert shards and ``active_blocks`` of the dense blocks (the
     largest ones: the worst case), holding the other units as ``train`` says, next to a DiLoCo peer and a
     centralized trainer (``full``: no outer state), both training every unit."""
-    model_cfg, layout = model.architecture(), model.layout()
+    model_cfg, layout = model.architecture(), layout_of(model)
     if not 1 <= capacity <= layout.n_shards:
         raise ConfigError(f"capacity must be between 1 and the shards ({layout.n_shards})")
     units = [*_largest_blocks(model_cfg, layout, active_blocks), *layout.expert_units[:capacity]]

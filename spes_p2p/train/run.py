@@ -17,6 +17,7 @@ from spes_p2p.errors import CheckpointError, ConfigError
 from spes_p2p.files import writable_folder
 from spes_p2p.model import ModelConfig, MoETransformer
 from spes_p2p.model.config import ModelSettings
+from spes_p2p.model.units import layout_of
 from spes_p2p.train.checkpoint import list_checkpoints, load_checkpoint, recover, save_checkpoint
 from spes_p2p.train.config import DataConfig, TrainConfig
 from spes_p2p.train.dataset import BatchSampler, DataShard, prepare_data, validation_batches
@@ -55,7 +56,7 @@ class TrainingRun:
             raise ConfigError(
                 f"seq_len ({train.seq_len}) exceeds the model's max_seq_len ({model_cfg.max_seq_len})"
             )
-        layout = model.layout()
+        layout = layout_of(model)
         # SPES trains the dense part on every peer: a peer's view is its shards plus the dense part
         units = (
             layout.units
