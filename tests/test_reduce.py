@@ -12,6 +12,7 @@ from spes_p2p.sim.byzantine import rewrite
 from spes_p2p.sync.codecs import TensorSpec
 from spes_p2p.sync.config import SyncConfig
 from spes_p2p.sync.engine import SyncEngine
+from spes_p2p.sync.fetching import NotYet
 from spes_p2p.sync.jobs import UnitJob
 
 UNIT = "dense/0"
@@ -130,6 +131,21 @@ def test_a_member_that_never_shows_up_costs_only_its_part_and_the_rest_agree():
     assert_identical(results)
     assert gap(results["p0"].new_weights, mean_of(["p0", "p1", "p2"])) < 2e-3
     assert all(r.missing == ["p3"] and r.participants == ["p0", "p1", "p2"] for r in results.values())
+
+
+def test_a_member_that_gave_up_on_an_owner_combines_its_part_as_the_owner_did():
+    """p0's wait for p2's combined part runs out (a slow link), while the others get it from p2: p0 combines
+    that part from the same pieces and codes it as p2 did, so the members still end bit-identical."""
+    engines = swarm(codec="int8", deadline=2.0, patient=True)  # (p0 waits out the deadline for p2's part)
+    reduced = engines["p0"]._fetcher.reduced
+    owners_but_p2 = lambda round_, unit, owners, parts, deadline: {  # noqa: E731
+        **{j: NotYet("too slow") for j, owner in owners.items() if owner == "p2"},
+        **reduced(round_, unit, {j: o for j, o in owners.items() if o != "p2"}, parts, deadline),
+    }
+    engines["p0"]._fetcher.reduced = owners_but_p2
+    results = exchange(engines)
+    assert_identical(results)
+    assert all(r.participants == sorted(GROUP) for r in results.values())
 
 
 @pytest.mark.parametrize("attack", ["scale", "signflip"])

@@ -17,7 +17,9 @@ of 1/G each way, then G - 1 combined parts each way.
 
 A part whose owner does not serve it in time (it crashed, re-synchronizes on other start weights, or
 serves a result that fails its checks) costs only that part: each member then fetches that part's pieces
-from the members and combines them itself, the same pieces by the same rule, so members still agree.
+from the members and combines them itself, the same pieces by the same rule, and codes the result as its
+owner would have, so members still agree (also a member whose wait for the owner ran out while the others
+got the owner's part, when it combined the same pieces).
 
 A combined part is checked before use: it must decode, be finite, name only members of the group, lie
 within ``REJECT_FACTOR`` times the norm of our own piece of it, and not point against our piece when ours
@@ -137,15 +139,21 @@ class ReduceScatter(Exchange):
         return decoded
 
     def _post_reduced(self, job: UnitJob, split: _Split, part: int, combined: Combined) -> Reduced:
-        """Serves our part's combined update (zeros when nothing arrived); returns it as it decodes."""
+        """Serves our part's combined update; returns it as it decodes."""
+        payload, reduced = self._coded(job, split, part, combined)
+        self.outbox.post_reduced(job.round, job.unit, part, len(split.bounds), payload)
+        return reduced
+
+    def _coded(self, job: UnitJob, split: _Split, part: int, combined: Combined) -> tuple[bytes, Reduced]:
+        """A part's combined update (zeros when nothing arrived) as its owner serves it, and as that decodes:
+        members that combine the same pieces get the same numbers, whether from the owner or by themselves."""
         a, b = split.bounds[part]
         piece = combined.update["piece"] if combined.used else torch.zeros(b - a)
         contributors = sorted(c.peer_id for c in combined.used)
         parts = len(split.bounds)
         meta = {**payload_meta(job.unit, job.round, "reduced", part, parts), "peers": ",".join(contributors)}
         payload = self._encode(piece, meta)
-        self.outbox.post_reduced(job.round, job.unit, part, parts, payload)
-        return Reduced(self._decode(payload, b - a, meta), contributors)
+        return payload, Reduced(self._decode(payload, b - a, meta), contributors)
 
     # ---------------------------------------------------------------------------------- the others
 
@@ -219,10 +227,7 @@ class ReduceScatter(Exchange):
         contributions = self.gatherer.pieces(job.round, job.unit, others, job.base, where, deadline)
         own = split.own(self.me, job.round, part)
         combined = combine(contributions + ([own] if own else []), self.aggregate)
-        if not combined.used:
-            a, b = split.bounds[part]
-            return Reduced(torch.zeros(b - a), [])
-        return Reduced(combined.update["piece"], sorted(c.peer_id for c in combined.used))
+        return self._coded(job, split, part, combined)[1]
 
     # ---------------------------------------------------------------------------------- helpers
 
