@@ -19,9 +19,9 @@ from pathlib import Path
 
 from spes_p2p.settings import Settings
 from spes_p2p.sim import run, simulation
-from spes_p2p.sim.memory import running
+from spes_p2p.sim.running_memory import running
 from spes_p2p.sim.summary import read_rows
-from spes_p2p.train.memory import compare
+from spes_p2p.train.accounting import compare
 
 # (dense blocks, frozen experts, frozen dense blocks): SPES as published, the defaults, the smallest peer
 SETTINGS = [(1, "full", "full"), (2, "int8", "int8"), (4, "nf4", "nf4")]

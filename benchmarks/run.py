@@ -89,11 +89,12 @@ MEMORY_CONFIGS = {
 
 def memory_child(preset: str, name: str) -> dict:
     """Runs in a fresh process, so its peak RSS belongs to this configuration alone. The outer state is
-    what the sync keeps per trained weight (``train.memory.outer_copies``), allocated as a peer holds it."""
+    what the sync keeps per trained weight (``train.accounting.outer_copies``), allocated as a peer holds
+    it."""
     from spes_p2p.model.config import ModelSettings
     from spes_p2p.model.units import layout_of
+    from spes_p2p.train.accounting import measure, outer_copies
     from spes_p2p.train.config import TrainConfig
-    from spes_p2p.train.memory import measure, outer_copies
 
     everything, blocks, frozen, method = MEMORY_CONFIGS[name]
     model = ModelSettings(preset=preset, shards=4, dense_blocks=blocks)

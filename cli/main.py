@@ -207,7 +207,7 @@ def memory(settings, as_json, running) -> None:
     the steady-state peak of peers that train."""
     from spes_cli.render import print_memory
 
-    from spes_p2p.sim.memory import report
+    from spes_p2p.sim.running_memory import report
 
     s = settings
     with console.status(f"Measuring {s.model.preset} with {s.train.optimizer}..."):
@@ -254,7 +254,7 @@ def status(settings, as_json, watch, every) -> None:
 def invite(settings, out) -> None:
     """Write an invite to a running swarm: a peers.toml that joins it (spes-join --config FILE)."""
     from spes_p2p.peer import SwarmReader, write_invite
-    from spes_p2p.peer.summary import live_addresses
+    from spes_p2p.peer.status import live_addresses
 
     setup_logging(settings.run.log_level)
     with console.status("Reading the swarm..."), SwarmReader(settings) as reader:

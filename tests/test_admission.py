@@ -13,7 +13,7 @@ from spes_p2p.net.waiting import Deadline
 from spes_p2p.peer import Peer
 from spes_p2p.peer.admission import SwarmUnavailable, admit
 from spes_p2p.peer.joining import swarm_round
-from spes_p2p.peer.summary import SwarmReader, invite
+from spes_p2p.peer.status import SwarmReader, invite
 from spes_p2p.settings import Settings, load_settings
 from spes_p2p.swarm import manifest as manifests
 from spes_p2p.swarm.member import SwarmMismatch

@@ -10,7 +10,7 @@ from spes_cli.main import TRAIN_DEFAULTS, spes
 from spes_cli.options import SettingOption
 
 from spes_p2p.sim.config import LOCAL_SWARM_DEFAULTS
-from spes_p2p.train.memory import KEYS
+from spes_p2p.train.accounting import KEYS
 
 HEAVY = ("torch", "hivemind", "bitsandbytes", "libp2p", "numpy")
 

@@ -15,7 +15,7 @@ from spes_p2p.dashboard.server import Dashboard
 from spes_p2p.errors import SpesError
 from spes_p2p.net.memory import MemoryNetwork
 from spes_p2p.peer import Peer
-from spes_p2p.peer.summary import SwarmReader
+from spes_p2p.peer.status import SwarmReader
 from spes_p2p.settings import Settings
 from spes_p2p.swarm.records import Progress
 

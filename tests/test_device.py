@@ -20,10 +20,10 @@ from spes_p2p.model import MoETransformer, UnitLayout, get_preset
 from spes_p2p.settings import Settings
 from spes_p2p.sync.codecs import CODECS, PayloadError
 from spes_p2p.sync.payload import ErrorFeedback, decode, encode, specs_of
+from spes_p2p.train.accounting import measure
 from spes_p2p.train.config import TrainConfig
 from spes_p2p.train.device import autocast, model_device, place, resolve_device
 from spes_p2p.train.fit import Plan, check_fits, estimate_bytes, flags, suggest
-from spes_p2p.train.memory import measure
 from spes_p2p.train.trainer import Trainer, evaluate
 
 NO_CUDA = pytest.mark.skipif(torch.cuda.is_available(), reason="checks a machine without CUDA")

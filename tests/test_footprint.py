@@ -9,7 +9,7 @@ from spes_p2p.net.memory import MemoryNetwork
 from spes_p2p.net.transport import Unavailable
 from spes_p2p.peer.footprint import KINDS, Footprint, count
 from spes_p2p.settings import Settings
-from spes_p2p.sim.memory import report
+from spes_p2p.sim.running_memory import report
 from spes_p2p.sync.codecs import CODECS, Codecs
 from spes_p2p.sync.config import SyncConfig
 from spes_p2p.sync.messages import UpdateRequest, WeightsRequest

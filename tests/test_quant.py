@@ -11,8 +11,8 @@ from spes_p2p.model.quant import QuantizedTensor, frozen_matmul
 from spes_p2p.model.units import hold_frozen
 from spes_p2p.sync.codecs import CODECS
 from spes_p2p.sync.payload import decode, encode, specs_of
+from spes_p2p.train.accounting import weights_bytes
 from spes_p2p.train.config import TrainConfig
-from spes_p2p.train.memory import weights_bytes
 from spes_p2p.train.trainer import Trainer
 
 TINY = get_preset("tiny")

@@ -26,7 +26,7 @@ from starlette.routing import Route
 
 from spes_p2p.dashboard.charts import line_chart
 from spes_p2p.dashboard.history import SwarmHistory
-from spes_p2p.dashboard.metrics import SwarmCollector
+from spes_p2p.dashboard.prometheus import SwarmCollector
 from spes_p2p.errors import SpesError
 
 logger = logging.getLogger(__name__)

@@ -9,9 +9,9 @@ _EXPORTS = {
     "Peer": "node",
     "PeerStatus": "node",
     "open_transport": "setup",
-    "SwarmReader": "summary",
-    "swarm_summary": "summary",
-    "write_invite": "summary",
+    "SwarmReader": "status",
+    "swarm_summary": "status",
+    "write_invite": "status",
 }
 __all__ = sorted(_EXPORTS)
 __getattr__ = lazy_exports(__name__, _EXPORTS)

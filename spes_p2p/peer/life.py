@@ -28,7 +28,7 @@ from spes_p2p.peer import joining
 from spes_p2p.peer.admission import admit
 from spes_p2p.peer.node import Peer, PeerStatus
 from spes_p2p.peer.setup import founded_from, open_transport
-from spes_p2p.peer.summary import live_addresses, swarm_summary, write_invite
+from spes_p2p.peer.status import live_addresses, swarm_summary, write_invite
 from spes_p2p.settings import Settings
 from spes_p2p.train.device import resolve_device
 from spes_p2p.train.fit import KNOBS, check_fits, peer_plan

@@ -14,8 +14,8 @@ from spes_p2p.settings import Settings, key_of
 from spes_p2p.sim.config import LOCAL_SWARM_DEFAULTS, name_of
 from spes_p2p.sim.runner import run
 from spes_p2p.sim.summary import read_rows
+from spes_p2p.train.accounting import compare
 from spes_p2p.train.fit import preflight
-from spes_p2p.train.memory import compare
 
 WARMUP_ROUNDS = 2
 ROUNDS = 5

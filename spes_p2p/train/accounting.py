@@ -1,5 +1,5 @@
 """Memory accounting: the bytes a peer allocates for weights, gradients and optimizer state, and the outer
-state its sync keeps. (What a peer holds while it trains is measured in ``sim/memory.py``.)
+state its sync keeps. (What a peer holds while it trains is measured in ``sim/running_memory.py``.)
 
 Measured, not estimated: the model and optimizer are built for the given ownership and take one real step,
 then every allocated tensor is counted. Parameters below 4096 elements keep 32-bit state even with the 8-bit
