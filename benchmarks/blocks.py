@@ -29,13 +29,15 @@ SETTINGS = [(1, "full", "full"), (2, "int8", "int8"), (4, "nf4", "nf4")]
 
 def settings_of(preset: str, blocks: int, experts: str, dense: str) -> Settings:
     return Settings().override(
-        model__preset=preset,
-        model__shards=4,
-        model__dense_blocks=blocks,
-        peer__capacity=1,
-        peer__active_blocks=1,
-        train__frozen_experts=experts,
-        train__frozen_dense=dense,
+        {
+            "model.preset": preset,
+            "model.shards": 4,
+            "model.dense_blocks": blocks,
+            "peer.capacity": 1,
+            "peer.active_blocks": 1,
+            "train.frozen_experts": experts,
+            "train.frozen_dense": dense,
+        }
     )
 
 
@@ -49,7 +51,7 @@ def memory_table(preset: str, measure_running: bool) -> list[dict]:
         row["diloco_total_bytes"] = r["diloco"]["total_bytes"]
         if measure_running:
             if diloco is None:  # one DiLoCo swarm, the same peers as every SPES one
-                diloco = running(s.override(method__mode="diloco", model__dense_blocks=1))
+                diloco = running(s.override({"method.mode": "diloco", "model.dense_blocks": 1}))
             row["running"] = running(s)
             row["running_diloco"] = diloco
             row["running_diloco_peak_bytes"] = diloco["peak_bytes"]
@@ -65,18 +67,20 @@ def loss_table(preset: str, rounds: int, steps: int, out: Path) -> list[dict]:
         folder = out / f"sim-B{blocks}-{experts}-{dense}"
         started = time.perf_counter()
         cfg = simulation(
-            sim__peers=4,
-            model__shards=2,
-            model__preset=preset,
-            run__rounds=rounds,
-            method__steps_per_round=steps,
-            swarm__backend="memory",
-            model__dense_blocks=blocks,
-            peer__active_blocks=1,
-            method__rotate_every_rounds=2,
-            train__frozen_experts=experts,
-            train__frozen_dense=dense,
-            run__out=str(folder),
+            {
+                "sim.peers": 4,
+                "model.shards": 2,
+                "model.preset": preset,
+                "run.rounds": rounds,
+                "method.steps_per_round": steps,
+                "swarm.backend": "memory",
+                "model.dense_blocks": blocks,
+                "peer.active_blocks": 1,
+                "method.rotate_every_rounds": 2,
+                "train.frozen_experts": experts,
+                "train.frozen_dense": dense,
+                "run.out": str(folder),
+            }
         )
         summary = run(cfg)
         val = []

@@ -19,22 +19,27 @@ from spes_p2p.sim import run, simulation
 from spes_p2p.sync.config import AGGREGATES
 
 SWARM = {
-    "swarm__backend": "memory",
-    "sim__peers": 4,
-    "model__shards": 2,
-    "run__rounds": 12,
-    "method__steps_per_round": 10,
-    "train__batch_size": 8,
-    "train__seq_len": 64,
-    "train__eval_every": 40,
-    "data__max_corpus_mb": 2.0,
+    "swarm.backend": "memory",
+    "sim.peers": 4,
+    "model.shards": 2,
+    "run.rounds": 12,
+    "method.steps_per_round": 10,
+    "train.batch_size": 8,
+    "train.seq_len": 64,
+    "train.eval_every": 40,
+    "data.max_corpus_mb": 2.0,
 }
 
 
 def final_val_loss(aggregate: str, seed: int, out: Path) -> float:
     summary = run(
         simulation(
-            method__aggregate=aggregate, train__seed=seed, run__out=str(out / f"{aggregate}-{seed}"), **SWARM
+            {
+                "method.aggregate": aggregate,
+                "train.seed": seed,
+                "run.out": str(out / f"{aggregate}-{seed}"),
+                **SWARM,
+            }
         )
     )
     if summary["failures"]:

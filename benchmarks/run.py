@@ -63,9 +63,9 @@ BACKENDS = ("hivemind", "libp2p")
 SCALE_STEP_SECONDS = 0.5  # virtual compute in the scale section: 10 s of "training" a round at 20 steps
 # heartbeats at a swarm's defaults; 32 peer processes starting at once on 2 cores take a while to join
 SCALE_SWARM = {
-    "swarm__heartbeat_seconds": 5.0,
-    "swarm__record_ttl_seconds": 20.0,
-    "swarm__join_timeout_seconds": 120.0,
+    "swarm.heartbeat_seconds": 5.0,
+    "swarm.record_ttl_seconds": 20.0,
+    "swarm.join_timeout_seconds": 120.0,
 }
 SCALE_GROUP = 4  # holders of each expert shard, and peers averaging each dense block together
 # wan: a round's compute as a GPU would take it: H = 100 steps of the tiny preset at 20 ms a step (an
@@ -126,11 +126,11 @@ def bench_memory(preset: str) -> dict:
 
 
 EXCHANGES = {  # the columns of the bytes table: how the dense part and the frozen copies travel
-    "all-to-all, weights": {"sync__dense_exchange": "all_to_all", "sync__frozen_refresh": "weights"},
-    "reduce-scatter, weights": {"sync__frozen_refresh": "weights"},
-    "all-to-all, changes": {"sync__dense_exchange": "all_to_all"},
+    "all-to-all, weights": {"sync.dense_exchange": "all_to_all", "sync.frozen_refresh": "weights"},
+    "reduce-scatter, weights": {"sync.frozen_refresh": "weights"},
+    "all-to-all, changes": {"sync.dense_exchange": "all_to_all"},
     "reduce-scatter, changes": {},  # the defaults
-    "reduce-scatter, changes every 2": {"method__refresh_every_rounds": 2},
+    "reduce-scatter, changes every 2": {"method.refresh_every_rounds": 2},
 }
 DEFAULT_EXCHANGE = "reduce-scatter, changes"
 
@@ -144,18 +144,20 @@ def swarm_bytes(preset: str, codec: str, mode: str, exchange: str, rounds: int =
     from spes_p2p.settings import Settings
 
     s = Settings().override(
-        model__preset=preset,
-        model__shards=2,
-        method__mode=mode,
-        sync__codec=codec,
-        method__steps_per_round=2,
-        merge__enabled=False,
-        method__overlap=False,
-        data__max_corpus_mb=2.0,
-        train__batch_size=2,
-        train__seq_len=64,
-        sync__deadline_min=0.5,
-        **EXCHANGES[exchange],
+        {
+            "model.preset": preset,
+            "model.shards": 2,
+            "method.mode": mode,
+            "sync.codec": codec,
+            "method.steps_per_round": 2,
+            "merge.enabled": False,
+            "method.overlap": False,
+            "data.max_corpus_mb": 2.0,
+            "train.batch_size": 2,
+            "train.seq_len": 64,
+            "sync.deadline_min": 0.5,
+            **EXCHANGES[exchange],
+        }
     )
     net = MemoryNetwork(seed=0)
     swarm = [Peer(s, net.join(f"p{i}")) for i in range(4)]
@@ -210,21 +212,23 @@ def bench_bytes(presets: list[str]) -> list[dict]:
 # ------------------------------------------------------------------------------------------ swarms
 
 
-def simulate(out: Path, name: str, backend: str, peers: int, rounds: int, steps: int, **changes) -> dict:
-    """A simulation with ``section__field`` changes."""
+def simulate(
+    out: Path, name: str, backend: str, peers: int, rounds: int, steps: int, changes: dict | None = None
+) -> dict:
+    """A simulation with ``{'section.field': value}`` changes."""
     from spes_p2p.sim import run, simulation
     from spes_p2p.sim.summary import read_rows
 
     folder = out / name
     cfg = simulation(
-        **{
-            "sim__peers": peers,
-            "model__shards": 2,
-            "run__rounds": rounds,
-            "method__steps_per_round": steps,
-            "swarm__backend": backend,
-            "run__out": str(folder),
-            **changes,
+        {
+            "sim.peers": peers,
+            "model.shards": 2,
+            "run.rounds": rounds,
+            "method.steps_per_round": steps,
+            "swarm.backend": backend,
+            "run.out": str(folder),
+            **(changes or {}),
         }
     )
     started = time.perf_counter()
@@ -244,7 +248,9 @@ def bench_sync(out: Path, rounds: int, steps: int) -> dict:
     """Real spes-join processes: the share of wall time the training loop was blocked on the sync."""
     result = {}
     for overlap in (True, False):
-        sim = simulate(out, f"sync-overlap-{overlap}", "hivemind", 4, rounds, steps, method__overlap=overlap)
+        sim = simulate(
+            out, f"sync-overlap-{overlap}", "hivemind", 4, rounds, steps, {"method.overlap": overlap}
+        )
         rows = sim["rows"].values()
         steady = [r for rs in rows for r in rs[1:-1]]
         result["overlap" if overlap else "no_overlap"] = {
@@ -257,19 +263,19 @@ def bench_sync(out: Path, rounds: int, steps: int) -> dict:
 
 
 LOSS_METHODS = {  # settings changes, section__field
-    "diloco": {"method__mode": "diloco"},  # Nesterov outer step (lr 0.7, momentum 0.9), no merging
+    "diloco": {"method.mode": "diloco"},  # Nesterov outer step (lr 0.7, momentum 0.9), no merging
     "spes": {},
     "spes, all-to-all, weights": EXCHANGES["all-to-all, weights"],  # the exchange before reduce-scatter
-    "spes-no-merge": {"merge__enabled": False},
-    "spes+bcd": {"model__dense_blocks": 4, "peer__active_blocks": 1, "method__rotate_every_rounds": 2},
+    "spes-no-merge": {"merge.enabled": False},
+    "spes+bcd": {"model.dense_blocks": 4, "peer.active_blocks": 1, "method.rotate_every_rounds": 2},
 }
 
 
 def bench_loss(out: Path, rounds: int, steps: int) -> dict:
-    merge = {"merge__interval": 2 * steps, "merge__horizon": rounds * steps, "train__eval_every": 2 * steps}
+    merge = {"merge.interval": 2 * steps, "merge.horizon": rounds * steps, "train.eval_every": 2 * steps}
     curves = {"centralized": centralized(out, rounds, steps)}
     for name, settings in LOSS_METHODS.items():
-        sim = simulate(out, f"loss-{name}", "memory", 4, rounds, steps, **{**merge, **settings})
+        sim = simulate(out, f"loss-{name}", "memory", 4, rounds, steps, {**merge, **settings})
         by_round: dict[int, list[float]] = {}
         for rows in sim["rows"].values():
             for r in rows:
@@ -312,10 +318,12 @@ def bench_scale(out: Path, peers: list[int], rounds: int, steps: int) -> list[di
             n,
             rounds,
             steps,
-            sim__compute=f"virtual={SCALE_STEP_SECONDS}",
-            model__shards=max(1, n // SCALE_GROUP),
-            sync__dense_group_size=SCALE_GROUP,
-            **SCALE_SWARM,
+            {
+                "sim.compute": f"virtual={SCALE_STEP_SECONDS}",
+                "model.shards": max(1, n // SCALE_GROUP),
+                "sync.dense_group_size": SCALE_GROUP,
+                **SCALE_SWARM,
+            },
         )
         summary = sim["summary"]
         rows.append(
@@ -343,10 +351,12 @@ def bench_wan(out: Path, peers: int, rounds: int) -> dict:
             peers,
             rounds,
             WAN_STEPS,
-            sim__netns=True,
-            sim__bandwidth=WAN_BANDWIDTH,
-            sim__nat=nat,
-            sim__compute=f"virtual={WAN_STEP_SECONDS}",
+            {
+                "sim.netns": True,
+                "sim.bandwidth": WAN_BANDWIDTH,
+                "sim.nat": nat,
+                "sim.compute": f"virtual={WAN_STEP_SECONDS}",
+            },
         )
         natted = f"peer{peers - 1}"
         result[name] = {

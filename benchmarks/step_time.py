@@ -33,7 +33,7 @@ TRAINED = ["dense/0", "experts/0"]
 
 
 def step_seconds(preset: str, warmup: int, steps: int) -> dict:
-    settings = Settings().override(model__preset=preset, model__shards=4, model__dense_blocks=2)
+    settings = Settings().override({"model.preset": preset, "model.shards": 4, "model.dense_blocks": 2})
     arch, layout = settings.model.architecture(), layout_of(settings.model)
     torch.manual_seed(0)
     model = MoETransformer(arch)

@@ -14,7 +14,7 @@ from spes_p2p.errors import SpesError
 from spes_p2p.sim.config import LOCAL_SWARM_DEFAULTS
 
 JSON = click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
-TRAIN_DEFAULTS = {("run", "out"): "runs/train"}
+TRAIN_DEFAULTS = {"run.out": "runs/train"}
 
 
 @click.group(cls=SpesGroup, context_settings={"help_option_names": ["-h", "--help"]})
@@ -275,7 +275,7 @@ def invite(settings, out) -> None:
     "dashboard",
     "run.log_level",
     default_file=True,
-    defaults={("dashboard", "port"): 8080},
+    defaults={"dashboard.port": 8080},
     flags={"dashboard.port": "--port", "dashboard.host": "--host"},
 )
 def dashboard(settings) -> None:

@@ -17,11 +17,11 @@ from spes_p2p.settings import SECTIONS, load_settings
 
 
 class SettingOption(click.Option):
-    """An option that sets ``[section] field``."""
+    """An option that sets ``[section] field`` (its ``key``: 'section.field')."""
 
-    def __init__(self, *args, section: str, **kwargs) -> None:
+    def __init__(self, *args, section: str, key: str, **kwargs) -> None:
         super().__init__(*args, **kwargs)
-        self.section = section
+        self.section, self.key = section, key
 
 
 def settings_options(
@@ -37,7 +37,7 @@ def settings_options(
         for section, f in _select(name)
         if f"{section}.{f.name}" not in exclude and section not in exclude
     ]
-    names_of = {(s, f.name): flags.get(f"{s}.{f.name}", flag_of(f)) for s, f in fields}
+    names_of = {f"{s}.{f.name}": flags.get(f"{s}.{f.name}", flag_of(f)) for s, f in fields}
     taken = list(names_of.values())
     duplicated = sorted({f for f in taken if taken.count(f) > 1})
     assert not duplicated, f"one flag for two settings: {duplicated}"
@@ -46,7 +46,7 @@ def settings_options(
         @functools.wraps(command)
         def with_settings(config, **kwargs):
             source = click.get_current_context().get_parameter_source
-            values = {(s, f.name): (_param(s, f), kwargs.pop(_param(s, f))) for s, f in fields}
+            values = {f"{s}.{f.name}": (_param(s, f), kwargs.pop(_param(s, f))) for s, f in fields}
             given = {k: v for k, (param, v) in values.items() if source(param) != ParameterSource.DEFAULT}
             settings = load_settings(
                 config, given, defaults=defaults, default_file=default_file, flag_names=names_of
@@ -54,8 +54,8 @@ def settings_options(
             return command(settings=settings, **kwargs)
 
         for section, f in reversed(fields):
-            default = (defaults or {}).get((section, f.name), f.default)
-            with_settings = _option(section, f, default, names_of[section, f.name])(with_settings)
+            default = (defaults or {}).get(f"{section}.{f.name}", f.default)
+            with_settings = _option(section, f, default, names_of[f"{section}.{f.name}"])(with_settings)
         where = "default: ./peers.toml when present" if default_file else "default: none"
         return click.option(
             "--config",
@@ -75,7 +75,8 @@ def _select(name: str) -> list[tuple[str, dataclasses.Field]]:
 
 
 def _param(section: str, f: dataclasses.Field) -> str:
-    return f"{section}__{f.name}"
+    """Click's name for the option's parameter (an identifier; the setting itself is 'section.field')."""
+    return f"{section}_{f.name}"
 
 
 def _option(section: str, f: dataclasses.Field, default, flag: str):
@@ -86,6 +87,7 @@ def _option(section: str, f: dataclasses.Field, default, flag: str):
         "default": default,
         "show_default": default not in ("", ()),
         "section": section,
+        "key": f"{section}.{f.name}",
     }
     if hint is bool:
         decls = [f"{flag}/--no-{flag[2:]}"]

@@ -3,7 +3,7 @@
 Each setting is one field of a section owned by the code it configures (see ``spes_p2p.fields``)::
 
     [swarm] [sync] [network]   spes_p2p.swarm.config     [model]          spes_p2p.model.config
-    [method] [peer]            spes_p2p.peer.config      [train] [data] [merge]  spes_p2p.train.config
+    [method]                   spes_p2p.peer.config      [train] [data] [merge]  spes_p2p.train.config
     [sim]                      spes_p2p.sim.config       [run]            below: this invocation
     [dashboard]                spes_p2p.dashboard.config
 
@@ -19,6 +19,7 @@ import dataclasses
 import re
 import tomllib
 import typing
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -30,16 +31,16 @@ from spes_p2p.errors import ConfigError, SwarmMismatch
 from spes_p2p.fields import SWARM, FieldError, Section, check, flag_of, setting
 from spes_p2p.model.config import STEP_SECONDS, ModelSettings
 from spes_p2p.net.config import NetworkConfig
-from spes_p2p.peer.config import METHOD_DEFAULTS, MethodConfig, PeerConfig
+from spes_p2p.peer.config import METHOD_DEFAULTS, MethodConfig
 from spes_p2p.sim.config import SimConfig
-from spes_p2p.swarm.config import SwarmConfig
+from spes_p2p.swarm.config import PeerConfig, SwarmConfig
 from spes_p2p.sync.config import SyncConfig
 from spes_p2p.train.config import DataConfig, MergeConfig, TrainConfig
 
 DEFAULT_CONFIG = Path("peers.toml")  # spes-join and spes status read it from the working directory
 LOG_LEVELS = ("debug", "info", "warning", "error")
 
-Key = tuple[str, str]  # (section, field)
+Key = str  # a setting's one name: 'section.field' (in code, files' errors, the manifest and on the wire)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -164,12 +165,12 @@ class Settings:
                 "owned_shards", f"names shard {bad[0]}; shards are 0..{self.model.shards - 1}", "run"
             )
 
-    def override(self, **changes: Any) -> Settings:
-        """These settings with ``section__field=value`` changes (None: keep). Choosing another method brings
-        its defaults for the fields not also given."""
-        values = {key_of(name): value for name, value in changes.items() if value is not None}
+    def override(self, changes: Mapping[Key, Any]) -> Settings:
+        """These settings with ``{'section.field': value}`` changes (None: keep). Choosing another method
+        brings its defaults for the fields not also given."""
+        values = {check_key(key): value for key, value in changes.items() if value is not None}
         given = self.given | set(values)
-        mode = values.get(("method", "mode"), self.method.mode)
+        mode = values.get("method.mode", self.method.mode)
         if mode != self.method.mode:
             values = {**METHOD_DEFAULTS.get(mode, {}), **values}
         return _build(_values_of(self) | values, origins={}, given=given)
@@ -177,21 +178,20 @@ class Settings:
     def adopt(self, swarm_wide: dict[str, Any]) -> Settings:
         """These settings with a swarm's ``swarm_wide`` values ('section.field' -> value) in place of their
         own; a value this peer was given (by file or flag) that differs is a ConfigError naming each one."""
-        theirs = {tuple(name.split(".", 1)): value for name, value in swarm_wide.items()}
         ours = self.swarm_wide()
         differ = [
-            f"{s}.{f}: {ours.get(f'{s}.{f}')!r} here vs {v!r} in the swarm"
-            for (s, f), v in sorted(theirs.items())
-            if (s, f) in self.given and _normal(ours.get(f"{s}.{f}")) != _normal(v)
+            f"{key}: {ours.get(key)!r} here vs {v!r} in the swarm"
+            for key, v in sorted(swarm_wide.items())
+            if key in self.given and _normal(ours.get(key)) != _normal(v)
         ]
         if differ:
             raise SwarmMismatch(f"settings that must match the swarm's differ: {'; '.join(differ)}")
-        unknown = sorted(f"{s}.{f}" for s, f in theirs if s not in SECTIONS or f not in _field_names(s))
+        unknown = sorted(key for key in swarm_wide if not _known(key))
         if unknown:
             raise ConfigError(
                 f"the swarm's manifest has settings this version does not know: {', '.join(unknown)}"
             )
-        return _build(_values_of(self) | theirs, origins={}, given=self.given)
+        return _build(_values_of(self) | dict(swarm_wide), origins={}, given=self.given)
 
     def swarm_wide(self) -> dict[str, Any]:
         """'section.field' -> value of every setting that must match across a swarm."""
@@ -231,9 +231,9 @@ def load_settings(
     explicit = [read_toml(Path(config))] if config is not None else []
     given = {k: v for k, v in (flags or {}).items() if v is not None}
     names = flag_names or {}
-    explicit.append(Layer(given, {k: names.get(k) or flag_of(_field(*k)) for k in given}))
+    explicit.append(Layer(given, {k: names.get(k) or flag_of(_field(k)) for k in given}))
     chosen = {**(defaults or {}), **{k: v for layer in explicit for k, v in layer.values.items()}}
-    mode = chosen.get(("method", "mode"), MethodConfig().mode)
+    mode = chosen.get("method.mode", MethodConfig().mode)
     values = {**(defaults or {}), **METHOD_DEFAULTS.get(mode, {})}
     for layer in explicit:
         values.update(layer.values)
@@ -264,16 +264,15 @@ def read_toml(path: Path) -> Layer:
                 raise ConfigError(
                     f"{where}: [{section}] {name} is not a setting; known: {', '.join(_field_names(section))}"
                 )
-            layer.values[(section, name)] = _coerce(value, hints[name], f"{where}: [{section}] {name}")
-            layer.origins[(section, name)] = where
+            layer.values[f"{section}.{name}"] = _coerce(value, hints[name], f"{where}: [{section}] {name}")
+            layer.origins[f"{section}.{name}"] = where
     return layer
 
 
 def _build(values: dict[Key, Any], origins: dict[Key, str], given: frozenset[Key] = frozenset()) -> Settings:
     by_section: dict[str, dict[str, Any]] = {}
-    for (section, name), value in values.items():
-        if section not in SECTIONS or name not in _field_names(section):
-            raise ConfigError(f"[{section}] {name} is not a setting")
+    for key, value in values.items():
+        section, name = check_key(key).split(".")
         by_section.setdefault(section, {})[name] = value
     built = {}
     for section, cls in SECTIONS.items():
@@ -288,7 +287,7 @@ def _build(values: dict[Key, Any], origins: dict[Key, str], given: frozenset[Key
 
 
 def _located(exc: FieldError, section: str, origins: dict[Key, str]) -> ConfigError:
-    origin = origins.get((section, exc.field))
+    origin = origins.get(f"{section}.{exc.field}")
     return ConfigError(f"{origin + ': ' if origin else ''}[{section}] {exc.field} {exc.problem}")
 
 
@@ -298,22 +297,27 @@ def _normal(value: Any) -> Any:
 
 
 def _values_of(settings: Settings) -> dict[Key, Any]:
-    return {(s, name): value for s in SECTIONS for name, value in getattr(settings, s).to_dict().items()}
+    return {f"{s}.{name}": value for s in SECTIONS for name, value in getattr(settings, s).to_dict().items()}
 
 
-def key_of(name: str) -> Key:
-    """'section__field' (how code and tests name a setting) -> (section, field)."""
-    section, _, field_name = name.partition("__")
-    if not field_name:
-        raise ConfigError(f"{name!r}: expected section__field")
-    return section, field_name
+def check_key(key: Key) -> Key:
+    """``key`` when it names a setting ('section.field'); else a ConfigError."""
+    if not _known(key):
+        section, _, name = key.partition(".")
+        raise ConfigError(
+            f"[{section}] {name} is not a setting" if name else f"{key!r}: expected section.field"
+        )
+    return key
 
 
-def _field(section: str, name: str) -> dataclasses.Field:
-    fields = {f.name: f for f in dataclasses.fields(SECTIONS[section])}
-    if name not in fields:
-        raise ConfigError(f"[{section}] {name} is not a setting")
-    return fields[name]
+def _known(key: Key) -> bool:
+    section, _, name = key.partition(".")
+    return section in SECTIONS and name in _field_names(section)
+
+
+def _field(key: Key) -> dataclasses.Field:
+    section, name = check_key(key).split(".")
+    return next(f for f in dataclasses.fields(SECTIONS[section]) if f.name == name)
 
 
 def _field_names(section: str) -> list[str]:

@@ -24,12 +24,12 @@ ADDRESS = "/ip4/127.0.0.1/tcp/1/p2p/QmTJxrrywQ2EdDBm8kDofL3hoo4x2TB2JY9fh5BJVN1Y
 
 def founder_settings(**changes) -> Settings:
     base = {
-        "model__shards": 2,
-        "model__dense_blocks": 2,
-        "method__overlap": False,
-        "data__max_corpus_mb": 1.0,
+        "model.shards": 2,
+        "model.dense_blocks": 2,
+        "method.overlap": False,
+        "data.max_corpus_mb": 1.0,
     }
-    return Settings().override(**{**base, **changes})
+    return Settings().override({**base, **changes})
 
 
 @pytest.fixture
@@ -44,7 +44,7 @@ def swarm(tmp_path):
 
 def test_a_newcomer_adopts_the_manifest_and_the_founders_tokenizer(swarm):
     net, founder = swarm
-    mine = Settings().override(data__max_corpus_mb=1.0, train__lr=3e-3)  # (per peer: stays its own)
+    mine = Settings().override({"data.max_corpus_mb": 1.0, "train.lr": 3e-3})  # (per peer: stays its own)
     admission = admit(mine, net.join("newcomer"), threading.Event())
     adopted = admission.settings
     assert admission.manifest.hash == founder.manifest.hash
@@ -57,7 +57,7 @@ def test_a_newcomer_adopts_the_manifest_and_the_founders_tokenizer(swarm):
 
 def test_a_setting_given_that_differs_is_refused_by_name(swarm):
     net, _ = swarm
-    given = load_settings(None, {("model", "shards"): 4, ("sync", "codec"): "fp16", ("train", "lr"): 0.01})
+    given = load_settings(None, {"model.shards": 4, "sync.codec": "fp16", "train.lr": 0.01})
     with pytest.raises(SwarmMismatch, match=r"model\.shards: 4 here vs 2 in the swarm; sync\.codec: 'fp16'"):
         admit(given, net.join("stranger"), threading.Event())
 
@@ -69,7 +69,7 @@ def test_an_invite_joins_the_swarm_it_names_and_nothing_else(swarm, tmp_path):
     invited = load_settings(path)
     assert invited.swarm.manifest == founder.manifest.hash and invited.model.dense_blocks == 2
     assert admit(invited, net.join("volunteer"), threading.Event()).manifest.hash == founder.manifest.hash
-    stale = invited.override(swarm__manifest="ab" * 32)  # an invite to a swarm founded anew since
+    stale = invited.override({"swarm.manifest": "ab" * 32})  # an invite to a swarm founded anew since
     with pytest.raises(SwarmMismatch, match="the invite names manifest abababababababab"):
         admit(stale, net.join("late"), threading.Event())
 
@@ -80,7 +80,7 @@ def test_a_swarm_whose_peers_all_left_is_reported_with_its_last_round(tmp_path):
     founder.join()
     founder.run(threading.Event(), rounds=1)
     founder.close()  # leaves: its records become "left" tombstones
-    quick = Settings().override(swarm__join_timeout_seconds=1.0)
+    quick = Settings().override({"swarm.join_timeout_seconds": 1.0})
     with pytest.raises(SwarmUnavailable, match="has no live peer: its last peers left after round 1"):
         admit(quick, net.join("newcomer"), threading.Event())
 

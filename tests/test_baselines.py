@@ -11,12 +11,12 @@ from spes_p2p.sim.summary import read_rows
 
 pytestmark = pytest.mark.timeout(300)
 SLOW = pytest.mark.slow  # trains a swarm
-SIM = {"sim__peers": 3, "model__shards": 2, "run__rounds": 4, "swarm__backend": "memory"}
+SIM = {"sim.peers": 3, "model.shards": 2, "run.rounds": 4, "swarm.backend": "memory"}
 SIM |= {
-    "method__steps_per_round": 5,
-    "train__batch_size": 4,
-    "train__seq_len": 64,
-    "data__max_corpus_mb": 1.0,
+    "method.steps_per_round": 5,
+    "train.batch_size": 4,
+    "train.seq_len": 64,
+    "data.max_corpus_mb": 1.0,
 }
 
 
@@ -26,7 +26,9 @@ def rows_of(out) -> dict[str, list[dict]]:
 
 @SLOW
 def test_diloco_averages_the_full_model_across_every_peer(tmp_path):
-    summary = run(simulation(method__mode="diloco", sync__codec="none", run__out=str(tmp_path), **SIM))
+    summary = run(
+        simulation({"method.mode": "diloco", "sync.codec": "none", "run.out": str(tmp_path), **SIM})
+    )
     assert not summary["failures"] and summary["rounds_completed"] == 4
     assert summary["final_loss"] < summary["initial_loss"]
     names = {p["name"] for p in summary["peers"]}
@@ -47,11 +49,11 @@ def test_diloco_averages_the_full_model_across_every_peer(tmp_path):
 @SLOW
 def test_sync_wait_is_the_blocked_time(tmp_path):
     """Without overlap the training loop waits for the whole sync; with it, for what is left of it."""
-    run(simulation(run__out=str(tmp_path / "plain"), method__overlap=False, **SIM))
+    run(simulation({"run.out": str(tmp_path / "plain"), "method.overlap": False, **SIM}))
     for rows in rows_of(tmp_path / "plain").values():
         for r in rows:
             assert r["sync_wait_seconds"] == pytest.approx(r["sync_seconds"], abs=0.05)
-    run(simulation(run__out=str(tmp_path / "overlap"), **SIM))
+    run(simulation({"run.out": str(tmp_path / "overlap"), **SIM}))
     for rows in rows_of(tmp_path / "overlap").values():
         for r in rows:
             assert 0 <= r["sync_wait_seconds"] <= r["sync_seconds"]
@@ -59,4 +61,4 @@ def test_sync_wait_is_the_blocked_time(tmp_path):
 
 def test_diloco_refuses_dense_blocks():
     with pytest.raises(ConfigError, match=r"\[model\] dense_blocks must be 1 with"):
-        Settings().override(method__mode="diloco", model__dense_blocks=2)
+        Settings().override({"method.mode": "diloco", "model.dense_blocks": 2})

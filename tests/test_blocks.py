@@ -35,7 +35,7 @@ def test_one_block_is_the_whole_dense_part_as_before():
     assert layout == UnitLayout(TINY.n_experts, 2)
     assert layout.units == ["dense/0", "experts/0", "experts/1"]
     assert layout.unit_of("lm_head.weight") == layout.unit_of("embed.weight") == "dense/0"
-    settings = Settings().override(model__shards=2, model__dense_blocks=1)  # every peer holds dense/0
+    settings = Settings().override({"model.shards": 2, "model.dense_blocks": 1})  # every peer holds dense/0
     cfg = member_config(settings)
     assert cfg.always_held == ["dense/0"] and cfg.dense_claimable == []
     assert cfg.claimable == ["experts/0", "experts/1"]
@@ -87,14 +87,16 @@ def test_rotation_permutes_blocks_alike_for_everyone(order):
 
 def blocks_settings(blocks=4, active=1, rotate=2, order="cyclic") -> Settings:
     return Settings().override(
-        model__shards=2,
-        train__frozen_experts="full",
-        train__frozen_dense="full",
-        model__dense_blocks=blocks,
-        peer__active_blocks=active,
-        method__rotate_every_rounds=rotate,
-        method__block_order=order,
-        swarm__record_ttl_seconds=20.0,
+        {
+            "model.shards": 2,
+            "train.frozen_experts": "full",
+            "train.frozen_dense": "full",
+            "model.dense_blocks": blocks,
+            "peer.active_blocks": active,
+            "method.rotate_every_rounds": rotate,
+            "method.block_order": order,
+            "swarm.record_ttl_seconds": 20.0,
+        }
     )
 
 
@@ -230,7 +232,7 @@ class FakeSync:
 
 @pytest.mark.parametrize("refresh", ["changes", "weights"])
 def test_a_dense_block_held_quantized_is_fetched_in_its_own_codec(refresh):
-    s = blocks_settings().override(train__frozen_dense="nf4", sync__frozen_refresh=refresh)
+    s = blocks_settings().override({"train.frozen_dense": "nf4", "sync.frozen_refresh": refresh})
     member = SimpleNamespace(transport=SimpleNamespace(peer_id="me"), units_held=["dense/1", "experts/0"])
     every = s.method.refresh_every_rounds
     sync = FakeSync(10 - every)
@@ -249,12 +251,12 @@ def test_a_dense_block_held_quantized_is_fetched_in_its_own_codec(refresh):
 
 # ----------------------------------------------------------------------------------- simulated swarms
 
-SIM = {"sim__peers": 4, "model__shards": 2, "run__rounds": 6, "swarm__backend": "memory"}
+SIM = {"sim.peers": 4, "model.shards": 2, "run.rounds": 6, "swarm.backend": "memory"}
 SIM |= {
-    "method__steps_per_round": 5,
-    "train__batch_size": 4,
-    "train__seq_len": 64,
-    "data__max_corpus_mb": 1.0,
+    "method.steps_per_round": 5,
+    "train.batch_size": 4,
+    "train.seq_len": 64,
+    "data.max_corpus_mb": 1.0,
 }
 
 
@@ -267,11 +269,13 @@ def peer_rows(out) -> dict[str, list[dict]]:
 def test_four_dense_blocks_rotate_stay_covered_and_lower_the_loss(tmp_path):
     summary = run(
         simulation(
-            model__dense_blocks=4,
-            peer__active_blocks=1,
-            method__rotate_every_rounds=2,
-            run__out=str(tmp_path),
-            **SIM,
+            {
+                "model.dense_blocks": 4,
+                "peer.active_blocks": 1,
+                "method.rotate_every_rounds": 2,
+                "run.out": str(tmp_path),
+                **SIM,
+            }
         )
     )
     assert not summary["failures"]
@@ -291,7 +295,7 @@ def test_four_dense_blocks_rotate_stay_covered_and_lower_the_loss(tmp_path):
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("kind", ["nf4"])
 def test_quantized_frozen_experts_in_a_simulated_swarm(tmp_path, kind):
-    summary = run(simulation(train__frozen_experts=kind, run__out=str(tmp_path), **SIM))
+    summary = run(simulation({"train.frozen_experts": kind, "run.out": str(tmp_path), **SIM}))
     assert not summary["failures"]
     assert summary["final_loss"] < summary["initial_loss"]
     for unit, info in summary["units"].items():  # holders still agree exactly; frozen copies are lossy
@@ -303,12 +307,14 @@ def test_quantized_frozen_experts_in_a_simulated_swarm(tmp_path, kind):
 def test_quantized_frozen_dense_blocks_in_a_simulated_swarm(tmp_path):
     summary = run(
         simulation(
-            model__dense_blocks=4,
-            peer__active_blocks=1,
-            method__rotate_every_rounds=2,
-            train__frozen_dense="nf4",
-            run__out=str(tmp_path),
-            **SIM,
+            {
+                "model.dense_blocks": 4,
+                "peer.active_blocks": 1,
+                "method.rotate_every_rounds": 2,
+                "train.frozen_dense": "nf4",
+                "run.out": str(tmp_path),
+                **SIM,
+            }
         )
     )
     assert not summary["failures"] and summary["uncovered_unit_rounds"] == 0
@@ -324,12 +330,14 @@ def test_two_active_blocks_without_overlap_keep_their_holders_identical(tmp_path
     others' result for one round, then counts; every block's two holders stay bit-identical."""
     summary = run(
         simulation(
-            model__dense_blocks=4,
-            peer__active_blocks=2,
-            method__rotate_every_rounds=2,
-            method__overlap=False,
-            run__out=str(tmp_path),
-            **SIM,
+            {
+                "model.dense_blocks": 4,
+                "peer.active_blocks": 2,
+                "method.rotate_every_rounds": 2,
+                "method.overlap": False,
+                "run.out": str(tmp_path),
+                **SIM,
+            }
         )
     )
     assert not summary["failures"] and summary["uncovered_unit_rounds"] == 0

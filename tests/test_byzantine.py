@@ -10,19 +10,19 @@ from spes_p2p.sim.summary import read_rows
 
 pytestmark = [pytest.mark.timeout(300), pytest.mark.slow]
 SWARM = {
-    "swarm__backend": "memory",
-    "sim__peers": 4,
-    "model__shards": 2,
-    "model__dense_blocks": 1,  # every peer holds the dense part: the attacker is one of 4 in its exchange
-    "run__rounds": 6,
-    "method__steps_per_round": 10,
-    "train__batch_size": 4,
-    "train__seq_len": 64,
-    "train__eval_every": 20,
-    "data__max_corpus_mb": 1.0,
-    "sync__deadline_min": 0.5,
-    "sync__deadline_max": 1.5,
-    "sync__request_timeout": 1.5,
+    "swarm.backend": "memory",
+    "sim.peers": 4,
+    "model.shards": 2,
+    "model.dense_blocks": 1,  # every peer holds the dense part: the attacker is one of 4 in its exchange
+    "run.rounds": 6,
+    "method.steps_per_round": 10,
+    "train.batch_size": 4,
+    "train.seq_len": 64,
+    "train.eval_every": 20,
+    "data.max_corpus_mb": 1.0,
+    "sync.deadline_min": 0.5,
+    "sync.deadline_max": 1.5,
+    "sync.request_timeout": 1.5,
 }
 # The honest peers' final validation loss may differ from a clean run's by the noise of this swarm: its
 # clean final loss over seeds 0-3 ranged from 6.115 to 6.157. (The attacker's own training, one peer in four,
@@ -46,7 +46,7 @@ COST = {"claimall": 0.1, "signflip": 0.1}
 
 @pytest.fixture(scope="module")
 def clean(tmp_path_factory):
-    summary = run(simulation(run__out=str(tmp_path_factory.mktemp("clean")), **SWARM))
+    summary = run(simulation({"run.out": str(tmp_path_factory.mktemp("clean")), **SWARM}))
     assert not summary["failures"] and summary["final_val_loss"] < summary["initial_loss"]
     return summary["final_val_loss"]
 
@@ -55,7 +55,7 @@ def clean(tmp_path_factory):
 def test_one_malicious_peer_neither_stops_nor_steers_the_honest_ones(mode, clean, tmp_path):
     # (claimall: the founder, so that its fake holders are in place before the others claim)
     attacker = 0 if mode == "claimall" else 3
-    summary = run(simulation(run__out=str(tmp_path), sim__byzantine=(f"{attacker}:{mode}",), **SWARM))
+    summary = run(simulation({"run.out": str(tmp_path), "sim.byzantine": (f"{attacker}:{mode}",), **SWARM}))
     assert not summary["failures"]
     report, name = summary["byzantine"], f"peer{attacker}"
     honest = {f"peer{i}" for i in range(4)} - {name}
@@ -66,7 +66,7 @@ def test_one_malicious_peer_neither_stops_nor_steers_the_honest_ones(mode, clean
     if mode == "garbage":  # malformed requests, again and again: every honest peer bans it
         assert report["attackers"][name]["banned_by"] == sorted(honest)
     if mode == "claimall":  # the shard its fakes claimed went unserved, so honest peers took it over
-        last = str(SWARM["run__rounds"] - 1)
+        last = str(SWARM["run.rounds"] - 1)
         assert honest & set(summary["units"]["experts/1"]["holders"][last])
 
 
@@ -76,9 +76,9 @@ def test_records_forged_under_the_others_ids_move_nobody(tmp_path, backend):
     every honest peer from the others' views and release their claims."""
     # 6 rounds: a peer held up on a busy machine may skip rounds (it catches up by download), and the two
     # honest peers must still meet after round 0
-    swarm = {**SWARM, "swarm__backend": backend, "sim__peers": 3, "run__rounds": 6}
-    clean = run(simulation(run__out=str(tmp_path / "clean"), **swarm))
-    summary = run(simulation(run__out=str(tmp_path / "forge"), sim__byzantine=("2:forge",), **swarm))
+    swarm = {**SWARM, "swarm.backend": backend, "sim.peers": 3, "run.rounds": 6}
+    clean = run(simulation({"run.out": str(tmp_path / "clean"), **swarm}))
+    summary = run(simulation({"run.out": str(tmp_path / "forge"), "sim.byzantine": ("2:forge",), **swarm}))
     assert not clean["failures"] and not summary["failures"]
     report = summary["byzantine"]
     assert abs(report["honest_final_val_loss"] - clean["final_val_loss"]) <= NOISE, (report, clean)
@@ -97,9 +97,11 @@ def test_byzantine_settings_are_checked():
     with pytest.raises(ConfigError, match="write I:MODE"):
         SimConfig(byzantine=("1:evil",))
     with pytest.raises(ConfigError, match="must be memory for claimall"):
-        simulation(sim__byzantine=("1:claimall",), swarm__backend="hivemind")
+        simulation({"sim.byzantine": ("1:claimall",), "swarm.backend": "hivemind"})
     with pytest.raises(ConfigError, match="must be hivemind or libp2p for forge"):
-        simulation(sim__byzantine=("1:forge",), swarm__backend="memory")
-    assert simulation(sim__byzantine=("1:nan",), swarm__backend="libp2p").sim.byzantine_peers == {1: "nan"}
+        simulation({"sim.byzantine": ("1:forge",), "swarm.backend": "memory"})
+    assert simulation({"sim.byzantine": ("1:nan",), "swarm.backend": "libp2p"}).sim.byzantine_peers == {
+        1: "nan"
+    }
     with pytest.raises(ConfigError, match="names no peer 9"):
         SimConfig(byzantine=("9:nan",))

@@ -50,17 +50,16 @@ def test_a_setting_has_the_same_flag_help_and_default_in_every_command():
     own_defaults = {  # each documented in --help
         "simulate": LOCAL_SWARM_DEFAULTS,
         "train": TRAIN_DEFAULTS,
-        "dashboard": {("dashboard", "port"): 8080, ("dashboard", "host"): "127.0.0.1"},  # (--port, --host)
+        "dashboard": {"dashboard.port": 8080, "dashboard.host": "127.0.0.1"},  # (--port, --host)
     }
-    seen: dict[tuple, tuple] = {}
+    seen: dict[str, tuple] = {}
     for name, command in commands.items():
         for flag, option in setting_options(command).items():
-            key = (option.section, option.name.split("__", 1)[1])
-            if key in own_defaults.get(name, {}):
+            if option.key in own_defaults.get(name, {}):
                 continue
-            seen.setdefault(key, (flag, option.help, option.default))
-            assert seen[key] == (flag, option.help, option.default), (name, flag)
-    assert {("sync", "codec"), ("model", "preset"), ("model", "shards"), ("train", "lr")} <= set(seen)
+            seen.setdefault(option.key, (flag, option.help, option.default))
+            assert seen[option.key] == (flag, option.help, option.default), (name, flag)
+    assert {"sync.codec", "model.preset", "model.shards", "train.lr"} <= set(seen)
     assert {"--port", "--host", "--peers"} <= set(setting_options(commands["dashboard"]))
     assert {"--dashboard", "--dashboard-host"} <= set(setting_options(spes_join))
     for name in ("train", "simulate", "spes-join"):  # what a run of a model needs, everywhere

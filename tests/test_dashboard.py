@@ -112,7 +112,7 @@ def test_a_chart_draws_each_series_and_escapes_what_peers_wrote():
 def joined():
     """A founder that reports 2 rounds done, and a second peer, on one memory network."""
     net = MemoryNetwork(seed=0)
-    settings = Settings().override(model__shards=2, method__overlap=False, data__max_corpus_mb=1.0)
+    settings = Settings().override({"model.shards": 2, "method.overlap": False, "data.max_corpus_mb": 1.0})
     founder, other = Peer(settings, net.join("founder")), Peer(settings, net.join("other"))
     founder.join()
     other.join()
@@ -159,9 +159,7 @@ def test_the_api_serves_the_status_the_page_and_prometheus_metrics(joined):
             }
             assert metrics["spes_peer_round", (("peer", "founder"),)] == 2
             assert metrics["spes_swarm_peers", ()] == 2 and metrics["spes_dashboard_read_ok", ()] == 1
-            assert (
-                metrics["spes_peer_sent_bytes_total", (("peer", "founder"),)] == founder_entry["bytes_sent"]
-            )
+            assert metrics["spes_peer_sent_bytes_total", (("peer", "founder"),)] == founder_entry["bytes_sent"]
             holders = {dict(k[1])["unit"]: v for k, v in metrics.items() if k[0] == "spes_unit_holders"}
             assert holders == {u: len(h) for u, h in served["units"].items()}
 

@@ -45,7 +45,7 @@ def test_auto_is_the_cpu_without_cuda_and_cuda_is_refused_in_one_line():
 def test_the_setting_is_checked_and_reaches_every_command_that_trains():
     assert Settings().train.device == "auto"
     with pytest.raises(ConfigError, match="device must be one of auto, cpu, cuda"):
-        Settings().override(train__device="gpu")
+        Settings().override({"train.device": "gpu"})
     from spes_cli.join import spes_join
     from spes_cli.main import spes
 
@@ -226,19 +226,21 @@ def test_a_joiner_is_only_told_what_it_may_change(tmp_path, monkeypatch):
     from spes_p2p.train import fit
 
     settings = Settings().override(
-        model__preset="1b",
-        model__dense_blocks=1,
-        train__frozen_experts="full",
-        train__frozen_dense="full",
-        run__out=str(tmp_path / "peer"),
-        train__device="cpu",
+        {
+            "model.preset": "1b",
+            "model.dense_blocks": 1,
+            "train.frozen_experts": "full",
+            "train.frozen_dense": "full",
+            "run.out": str(tmp_path / "peer"),
+            "train.device": "cpu",
+        }
     )  # PEER
     free = estimate_bytes(ONE_B, dataclasses.replace(PEER, frozen_experts="nf4", dense_blocks=4))
     monkeypatch.setattr(fit, "free_bytes", lambda device: free)
     with pytest.raises(ConfigError, match="no configuration of 1b fits"):
         preflight(settings, identity=False)
     with pytest.raises(ConfigError, match="try --frozen-experts nf4 --dense-blocks"):
-        preflight(settings.override(run__new_swarm=True), identity=False)
+        preflight(settings.override({"run.new_swarm": True}), identity=False)
 
 
 @NO_CUDA

@@ -80,12 +80,14 @@ def test_the_outbox_keeps_payloads_not_tensors():
 @pytest.mark.timeout(400)
 def test_peers_measured_while_they_train_hold_what_they_train_and_less_than_diloco_peers(cache_dir):
     s = Settings().override(
-        model__preset="tiny",
-        model__shards=2,
-        model__dense_blocks=1,  # (every peer trains the same units as the one `spes memory` steps)
-        data__max_corpus_mb=1.0,
-        train__batch_size=4,
-        train__seq_len=64,
+        {
+            "model.preset": "tiny",
+            "model.shards": 2,
+            "model.dense_blocks": 1,
+            "data.max_corpus_mb": 1.0,
+            "train.batch_size": 4,
+            "train.seq_len": 64,
+        }
     )
     result = report(s, running=True)
     running, trained = result["running"], 4 * result["trainable_params"]

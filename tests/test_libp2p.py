@@ -122,11 +122,12 @@ def test_a_libp2p_peer_never_imports_hivemind(tmp_path):
         from spes_p2p.sim import simulation
         from spes_p2p.peer.__main__ import main
 
-        settings = simulation(
-            swarm__backend="libp2p", run__new_swarm=True, run__rounds=1, run__min_peers=1,
-            run__out={str(tmp_path / "out")!r}, network__identity={str(tmp_path / "peer.key")!r},
-            method__steps_per_round=5, train__batch_size=4, train__seq_len=64, data__max_corpus_mb=1.0,
-        )
+        settings = simulation({{
+            "swarm.backend": "libp2p", "run.new_swarm": True, "run.rounds": 1, "run.min_peers": 1,
+            "run.out": {str(tmp_path / "out")!r}, "network.identity": {str(tmp_path / "peer.key")!r},
+            "method.steps_per_round": 5, "train.batch_size": 4, "train.seq_len": 64,
+            "data.max_corpus_mb": 1.0,
+        }})
         config = {str(tmp_path / "peer.toml")!r}
         open(config, "w").write(settings.to_toml())
         assert main(["peer", config]) == 0

@@ -182,7 +182,7 @@ def test_two_natted_peers_alone_hold_the_experts_and_a_newcomer_catches_up(tmp_p
     unit's holders end bit-identical (virtual compute gives each peer an update of its own: the two NATed
     holders agree only if their updates crossed, forwarded by a public peer), and nothing fails."""
     out = tmp_path / "sim"
-    args = ["simulate", "--netns", "--peers", "4", "--nat", "2", "--shards", "1", "--rounds", "6"]
+    args = ["simulate", "--netns", "--num-peers", "4", "--nat", "2", "--shards", "1", "--rounds", "6"]
     args += ["--peer-setting", "0:peer.capacity=0", "--peer-setting", "1:peer.capacity=0"]
     args += ["--join", "1@3", "--compute", "virtual", "--max-corpus-mb", "1", "--backend", backend]
     result = CliRunner().invoke(spes, [*args, "--out", str(out)])

@@ -75,7 +75,7 @@ def test_the_installed_wheel_runs_a_simulation(wheel, tmp_path, cache_dir):
         )
         assert version.returncode == 0 and "0.1.0" in version.stdout
     out = tmp_path / "sim"
-    args = "simulate --backend memory --peers 2 --shards 2 --rounds 1 --steps-per-round 2 --batch-size 2"
+    args = "simulate --backend memory --num-peers 2 --shards 2 --rounds 1 --steps-per-round 2 --batch-size 2"
     args += f" --seq-len 32 --max-corpus-mb 1 --cache-dir {cache_dir} --out {out}"
     result = subprocess.run(
         [env_dir / "bin" / "spes", *args.split()], capture_output=True, text=True, timeout=240, cwd=tmp_path

@@ -15,20 +15,22 @@ from spes_p2p.settings import Settings
 pytestmark = [pytest.mark.timeout(240), pytest.mark.slow]  # trains swarms
 
 
-def settings(**changes) -> Settings:
+def settings(changes: dict | None = None) -> Settings:
     return Settings().override(
-        model__shards=2,
-        model__dense_blocks=1,  # (BCD swarms: test_blocks.py)
-        method__steps_per_round=10,
-        data__max_corpus_mb=1.0,
-        train__batch_size=4,
-        train__seq_len=64,
-        train__lr=3e-3,
-        train__warmup_steps=5,
-        train__eval_every=30,
-        sync__deadline_min=0.5,
-        sync__deadline_max=20.0,
-        **{"merge__enabled": False, **changes},
+        {
+            "model.shards": 2,
+            "model.dense_blocks": 1,
+            "method.steps_per_round": 10,
+            "data.max_corpus_mb": 1.0,
+            "train.batch_size": 4,
+            "train.seq_len": 64,
+            "train.lr": 3e-3,
+            "train.warmup_steps": 5,
+            "train.eval_every": 30,
+            "sync.deadline_min": 0.5,
+            "sync.deadline_max": 20.0,
+            **{"merge.enabled": False, **(changes or {})},
+        }
     )
 
 
@@ -77,15 +79,15 @@ def assert_holders_agree(peers: list[Peer], merged: bool = False) -> None:
 @pytest.mark.parametrize(
     "changes",
     [
-        {"method__overlap": True},
-        {"method__overlap": False},
-        {"sync__outer": "nesterov", "sync__outer_lr": 0.7, "merge__enabled": True, "merge__interval": 10},
+        {"method.overlap": True},
+        {"method.overlap": False},
+        {"sync.outer": "nesterov", "sync.outer_lr": 0.7, "merge.enabled": True, "merge.interval": 10},
     ],
     ids=["overlap", "no-overlap", "nesterov-merge"],
 )
 def test_peers_train_and_agree(tmp_path, changes):
-    peers = run_swarm(settings(**changes), rounds=3, tmp_path=tmp_path)
-    assert_holders_agree(peers, merged=changes.get("merge__enabled", False))
+    peers = run_swarm(settings(changes), rounds=3, tmp_path=tmp_path)
+    assert_holders_agree(peers, merged=changes.get("merge.enabled", False))
     assert sorted(
         len([p for p in peers if u in p.member.units_held]) for u in ("experts/0", "experts/1")
     ) == [2, 2]
@@ -119,7 +121,7 @@ def test_peers_train_and_agree(tmp_path, changes):
 
 
 def test_a_newcomer_catches_up_with_the_swarm(tmp_path):
-    s = settings(method__overlap=False, train__frozen_experts="full")  # (a copy held in int8 is lossy)
+    s = settings({"method.overlap": False, "train.frozen_experts": "full"})  # (a copy held in int8 is lossy)
     net = MemoryNetwork(seed=0)
     first = Peer(s, net.join("first"))
     first.join()

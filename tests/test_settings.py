@@ -24,9 +24,7 @@ def test_repo_peers_toml_is_generated_from_the_fields_and_changes_nothing():
 def test_layers_win_in_order(tmp_path):
     path = tmp_path / "peers.toml"
     path.write_text(f'[swarm]\nrun_id = "my-run"\ninitial_peers = ["{PEER}"]\n[model]\nshards = 2\n')
-    s = load_settings(
-        path, {("model", "shards"): 4, ("swarm", "run_id"): None}, defaults=LOCAL_SWARM_DEFAULTS
-    )
+    s = load_settings(path, {"model.shards": 4, "swarm.run_id": None}, defaults=LOCAL_SWARM_DEFAULTS)
     assert s.swarm.run_id == "my-run" and s.swarm.initial_peers == (
         PEER,
     )  # the file over the command's default
@@ -36,17 +34,19 @@ def test_layers_win_in_order(tmp_path):
 
 
 def test_a_method_brings_its_defaults_unless_a_file_or_flag_sets_them(tmp_path):
-    diloco = load_settings(None, {("method", "mode"): "diloco"})
+    diloco = load_settings(None, {"method.mode": "diloco"})
     assert (diloco.sync.outer, diloco.sync.outer_lr, diloco.merge.enabled) == ("nesterov", 0.7, False)
     path = tmp_path / "peers.toml"
     path.write_text('[method]\nmode = "diloco"\n[sync]\nouter = "fedavg"\n')
     mixed = load_settings(path)
     assert (mixed.sync.outer, mixed.sync.outer_lr, mixed.merge.enabled) == ("fedavg", 0.7, False)
-    assert Settings().override(method__mode="diloco").sync.outer == "nesterov"
+    assert Settings().override({"method.mode": "diloco"}).sync.outer == "nesterov"
 
 
 def test_toml_written_by_the_library_reads_back_to_the_same_settings(tmp_path):
-    s = Settings().override(swarm__initial_peers=(PEER,), sync__codec="nf4", run__out='a "quoted" path')
+    s = Settings().override(
+        {"swarm.initial_peers": (PEER,), "sync.codec": "nf4", "run.out": 'a "quoted" path'}
+    )
     path = tmp_path / "written.toml"
     path.write_text(s.to_toml())
     assert load_settings(path) == s
@@ -118,11 +118,11 @@ def test_bad_files_name_the_line_section_and_field(tmp_path, text, message):
 
 def test_bad_flags_name_the_flag():
     with pytest.raises(ConfigError, match=r"^--listen: \[network\] listen has a malformed multiaddr"):
-        load_settings(None, {("network", "listen"): ("nonsense",)})
+        load_settings(None, {"network.listen": ("nonsense",)})
     with pytest.raises(ConfigError, match=r"^--active-blocks: \[peer\] active_blocks must be at most"):
-        load_settings(None, {("peer", "active_blocks"): 3})
+        load_settings(None, {"peer.active_blocks": 3})
     with pytest.raises(ConfigError, match=r"^--capacity: \[peer\] capacity must be at least 0"):
-        load_settings(None, {("peer", "capacity"): -1})
+        load_settings(None, {"peer.capacity": -1})
 
 
 def test_missing_file_is_a_clear_error(tmp_path):
@@ -138,8 +138,7 @@ def test_every_setting_has_help_and_one_flag():
             assert f.metadata["help"], (section, f.name)
             flags.setdefault(flag_of(f), []).append(f"{section}.{f.name}")
     shared = {flag: owners for flag, owners in flags.items() if len(owners) > 1}
-    # one exception, kept from before: --peers is the swarm's initial peers, or a simulation's peer count
-    assert shared == {"--peers": ["swarm.initial_peers", "sim.peers"]}
+    assert shared == {}  # (--peers is always addresses; a simulation's peer count is --num-peers)
 
 
 def test_swarm_wide_settings_are_those_that_must_match():
@@ -152,19 +151,21 @@ def test_swarm_wide_settings_are_those_that_must_match():
 def test_a_simulated_peer_gets_its_own_values():
     sim = load_settings(
         None,
-        {("sim", "peers"): 3, ("sim", "peer_settings"): ("0:peer.capacity=0", "2:train.device=cpu")},
+        {"sim.peers": 3, "sim.peer_settings": ("0:peer.capacity=0", "2:train.device=cpu")},
         defaults=LOCAL_SWARM_DEFAULTS,
     ).sim
-    assert sim.overrides == {0: {"peer__capacity": 0}, 2: {"train__device": "cpu"}}
+    assert sim.overrides == {0: {"peer.capacity": 0}, 2: {"train.device": "cpu"}}
     for bad, message in (("0:capacity=0", "I:SECTION.FIELD=VALUE"), ("5:peer.capacity=0", "names no peer 5")):
         with pytest.raises(ConfigError, match=message):
-            load_settings(
-                None, {("sim", "peers"): 3, ("sim", "peer_settings"): (bad,)}, defaults=LOCAL_SWARM_DEFAULTS
-            )
+            load_settings(None, {"sim.peers": 3, "sim.peer_settings": (bad,)}, defaults=LOCAL_SWARM_DEFAULTS)
 
 
 def test_the_vocabulary_rope_theta_and_epsilon_override_the_presets_and_zero_keeps_them():
-    model = Settings().override(model__vocab_size=151_665, model__rope_theta=5e5, model__norm_eps=1e-6).model
+    model = (
+        Settings()
+        .override({"model.vocab_size": 151_665, "model.rope_theta": 5e5, "model.norm_eps": 1e-6})
+        .model
+    )
     config = model.architecture()
     assert (config.vocab_size, config.rope_theta, config.norm_eps) == (151_665, 5e5, 1e-6)
     assert config.d_model == Settings().model.architecture().d_model  # the rest is the preset's

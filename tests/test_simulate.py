@@ -23,10 +23,10 @@ from spes_p2p.sim.summary import read_rows
 
 pytestmark = [pytest.mark.timeout(300), pytest.mark.slow]
 SMALL = {
-    "method__steps_per_round": 5,
-    "train__batch_size": 4,
-    "train__seq_len": 64,
-    "data__max_corpus_mb": 1.0,
+    "method.steps_per_round": 5,
+    "train.batch_size": 4,
+    "train.seq_len": 64,
+    "data.max_corpus_mb": 1.0,
 }
 
 
@@ -38,24 +38,26 @@ def test_event_parsing():
     with pytest.raises(ConfigError, match="NUMBER@ROUND"):
         SimConfig(joins=("1-3",))
     with pytest.raises(ConfigError, match="backend must be memory"):
-        simulation(swarm__backend="hivemind", sim__drop=0.1)
+        simulation({"swarm.backend": "hivemind", "sim.drop": 0.1})
     with pytest.raises(ConfigError, match="backend must be hivemind or libp2p for --netns"):
-        simulation(swarm__backend="memory", sim__netns=True)
+        simulation({"swarm.backend": "memory", "sim.netns": True})
     with pytest.raises(ConfigError, match="netns is needed for bandwidth and nat"):
-        simulation(swarm__backend="libp2p", sim__nat=1)
+        simulation({"swarm.backend": "libp2p", "sim.nat": 1})
 
 
 def test_late_join_and_a_killed_sole_holder_on_the_memory_backend(tmp_path):
     summary = run(
         simulation(
-            sim__peers=3,
-            model__shards=2,
-            run__rounds=8,  # the newcomer joins well before the end, while the holders it downloads from live
-            swarm__backend="memory",
-            sim__kills=("sole@2",),  # (while the first three peers hold the two shards 2 + 1)
-            sim__joins=("1@4",),
-            run__out=str(tmp_path),
-            **SMALL,
+            {
+                "sim.peers": 3,
+                "model.shards": 2,
+                "run.rounds": 8,
+                "swarm.backend": "memory",
+                "sim.kills": ("sole@2",),
+                "sim.joins": ("1@4",),
+                "run.out": str(tmp_path),
+                **SMALL,
+            }
         )
     )
     assert not summary["failures"]
@@ -86,7 +88,7 @@ def test_a_peer_that_fails_stops_the_simulation_and_is_reported(tmp_path, monkey
         return real_live(settings, stop, ui, transport)
 
     monkeypatch.setattr(life, "live", live)
-    summary = run(simulation(sim__peers=3, swarm__backend="memory", run__out=str(tmp_path), **SMALL))
+    summary = run(simulation({"sim.peers": 3, "swarm.backend": "memory", "run.out": str(tmp_path), **SMALL}))
     assert summary["failures"] == ["peer1: its disk is full"]
     assert summary["rounds_completed"] == 0
 
@@ -101,17 +103,19 @@ def simulate_cli(args: str, out: Path) -> tuple[dict, str]:
 def test_network_faults_are_survived_and_corrupt_payloads_counted(tmp_path):
     summary = run(
         simulation(
-            sim__peers=4,
-            model__shards=2,
-            run__rounds=4,
-            swarm__backend="memory",
-            sim__drop=0.05,
-            sim__delay_ms=5.0,
-            sim__corrupt=0.1,
-            sim__gossip_drop=0.5,
-            sim__partitions=("0,1/2,3@1-1",),
-            run__out=str(tmp_path),
-            **SMALL,
+            {
+                "sim.peers": 4,
+                "model.shards": 2,
+                "run.rounds": 4,
+                "swarm.backend": "memory",
+                "sim.drop": 0.05,
+                "sim.delay_ms": 5.0,
+                "sim.corrupt": 0.1,
+                "sim.gossip_drop": 0.5,
+                "sim.partitions": ("0,1/2,3@1-1",),
+                "run.out": str(tmp_path),
+                **SMALL,
+            }
         )
     )
     assert not summary["failures"]
@@ -132,18 +136,18 @@ def test_a_peer_cut_off_for_a_round_is_back_on_the_swarms_weights_bit_for_bit(tm
     peer re-synchronized every round and its training was lost.)"""
     summary = run(
         simulation(
-            sim__peers=3,
-            model__shards=1,
-            model__dense_blocks=1,
-            run__rounds=6,
-            swarm__backend="memory",
-            sim__partitions=("0/1,2@1-1",),
-            # no peer cut off by a deadline after the partition (CI once saw one of the two others miss the
-            # other's round-2 update: 1 against 1, a tie, so it re-synchronized too)
-            sync__deadline_min=30.0,
-            sync__deadline_max=60.0,
-            run__out=str(tmp_path),
-            **SMALL,
+            {
+                "sim.peers": 3,
+                "model.shards": 1,
+                "model.dense_blocks": 1,
+                "run.rounds": 6,
+                "swarm.backend": "memory",
+                "sim.partitions": ("0/1,2@1-1",),
+                "sync.deadline_min": 30.0,
+                "sync.deadline_max": 60.0,
+                "run.out": str(tmp_path),
+                **SMALL,
+            }
         )
     )
     assert not summary["failures"] and summary["rounds_completed"] == 6
@@ -161,7 +165,7 @@ def test_a_peer_cut_off_for_a_round_is_back_on_the_swarms_weights_bit_for_bit(tm
 
 def test_spes_simulate_with_real_processes(tmp_path):
     out = tmp_path / "sim"
-    args = "--peers 3 --shards 2 --rounds 6 --steps-per-round 5 --batch-size 4 --seq-len 64"
+    args = "--num-peers 3 --shards 2 --rounds 6 --steps-per-round 5 --batch-size 4 --seq-len 64"
     summary, output = simulate_cli(args + " --max-corpus-mb 1 --kill sole@1", out)
     assert not summary["failures"], summary["failures"]
     assert [e["type"] for e in summary["events"] if e["type"] == "kill"] == ["kill"]
@@ -180,7 +184,7 @@ def test_a_rerun_in_the_same_folder_does_not_dial_the_last_runs_addresses(tmp_pa
     keys.mkdir()
     (keys / "peer0.addr").write_text("/ip4/127.0.0.1/tcp/9/p2p/QmOldRun\n")
     (keys / "peer0.key").write_bytes(b"identity")
-    ProcessFleet(simulation(run__out=str(tmp_path)))
+    ProcessFleet(simulation({"run.out": str(tmp_path)}))
     assert not (keys / "peer0.addr").exists()
     assert (keys / "peer0.key").read_bytes() == b"identity"  # the peers keep their identities
 
@@ -251,7 +255,7 @@ def test_late_joins_reach_the_main_swarm(tmp_path, backend):
     end), a minute and a half on two cores: the founder and another peer are killed, two newcomers join at
     round 4. Every newcomer must count in the main swarm within 2 rounds of its join round (so by round 6 of
     8), and nothing may split."""
-    args = "--peers 5 --shards 2 --rounds 8 --steps-per-round 10 --batch-size 4 --seq-len 64"
+    args = "--num-peers 5 --shards 2 --rounds 8 --steps-per-round 10 --batch-size 4 --seq-len 64"
     events = f" --max-corpus-mb 1 --kill 0@2 --kill 3@3 --join 2@4 --backend {backend}"
     summary, _ = simulate_cli(args + events, tmp_path)
     assert not summary["failures"] and summary["rounds_completed"] == 8, summary["failures"]
@@ -267,15 +271,17 @@ def test_churn_on_the_memory_backend_brings_every_killed_peer_back_with_its_id(t
     uncovered."""
     summary = run(
         simulation(
-            sim__peers=4,
-            model__shards=1,
-            model__dense_blocks=1,
-            run__rounds=10,  # kills in rounds 1 to 4, then rounds for the restarts to come back in
-            swarm__backend="memory",
-            sim__churn=0.2,
-            train__seed=163,
-            run__out=str(tmp_path),
-            **SMALL,
+            {
+                "sim.peers": 4,
+                "model.shards": 1,
+                "model.dense_blocks": 1,
+                "run.rounds": 10,
+                "swarm.backend": "memory",
+                "sim.churn": 0.2,
+                "train.seed": 163,
+                "run.out": str(tmp_path),
+                **SMALL,
+            }
         )
     )
     assert not summary["failures"] and not summary["leftovers"], summary["failures"]
@@ -299,7 +305,7 @@ def test_churn_with_real_processes_restarts_peers_with_their_ids_and_leaves_no_p
     left running afterwards. Rounds of 20 steps: with fewer, the two others finish the run before a restart
     is back."""
     out = tmp_path / "sim"
-    args = "--peers 3 --shards 1 --rounds 11 --steps-per-round 20 --batch-size 4 --seq-len 64"
+    args = "--num-peers 3 --shards 1 --rounds 11 --steps-per-round 20 --batch-size 4 --seq-len 64"
     summary, _ = simulate_cli(args + f" --max-corpus-mb 1 --churn 0.15 --seed 8 --backend {backend}", out)
     assert not summary["failures"] and not summary["leftovers"], summary["failures"]
     assert summary["churn"]["restarts"] == summary["churn"]["back_with_id"] >= 1, summary["churn"]
@@ -325,7 +331,7 @@ def test_a_killed_simulator_leaves_no_process_running(tmp_path, signum, backend)
     """SIGTERM stops a simulation as Ctrl-C does (it stops its peers, exit status 130); after a SIGKILL, the
     kernel sends each peer process SIGTERM (they die with their parent) and they leave in order."""
     out = tmp_path / "sim"
-    args = "--peers 2 --shards 1 --rounds 100 --steps-per-round 5 --compute virtual=0.2 --max-corpus-mb 1"
+    args = "--num-peers 2 --shards 1 --rounds 100 --steps-per-round 5 --compute virtual=0.2 --max-corpus-mb 1"
     args += f" --backend {backend}"
     spes_cli = str(Path(sys.executable).parent / "spes")
     sim = subprocess.Popen(

@@ -39,7 +39,7 @@ def net(clock):
 
 def make_settings(shards=2, **swarm) -> Settings:
     return Settings().override(
-        model__shards=shards, model__dense_blocks=1, swarm__record_ttl_seconds=TTL, **swarm
+        {"model.shards": shards, "model.dense_blocks": 1, "swarm.record_ttl_seconds": TTL, **swarm}
     )
 
 

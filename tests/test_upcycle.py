@@ -156,16 +156,18 @@ def test_a_swarm_founded_from_an_upcycled_model_hands_it_to_a_newcomer(tmp_path)
     moe, tokenizer = upcycle(read_dense(folder), experts=4, top_k=2)
     write_upcycled(moe, tokenizer, folder, tmp_path / "moe")
     net = MemoryNetwork(seed=0)
-    swarm = {"model__shards": 2, "model__dense_blocks": 2, "method__overlap": False}
-    mine = {"train__seq_len": 64, "data__max_corpus_mb": 0.2}
-    founding = Settings().override(run__new_swarm=True, model__init=str(tmp_path / "moe"), **swarm, **mine)
+    swarm = {"model.shards": 2, "model.dense_blocks": 2, "method.overlap": False}
+    mine = {"train.seq_len": 64, "data.max_corpus_mb": 0.2}
+    founding = Settings().override(
+        {"run.new_swarm": True, "model.init": str(tmp_path / "moe"), **swarm, **mine}
+    )
     founder = Peer(founded_from(founding), net.join("founder"))
     newcomer = None
     try:
         founder.join()
         assert founder.manifest.model == moe.cfg.to_dict()
         transport = net.join("newcomer")
-        admission = admit(Settings().override(**mine), transport, threading.Event())
+        admission = admit(Settings().override(mine), transport, threading.Event())
         assert Path(admission.settings.data.tokenizer).read_bytes() == tokenizer.to_str().encode()
         newcomer = Peer(admission.settings, transport, admission=admission)
         assert newcomer.initial_fingerprint != founder.manifest.initial_model_sha256  # (seeded, not --init)
@@ -185,8 +187,8 @@ def test_init_founds_a_swarm_and_fixes_the_models_shape(tmp_path):
     moe, tokenizer = upcycle(read_dense(folder), experts=2, top_k=1)
     write_upcycled(moe, tokenizer, folder, tmp_path / "moe")
     with pytest.raises(ConfigError, match="add --new-swarm"):
-        founded_from(Settings().override(model__init=str(tmp_path / "moe")))
+        founded_from(Settings().override({"model.init": str(tmp_path / "moe")}))
     with pytest.raises(ConfigError, match="experts cannot change a model founded from --init"):
-        Settings().override(run__new_swarm=True, model__init=str(tmp_path / "moe"), model__experts=4)
+        Settings().override({"run.new_swarm": True, "model.init": str(tmp_path / "moe"), "model.experts": 4})
     with pytest.raises(CheckpointError, match="no checkpoint there"):
-        founded_from(Settings().override(run__new_swarm=True, model__init=str(tmp_path)))
+        founded_from(Settings().override({"run.new_swarm": True, "model.init": str(tmp_path)}))

@@ -19,13 +19,13 @@ from spes_p2p.sync.versions import Want, is_version_round
 
 UNIT = "experts/0"
 SWARM = {  # a small swarm of 4 peers in one process, 2 shards, rounds of 5 steps
-    "sim__peers": 4,
-    "swarm__backend": "memory",
-    "model__shards": 2,
-    "method__steps_per_round": 5,
-    "train__batch_size": 4,
-    "train__seq_len": 64,
-    "data__max_corpus_mb": 1.0,
+    "sim.peers": 4,
+    "swarm.backend": "memory",
+    "model.shards": 2,
+    "method.steps_per_round": 5,
+    "train.batch_size": 4,
+    "train.seq_len": 64,
+    "data.max_corpus_mb": 1.0,
 }
 SPECS = {UNIT: {"w1": TensorSpec((64, 128))}}
 
@@ -119,17 +119,19 @@ def test_holders_that_store_frozen_experts_differently_merge_alike(tmp_path, mon
     peer_settings = MemoryFleet.peer_settings
 
     def mixed(self, index, join_round, **changes):
-        return peer_settings(self, index, join_round, train__frozen_experts=stored[index], **changes)
+        return peer_settings(self, index, join_round, {"train.frozen_experts": stored[index], **changes})
 
     monkeypatch.setattr(MemoryFleet, "peer_settings", mixed)
     summary = run(
         simulation(
-            run__out=str(tmp_path),
-            run__rounds=5,
-            merge__interval=5,
-            merge__alpha=0.5,
-            merge__horizon=1000,
-            **SWARM,
+            {
+                "run.out": str(tmp_path),
+                "run.rounds": 5,
+                "merge.interval": 5,
+                "merge.alpha": 0.5,
+                "merge.horizon": 1000,
+                **SWARM,
+            }
         )
     )
     assert not summary["failures"]
@@ -146,13 +148,15 @@ def test_a_dense_block_changing_hands_keeps_its_version_chain(tmp_path):
     its own trained weights, no version) comes as the exact version."""
     run(
         simulation(
-            run__out=str(tmp_path),
-            run__rounds=6,
-            model__dense_blocks=4,
-            peer__active_blocks=1,
-            method__rotate_every_rounds=2,
-            train__frozen_dense="full",  # (copies held in int8 come as the version in int8)
-            **SWARM,
+            {
+                "run.out": str(tmp_path),
+                "run.rounds": 6,
+                "model.dense_blocks": 4,
+                "peer.active_blocks": 1,
+                "method.rotate_every_rounds": 2,
+                "train.frozen_dense": "full",
+                **SWARM,
+            }
         )
     )
     for folder in sorted((tmp_path / "peers").iterdir()):

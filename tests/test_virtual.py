@@ -23,17 +23,17 @@ from spes_p2p.train.dataset import prepare_data
 pytestmark = pytest.mark.timeout(180)
 H = 5  # steps per round
 SMALL = {
-    "method__steps_per_round": H,
-    "train__batch_size": 4,
-    "train__seq_len": 64,
-    "data__max_corpus_mb": 1.0,
+    "method.steps_per_round": H,
+    "train.batch_size": 4,
+    "train.seq_len": 64,
+    "data.max_corpus_mb": 1.0,
 }
 
 
 @pytest.fixture(scope="module", autouse=True)
 def prepared_data(cache_dir):
     """The corpus slice tokenized once, before any swarm's founder needs it within its start-up time."""
-    s = simulation(**SMALL)
+    s = simulation(SMALL)
     prepare_data(s.data, s.model.architecture().vocab_size)
 
 
@@ -63,13 +63,15 @@ def test_a_virtual_swarm_syncs_for_real_without_training(tmp_path, virtual_peers
     rounds = 4
     summary = run(
         simulation(
-            sim__peers=4,
-            swarm__backend="memory",
-            sim__compute="virtual=0.01",
-            run__rounds=rounds,
-            run__out=str(tmp_path),
-            train__eval_every=H,  # a real peer would evaluate every round
-            **SMALL,
+            {
+                "sim.peers": 4,
+                "swarm.backend": "memory",
+                "sim.compute": "virtual=0.01",
+                "run.rounds": rounds,
+                "run.out": str(tmp_path),
+                "train.eval_every": H,
+                **SMALL,
+            }
         )
     )
     assert not summary["failures"]
@@ -98,14 +100,16 @@ def test_a_virtual_update_costs_the_bytes_of_a_real_one(tmp_path):
         out = tmp_path / compute
         summary = run(
             simulation(
-                sim__peers=3,
-                swarm__backend="memory",
-                sim__compute=compute,
-                model__shards=1,
-                model__dense_blocks=1,
-                run__rounds=3,
-                run__out=str(out),
-                **SMALL,
+                {
+                    "sim.peers": 3,
+                    "swarm.backend": "memory",
+                    "sim.compute": compute,
+                    "model.shards": 1,
+                    "model.dense_blocks": 1,
+                    "run.rounds": 3,
+                    "run.out": str(out),
+                    **SMALL,
+                }
             )
         )
         assert not summary["failures"]
@@ -120,13 +124,15 @@ def test_a_virtual_update_costs_the_bytes_of_a_real_one(tmp_path):
 
 def test_a_virtual_peer_checkpoints_and_resumes(tmp_path, virtual_peers):
     s = simulation(
-        swarm__backend="memory",
-        sim__compute="virtual=0",
-        train__checkpoint_every=H,
-        model__shards=2,  # (a lone peer trains one; the other is a frozen copy, held in int8)
-        model__dense_blocks=1,
-        run__out=str(tmp_path),
-        **SMALL,
+        {
+            "swarm.backend": "memory",
+            "sim.compute": "virtual=0",
+            "train.checkpoint_every": H,
+            "model.shards": 2,
+            "model.dense_blocks": 1,
+            "run.out": str(tmp_path),
+            **SMALL,
+        }
     )
     net, stop = MemoryNetwork(seed=0), threading.Event()
     peer = Peer(s, net.join("p0"), out_dir=tmp_path)
@@ -147,22 +153,22 @@ def test_a_virtual_peer_checkpoints_and_resumes(tmp_path, virtual_peers):
     again.close()
     assert [r["round"] for r in read_rows(tmp_path)] == [0, 1, 2]
 
-    real = local.LocalTraining(s.override(sim__compute="real"), layout_of(s.model), 0, "p0")
+    real = local.LocalTraining(s.override({"sim.compute": "real"}), layout_of(s.model), 0, "p0")
     with pytest.raises(CheckpointError, match="virtual compute"):
         real.start(["experts/0"], 2, checkpoint)
 
 
 def test_the_step_time_is_given_or_the_presets_measured_one():
-    assert step_seconds(simulation(sim__compute="virtual=0.25")) == 0.25
+    assert step_seconds(simulation({"sim.compute": "virtual=0.25"})) == 0.25
     tokens = 4 * 64
-    s = simulation(sim__compute="virtual", train__batch_size=4, train__seq_len=64)
+    s = simulation({"sim.compute": "virtual", "train.batch_size": 4, "train.seq_len": 64})
     assert step_seconds(s) == pytest.approx(STEP_SECONDS["tiny"] * tokens / (8 * 128))
     unmeasured = next(p for p in ("1b", "2b", "7b") if p not in STEP_SECONDS)
     with pytest.raises(ConfigError, match="virtual=SECONDS"):
-        simulation(sim__compute="virtual", model__preset=unmeasured)
-    simulation(sim__compute="virtual=30", model__preset=unmeasured)  # a given step time needs no figure
+        simulation({"sim.compute": "virtual", "model.preset": unmeasured})
+    simulation({"sim.compute": "virtual=30", "model.preset": unmeasured})  # a given step time needs no figure
     with pytest.raises(ConfigError, match="virtual=SECONDS"):
-        simulation(sim__compute="virtual=fast")
+        simulation({"sim.compute": "virtual=fast"})
 
 
 LONE_PEER = """
@@ -170,9 +176,9 @@ import sys, threading
 from spes_p2p.peer import Peer
 from spes_p2p.sim import simulation
 from spes_p2p.net.memory import MemoryNetwork
-from spes_p2p.model.units import layout_of
 
-s = simulation(sim__compute="virtual=0", model__dense_blocks=1, run__out=sys.argv[1], **eval(sys.argv[2]))
+own = {"sim.compute": "virtual=0", "model.dense_blocks": 1, "run.out": sys.argv[1]}
+s = simulation({**own, **eval(sys.argv[2])})
 peer = Peer(s, MemoryNetwork(seed=0).join("p0"), out_dir=sys.argv[1])
 peer.join()
 peer.run(threading.Event(), rounds=2)
@@ -193,7 +199,15 @@ def test_a_virtual_peer_does_not_import_what_only_training_needs(tmp_path):
 def test_a_virtual_swarm_of_peer_processes(tmp_path):
     """The hivemind backend: each peer its own process, lighter than a training one (docs/simulate.md)."""
     summary = run(
-        simulation(sim__peers=3, sim__compute="virtual=0.02", run__rounds=3, run__out=str(tmp_path), **SMALL)
+        simulation(
+            {
+                "sim.peers": 3,
+                "sim.compute": "virtual=0.02",
+                "run.rounds": 3,
+                "run.out": str(tmp_path),
+                **SMALL,
+            }
+        )
     )
     assert not summary["failures"] and summary["rounds_completed"] == 3
     for unit, info in summary["units"].items():

@@ -94,7 +94,7 @@ def admit(settings: Settings, transport: Transport, stop: threading.Event) -> Ad
     manifest, tokenizer = manifests.fetch(transport, peers, wanted, Deadline(FETCH_SECONDS, stop))
     adopted = settings.adopt(manifest.settings)
     mine = settings.data.tokenizer
-    if mine and ("data", "tokenizer") in settings.given:
+    if mine and "data.tokenizer" in settings.given:
         if hashlib.sha256(Path(mine).read_bytes()).hexdigest() != manifest.tokenizer_sha256:
             raise SwarmMismatch(
                 f"--tokenizer {mine} is not the swarm's tokenizer; leave it out to use the swarm's"
@@ -102,7 +102,7 @@ def admit(settings: Settings, transport: Transport, stop: threading.Event) -> Ad
     path = adopted.data.cache_path / f"swarm-tokenizer-{manifest.tokenizer_sha256[:16]}.json"
     atomic_write_bytes(path, tokenizer)
     logger.info("adopted manifest %s of swarm %s (%d peers share it)", wanted[:16], run_id, len(peers))
-    return Admission(adopted.override(data__tokenizer=str(path)), manifest, tokenizer)
+    return Admission(adopted.override({"data.tokenizer": str(path)}), manifest, tokenizer)
 
 
 def _live_manifests(

@@ -1,5 +1,5 @@
-"""The peer layer's settings sections: ``[method]`` (how the swarm trains: SPES or the DiLoCo baseline, the
-round length, overlap, dense-block rotation) and ``[peer]`` (what this volunteer takes on). Plain values."""
+"""The peer layer's settings section: ``[method]`` (how the swarm trains: SPES or the DiLoCo baseline, the
+round length, overlap, dense-block rotation). Plain values."""
 
 from __future__ import annotations
 
@@ -16,10 +16,10 @@ MODES = ("spes", "diloco")
 # momentum 0.9) and does not merge.
 METHOD_DEFAULTS: dict[str, dict[tuple[str, str], object]] = {
     "diloco": {
-        ("sync", "outer"): "nesterov",
-        ("sync", "outer_lr"): 0.7,
-        ("merge", "enabled"): False,
-        ("model", "dense_blocks"): 1,
+        "sync.outer": "nesterov",
+        "sync.outer_lr": 0.7,
+        "merge.enabled": False,
+        "model.dense_blocks": 1,
     },
 }
 
@@ -62,15 +62,3 @@ class MethodConfig(Section):
         check(self.steps_per_round >= 1, "steps_per_round", "must be at least 1")
         check(self.rotate_every_rounds >= 0, "rotate_every_rounds", "must be at least 0")
         check(self.refresh_every_rounds >= 1, "refresh_every_rounds", "must be at least 1")
-
-
-@dataclass(frozen=True, kw_only=True)
-class PeerConfig(Section):
-    """[peer]: how much this volunteer trains at once."""
-
-    capacity: int = setting(1, "Expert shards this peer trains at once (0: only the dense part).")
-    active_blocks: int = setting(1, "Dense blocks this peer trains at once (with [model] dense_blocks > 1).")
-
-    def validate(self) -> None:
-        check(self.capacity >= 0, "capacity", "must be at least 0")
-        check(self.active_blocks >= 1, "active_blocks", "must be at least 1")

@@ -89,7 +89,7 @@ def live(
             peer.run(stop, on_update=ui.update, rounds=peer.settings.run.rounds)
             if not stop.is_set():
                 with ui.phase("Serving the last round until the others have it..."):
-                    peer.drain(peer.settings.sync.deadline_max)
+                    peer.drain(peer.sync.longest_wait())
         final = peer.status()
     finally:
         with ui.phase("Releasing claims and leaving..."):

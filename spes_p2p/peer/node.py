@@ -143,7 +143,7 @@ class Peer:
         and starts heartbeats. With ``resume``, first restores the newest checkpoint of its run folder."""
         self.member.check_manifest()
         checkpoint = self._restore() if resume else None
-        view = joining.at_round_boundary(self.member, self.settings.sync.deadline_max)
+        view = joining.at_round_boundary(self.member, self.sync.longest_wait())
         training = joining.is_training(view, self.me)
         if training:
             self._catch_up(view)
@@ -179,7 +179,7 @@ class Peer:
         return checkpoint
 
     def _catch_up(self, view: SwarmView) -> None:
-        seconds = self.settings.sync.deadline_max
+        seconds = self.sync.longest_wait()
         round_ = joining.catch_up(view, self.me, self.sync, self.local.write, seconds)
         if round_ is not None:
             self.round = round_
@@ -290,7 +290,7 @@ class Peer:
         logger.info("now training %s (was %s)", sorted(held), self.local.units)
         new = sorted(set(held) - set(self.local.units))
         if not self.settings.method.overlap:  # (with overlap, the sync in flight fetches them exactly)
-            seconds = self.settings.sync.deadline_max
+            seconds = self.sync.longest_wait()
             view = self.member.view()
             joining.fetch_exact(new, self.round - 1, view, self.me, self.sync, self.local.write, seconds)
         for unit in new:

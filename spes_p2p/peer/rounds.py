@@ -76,9 +76,8 @@ class RoundSync:
     def bound(self, job: RoundJob) -> float:
         """Seconds a job's sync can take when every wait runs to its limit (each unit's exchange, a download,
         a version, the refresh), with a margin: past it, the sync is broken, not slow."""
-        c = self.settings.sync
         waits = 4 * len(job.units) + 1  # a reduce-scatter waits for pieces, combined parts and a fallback
-        return waits * (c.deadline_max + 2 * c.request_timeout) + SYNC_MARGIN_SECONDS
+        return self.sync.worst_case(waits) + SYNC_MARGIN_SECONDS
 
 
 class Pipeline:

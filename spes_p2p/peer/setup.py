@@ -38,9 +38,11 @@ def founded_from(settings: Settings) -> Settings:
     if not isinstance(meta.get("model_config"), dict) or not (found[-1] / "tokenizer.json").is_file():
         raise CheckpointError(f"--init {found[-1]}: a checkpoint without its model config or tokenizer.json")
     return settings.override(
-        model__init=str(found[-1]),
-        model__config_json=ModelConfig.from_dict(meta["model_config"]).to_json(),
-        data__tokenizer=str(found[-1] / "tokenizer.json"),
+        {
+            "model.init": str(found[-1]),
+            "model.config_json": ModelConfig.from_dict(meta["model_config"]).to_json(),
+            "data.tokenizer": str(found[-1] / "tokenizer.json"),
+        }
     )
 
 
@@ -63,19 +65,15 @@ def member_config(settings: Settings) -> MemberConfig:
     blocks = len(dense) > 1  # block coordinate descent over the dense part; B = 1 is SPES as published
     diloco = settings.method.mode == "diloco"  # the baseline: every peer trains every unit
     return MemberConfig(
-        run_id=settings.swarm.run_id,
+        swarm=settings.swarm,
+        peer=settings.peer,
+        network=settings.network,
         claimable=[] if diloco else [u for u in units if u.startswith("experts/")],
         always_held=units if diloco else [] if blocks else dense,
         dense_claimable=dense if blocks else [],
-        dense_capacity=settings.peer.active_blocks,
         rotate_every=settings.method.rotate_every_rounds,
         block_order=settings.method.block_order,
-        capacity=settings.peer.capacity,
-        target_replication=settings.swarm.target_replication,
-        hysteresis=settings.swarm.hysteresis,
-        record_ttl=settings.swarm.record_ttl_seconds,
         version=__version__,
-        client_mode=settings.network.client_mode,
     )
 
 

@@ -105,7 +105,11 @@ def invite(settings: Settings, manifest: Manifest, addresses: list[str]) -> str:
     """A complete peers.toml that joins this swarm: its name, where to dial it, its manifest's hash, and
     its swarm-wide settings (for the record: they come from the manifest anyway)."""
     joined = settings.override(
-        swarm__run_id=manifest.run_id, swarm__initial_peers=tuple(addresses), swarm__manifest=manifest.hash
+        {
+            "swarm.run_id": manifest.run_id,
+            "swarm.initial_peers": tuple(addresses),
+            "swarm.manifest": manifest.hash,
+        }
     ).adopt(manifest.settings)
     head = f"# An invite to swarm {manifest.run_id!r}; join it with: spes-join --config THIS_FILE\n"
     return head + joined.to_toml(INVITE_SECTIONS)

@@ -30,19 +30,19 @@ SOLE = -1  # --kill sole@ROUND: whichever live peer is then the only holder of a
 # `spes simulate` runs every peer on one machine: short heartbeats and rounds, a slice of the corpus, and
 # deadlines that wait for peers slowed down by sharing the CPU. A file or flag still sets any of them.
 LOCAL_SWARM_DEFAULTS: dict[tuple[str, str], object] = {
-    ("swarm", "run_id"): "sim",
-    ("swarm", "heartbeat_seconds"): 1.0,
-    ("swarm", "record_ttl_seconds"): 8.0,
-    ("sync", "deadline_min"): 5.0,
-    ("sync", "deadline_max"): 30.0,
-    ("method", "steps_per_round"): 20,
-    ("method", "rotate_every_rounds"): 2,
-    ("train", "eval_every"): 40,
-    ("train", "checkpoint_every"): 100,
-    ("data", "max_corpus_mb"): 4.0,
-    ("network", "listen"): ("/ip4/127.0.0.1/tcp/0",),
-    ("run", "out"): "runs/sim",
-    ("run", "rounds"): 6,
+    "swarm.run_id": "sim",
+    "swarm.heartbeat_seconds": 1.0,
+    "swarm.record_ttl_seconds": 8.0,
+    "sync.deadline_min": 5.0,
+    "sync.deadline_max": 30.0,
+    "method.steps_per_round": 20,
+    "method.rotate_every_rounds": 2,
+    "train.eval_every": 40,
+    "train.checkpoint_every": 100,
+    "data.max_corpus_mb": 4.0,
+    "network.listen": ("/ip4/127.0.0.1/tcp/0",),
+    "run.out": "runs/sim",
+    "run.rounds": 6,
 }
 
 
@@ -65,7 +65,7 @@ class Partition:
 class SimConfig(Section):
     """[sim]: a local swarm: its peers, and the crashes, late joins and faults to inflict on it."""
 
-    peers: int = setting(4, "Peers at the start.")
+    peers: int = setting(4, "Peers at the start.", flag="--num-peers")
     kills: tuple[str, ...] = setting(
         (),
         "SIGKILL peer I (or 'sole': a peer that alone holds a shard) when the swarm reaches ROUND.",
@@ -188,7 +188,7 @@ class SimConfig(Section):
 
     @property
     def overrides(self) -> dict[int, dict[str, object]]:
-        """Peer index -> its own ``section__field`` values."""
+        """Peer index -> its own values, by ``section.field``."""
         found: dict[int, dict[str, object]] = {}
         for text in self.peer_settings:
             match = re.fullmatch(r"(\d+):(\w+)\.(\w+)=(.*)", text)
@@ -202,7 +202,7 @@ class SimConfig(Section):
                 value = tomllib.loads(f"v = {raw}")["v"]
             except tomllib.TOMLDecodeError:
                 value = raw  # a bare word: a string
-            found.setdefault(int(index), {})[f"{section}__{name}"] = value
+            found.setdefault(int(index), {})[f"{section}.{name}"] = value
         return found
 
     @property

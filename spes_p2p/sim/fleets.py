@@ -45,7 +45,7 @@ class Fleet(ABC):
         # peer -> its rows and its newest checkpoint when its life began
         self.at_start: dict[int, tuple[int, str]] = {}
 
-    def peer_settings(self, index: int, join_round: int | None, **changes) -> Settings:
+    def peer_settings(self, index: int, join_round: int | None, changes: dict | None = None) -> Settings:
         """Peer ``index``'s own settings: its run folder, and when it joins (None: with the first peers, who
         wait for each other; newcomers and restarts do not). Under churn every peer checkpoints every round:
         a restart resumes from its newest checkpoint."""
@@ -54,16 +54,17 @@ class Fleet(ABC):
         every = settings.train.checkpoint_every
         if settings.sim.churn:
             every = min(every, settings.method.steps_per_round)
-        first = join_round is None and not changes.get("run__resume")
+        changes = changes or {}
+        first = join_round is None and not changes.get("run.resume")
         own = {
-            "run__out": str(self.peers_dir / name_of(index)),
-            "run__min_peers": settings.sim.peers if first else 1,
-            "run__join_round": join_round or 0,
-            "run__new_swarm": not self.started,
-            "run__resume": False,
-            "train__checkpoint_every": every,
+            "run.out": str(self.peers_dir / name_of(index)),
+            "run.min_peers": settings.sim.peers if first else 1,
+            "run.join_round": join_round or 0,
+            "run.new_swarm": not self.started,
+            "run.resume": False,
+            "train.checkpoint_every": every,
         }
-        return settings.override(**{**own, **changes, **settings.sim.overrides.get(index, {})})
+        return settings.override({**own, **changes, **settings.sim.overrides.get(index, {})})
 
     def begin_life(self, index: int) -> None:
         """Bookkeeping of a peer's (re)start."""
@@ -174,7 +175,7 @@ class MemoryFleet(Fleet):
         self.errors: list[str] = []
 
     def start(self, index: int, join_round: int | None = None, resume: bool = False) -> None:
-        settings = self.peer_settings(index, join_round, run__resume=resume)
+        settings = self.peer_settings(index, join_round, {"run.resume": resume})
         life = self.lives[index] = Life()
         self.history.append((index, life))
         life.thread = threading.Thread(
@@ -271,11 +272,13 @@ class ProcessFleet(Fleet):
         settings = self.peer_settings(
             index,
             join_round,
-            run__resume=resume,
-            network__identity=str(self.keys / f"{name}.key"),
-            run__addr_file=str(self.keys / f"{name}.addr"),
-            run__log_level="info",
-            **self._network(index),
+            {
+                "run.resume": resume,
+                "network.identity": str(self.keys / f"{name}.key"),
+                "run.addr_file": str(self.keys / f"{name}.addr"),
+                "run.log_level": "info",
+                **self._network(index),
+            },
         )
         config = self.keys / f"{name}.toml"
         config.write_text(settings.to_toml())
@@ -287,7 +290,7 @@ class ProcessFleet(Fleet):
 
     def _network(self, index: int) -> dict:
         """Peer ``index``'s network settings: on 127.0.0.1 (the defaults), joining through the live peers."""
-        return {"swarm__initial_peers": self._live_addresses() if self.started else ()}
+        return {"swarm.initial_peers": self._live_addresses() if self.started else ()}
 
     def _command(self, index: int, config: Path) -> list[str]:
         """The peer process's command line."""

@@ -38,15 +38,15 @@ class NetnsFleet(ProcessFleet):
         layout = self.namespaces.layout
         if index in layout.nat:
             return {
-                "network__listen": (layout.listen(index),),
-                "network__use_relay": True,
-                "swarm__initial_peers": self._public_addresses()[:RELAYS],
+                "network.listen": (layout.listen(index),),
+                "network.use_relay": True,
+                "swarm.initial_peers": self._public_addresses()[:RELAYS],
             }
         address = f"/ip4/{layout.address(index)}/tcp/{PORT}"
         return {
-            "network__listen": (address,),
-            "network__announce": (address,),
-            "swarm__initial_peers": self._public_addresses() if self.started else (),
+            "network.listen": (address,),
+            "network.announce": (address,),
+            "swarm.initial_peers": self._public_addresses() if self.started else (),
         }
 
     def _public_addresses(self) -> tuple[str, ...]:

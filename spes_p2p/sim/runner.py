@@ -27,7 +27,7 @@ from pathlib import Path
 
 from spes_p2p.errors import SpesError
 from spes_p2p.files import writable_folder
-from spes_p2p.settings import Settings, key_of, load_settings
+from spes_p2p.settings import Settings, load_settings
 from spes_p2p.sim.config import LOCAL_SWARM_DEFAULTS, name_of
 from spes_p2p.sim.director import Director
 from spes_p2p.sim.fleets import STARTUP_SECONDS, Fleet, MemoryFleet, ProcessFleet
@@ -43,11 +43,9 @@ ROUND_BUDGET_SECONDS = 120.0  # a generous bound on one round, for the overall d
 # ---------------------------------------------------------------------------------------------- the run
 
 
-def simulation(**changes) -> Settings:
-    """A simulation's settings: ``spes simulate``'s defaults with ``section__field`` changes."""
-    return load_settings(
-        None, {key_of(name): v for name, v in changes.items()}, defaults=LOCAL_SWARM_DEFAULTS
-    )
+def simulation(changes: dict | None = None) -> Settings:
+    """A simulation's settings: ``spes simulate``'s defaults with ``{'section.field': value}`` changes."""
+    return load_settings(None, changes, defaults=LOCAL_SWARM_DEFAULTS)
 
 
 def run(settings: Settings, on_tick: Callable[[dict], None] | None = None) -> dict:

@@ -10,7 +10,7 @@ from pathlib import Path
 
 from spes_p2p.errors import SpesError
 from spes_p2p.peer.footprint import KINDS
-from spes_p2p.settings import Settings, key_of
+from spes_p2p.settings import Settings
 from spes_p2p.sim.config import LOCAL_SWARM_DEFAULTS, name_of
 from spes_p2p.sim.runner import run
 from spes_p2p.sim.summary import read_rows
@@ -23,7 +23,7 @@ STEPS_PER_ROUND = 5
 REPLICATION = 2  # holders per expert shard in the measured swarm
 # every peer of the measured swarm shares this machine's cores: rounds wait for all of them (the round ends
 # when every update has come, so a long deadline costs nothing unless one is lost)
-DEADLINES = {"sync__deadline_min": 20.0, "sync__deadline_max": 120.0}
+DEADLINES = {"sync.deadline_min": 20.0, "sync.deadline_max": 120.0}
 
 
 def running(settings: Settings, rounds: int = ROUNDS, peers: int | None = None) -> dict:
@@ -33,14 +33,14 @@ def running(settings: Settings, rounds: int = ROUNDS, peers: int | None = None) 
     if rounds <= WARMUP_ROUNDS:
         raise SpesError(f"measure at least {WARMUP_ROUNDS + 1} rounds: the first {WARMUP_ROUNDS} are warm-up")
     n = peers or max(2, -(-REPLICATION * settings.model.shards // max(1, settings.peer.capacity)))
-    local = {f"{s}__{f}": v for (s, f), v in LOCAL_SWARM_DEFAULTS.items() if (s, f) not in settings.given}
-    local.update({k: v for k, v in DEADLINES.items() if key_of(k) not in settings.given})
-    if ("method", "steps_per_round") not in settings.given:
-        local["method__steps_per_round"] = STEPS_PER_ROUND
+    defaults = {**LOCAL_SWARM_DEFAULTS, **DEADLINES}
+    local = {key: v for key, v in defaults.items() if key not in settings.given}
+    if "method.steps_per_round" not in settings.given:
+        local["method.steps_per_round"] = STEPS_PER_ROUND
     with tempfile.TemporaryDirectory(prefix="spes-memory-") as out:
-        changes = {**local, "swarm__backend": "memory", "sim__peers": n, "run__rounds": rounds}
-        changes["run__out"] = out
-        s = settings.override(**changes, sim__kills=(), sim__joins=())
+        changes = {**local, "swarm.backend": "memory", "sim.peers": n, "run.rounds": rounds}
+        changes["run.out"] = out
+        s = settings.override({**changes, "sim.kills": (), "sim.joins": ()})
         summary = run(s)
         if summary["failures"]:
             raise SpesError(f"the measured swarm failed: {'; '.join(summary['failures'])}")
@@ -76,7 +76,9 @@ def compare_running(settings: Settings, rounds: int = ROUNDS) -> dict:
     """A swarm of ``settings`` and a DiLoCo swarm of the same model and peers, measured alike; the ratio
     of their steady-state peaks."""
     spes = running(settings, rounds)
-    diloco_settings = settings.override(method__mode="diloco", model__dense_blocks=1, peer__active_blocks=1)
+    diloco_settings = settings.override(
+        {"method.mode": "diloco", "model.dense_blocks": 1, "peer.active_blocks": 1}
+    )
     diloco = running(diloco_settings, rounds, peers=spes["peers"])
     return {**spes, "diloco": diloco, "ratio_vs_diloco": spes["peak_bytes"] / diloco["peak_bytes"]}
 

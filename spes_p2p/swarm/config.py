@@ -1,5 +1,5 @@
-"""The swarm layer's settings section: ``[swarm]`` (which swarm, membership, records and claims). Plain
-values; no torch and no networking here."""
+"""The swarm layer's settings sections: ``[swarm]`` (which swarm, membership, records and claims) and
+``[peer]`` (what this volunteer claims at once). Plain values; no torch and no networking here."""
 
 from __future__ import annotations
 
@@ -83,3 +83,15 @@ class SwarmConfig(Section):
                 "allowlist",
                 f"has {peer!r}, which is not a peer id (the part after /p2p/ in a peer's address)",
             )
+
+
+@dataclass(frozen=True, kw_only=True)
+class PeerConfig(Section):
+    """[peer]: how much this volunteer trains at once."""
+
+    capacity: int = setting(1, "Expert shards this peer trains at once (0: only the dense part).")
+    active_blocks: int = setting(1, "Dense blocks this peer trains at once (with [model] dense_blocks > 1).")
+
+    def validate(self) -> None:
+        check(self.capacity >= 0, "capacity", "must be at least 0")
+        check(self.active_blocks >= 1, "active_blocks", "must be at least 1")

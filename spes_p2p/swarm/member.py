@@ -22,10 +22,12 @@ from dataclasses import dataclass, field
 import msgspec
 
 from spes_p2p.errors import SwarmMismatch
+from spes_p2p.net.config import NetworkConfig
 from spes_p2p.net.transport import Transport
 from spes_p2p.net.waiting import Deadline
 from spes_p2p.swarm import manifest as manifests
 from spes_p2p.swarm.claims import carry_block, choose_units, holders_at_epoch
+from spes_p2p.swarm.config import PeerConfig, SwarmConfig
 from spes_p2p.swarm.manifest import Manifest, ManifestError
 from spes_p2p.swarm.records import (
     MAX_ADDRESSES,
@@ -65,19 +67,18 @@ def mismatch(transport: Transport, run_id: str, ours: Manifest, peer: str, their
 
 @dataclass(frozen=True, kw_only=True)
 class MemberConfig:
-    run_id: str
+    """What membership needs: the ``[swarm]``, ``[peer]`` and ``[network]`` sections, and how the swarm's
+    units are claimed (which the peer derives from the model and the method)."""
+
+    swarm: SwarmConfig
+    peer: PeerConfig = field(default_factory=PeerConfig)
+    network: NetworkConfig = field(default_factory=NetworkConfig)
     claimable: list[str]  # units assigned by the claim policy (the expert shards)
     always_held: list[str] = field(default_factory=list)  # units every peer trains (the dense part, B = 1)
-    capacity: int = 1
     dense_claimable: list[str] = field(default_factory=list)  # dense blocks, when there are B > 1
-    dense_capacity: int = 1  # dense blocks this peer trains at once
-    rotate_every: int = 0  # rounds between dense-block rotations; 0: never
-    block_order: str = "cyclic"
-    target_replication: int = 2
-    hysteresis: int = 1
-    record_ttl: float = 20.0
+    rotate_every: int = 0  # [method] rotate_every_rounds: rounds between dense-block rotations; 0: never
+    block_order: str = "cyclic"  # [method] block_order
     version: str = ""
-    client_mode: bool = False
 
 
 @dataclass
@@ -179,14 +180,14 @@ class SwarmMember:
         """Raises SwarmMismatch when the other live peers share another manifest, naming what differs. A few
         that differ while others share ours are left out of this peer's views (one stranger's record does
         not lock newcomers out)."""
-        live = read_peers(self.transport, self.cfg.run_id)
+        live = read_peers(self.transport, self.cfg.swarm.run_id)
         me = self.transport.peer_id
-        records = manifests.read_records(self.transport, self.cfg.run_id)
+        records = manifests.read_records(self.transport, self.cfg.swarm.run_id)
         others = {p: r for p, r in records.items() if p != me and p in live}
         differ = {p: r for p, r in sorted(others.items()) if r.hash != self.manifest.hash}
         if differ and len(differ) == len(others):
             peer, theirs = next(iter(differ.items()))
-            raise mismatch(self.transport, self.cfg.run_id, self.manifest, peer, theirs)
+            raise mismatch(self.transport, self.cfg.swarm.run_id, self.manifest, peer, theirs)
         for peer, theirs in differ.items():
             reason = f"manifest {theirs.hash[:16]}, not the swarm's"
             self.transport.guard.reject(peer, "manifest record", reason, counts_toward_ban=False)
@@ -234,7 +235,7 @@ class SwarmMember:
     def view(self) -> SwarmView:
         """The swarm now (one DHT read). Once this peer's record is out, every read finds it: one that does
         not (a DHT timeout, on a saturated machine) must not read as "everyone left": the last view stands."""
-        view = read_view(self.transport, self.cfg.run_id, self.units, self.manifest.hash)
+        view = read_view(self.transport, self.cfg.swarm.run_id, self.units, self.manifest.hash)
         if self._published and self.transport.peer_id not in view.peers:
             logger.warning("a read of the swarm's records found nobody; using the last view")
             return self.last_view
@@ -280,9 +281,9 @@ class SwarmMember:
             held=self.held,
             units=self.cfg.claimable,
             holders=delivering,
-            capacity=self.cfg.capacity,
-            target=self.cfg.target_replication,
-            hysteresis=self.cfg.hysteresis,
+            capacity=self.cfg.peer.capacity,
+            target=self.cfg.swarm.target_replication,
+            hysteresis=self.cfg.swarm.hysteresis,
             settled=settled,
         )
         if not self.cfg.dense_claimable:
@@ -292,7 +293,7 @@ class SwarmMember:
     def _choose_blocks(self, view: SwarmView, epoch: int, settled: set[str]) -> set[str]:
         """The dense blocks to train from ``epoch`` on: this peer's carried through the rotations since its
         last claim, then the claim policy over everyone's claims carried to the same epoch."""
-        blocks, order, seed = self.cfg.dense_claimable, self.cfg.block_order, self.cfg.run_id
+        blocks, order, seed = self.cfg.dense_claimable, self.cfg.block_order, self.cfg.swarm.run_id
         mine = {
             blocks[carry_block(int(u.split("/")[1]), self.epoch, epoch, len(blocks), order, seed)]
             for u in self.held
@@ -307,9 +308,9 @@ class SwarmMember:
             held=mine,
             units=blocks,
             holders=holders_at_epoch(others, epoch, order, seed),
-            capacity=self.cfg.dense_capacity,
+            capacity=self.cfg.peer.active_blocks,
             target=len(view.peers) + 1,  # dense blocks: as evenly covered as the peers allow
-            hysteresis=self.cfg.hysteresis,
+            hysteresis=self.cfg.swarm.hysteresis,
             settled=settled,
         )
 
@@ -322,12 +323,12 @@ class SwarmMember:
                 for unit in [u for u, last in self.ending.items() if self.round > last + ENDING_ROUNDS]:
                     del self.ending[unit]
                 record = self._peer_record("active", addresses)
-            self._publish([(peers_key(self.cfg.run_id), record)], self.cfg.record_ttl)
+            self._publish([(peers_key(self.cfg.swarm.run_id), record)], self.cfg.swarm.record_ttl_seconds)
             self._published = True
             if self.transport.now() >= self._manifest_due:
-                ttl = MANIFEST_TTLS * self.cfg.record_ttl
+                ttl = MANIFEST_TTLS * self.cfg.swarm.record_ttl_seconds
                 self._manifest_due = self.transport.now() + ttl / 2
-                self._publish([(manifests.manifest_key(self.cfg.run_id), self._manifest_record)], ttl)
+                self._publish([(manifests.manifest_key(self.cfg.swarm.run_id), self._manifest_record)], ttl)
 
     def leave(self) -> None:
         """Releases every claim at once: a "left" tombstone replaces the peer record until it expires.
@@ -340,7 +341,9 @@ class SwarmMember:
                 self.held, self.ending = set(), {}
                 self._published = False
                 record = self._peer_record("left", addresses)
-            self._publish([(peers_key(self.cfg.run_id), record)], self.cfg.record_ttl + 1.0)
+            self._publish(
+                [(peers_key(self.cfg.swarm.run_id), record)], self.cfg.swarm.record_ttl_seconds + 1.0
+            )
 
     def leave_within(self, seconds: float) -> None:
         """``leave`` on a thread given at most ``seconds``; it never fails (records expire by themselves)."""
@@ -382,9 +385,9 @@ class SwarmMember:
             version=self.cfg.version,
             manifest=self.manifest.hash,
             state=state,
-            client_mode=self.cfg.client_mode,
+            client_mode=self.cfg.network.client_mode,
             seen=self.transport.now(),
-            capacity=self.cfg.capacity + sum(u.startswith("experts/") for u in self.cfg.always_held),
+            capacity=self.cfg.peer.capacity + sum(u.startswith("experts/") for u in self.cfg.always_held),
             banned=self.transport.guard.banned()[:MAX_BANNED],
             reachable=self.reachable,
         )

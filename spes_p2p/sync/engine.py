@@ -104,6 +104,14 @@ class SyncEngine:
         """How long a round waits for its last participant now (adapting to how long they took)."""
         return self._gatherer.deadline.seconds()
 
+    def longest_wait(self) -> float:
+        """The longest one wait may take (``[sync] deadline_max``): a round's, a download's, a catch-up's."""
+        return self.cfg.deadline_max
+
+    def worst_case(self, waits: int) -> float:
+        """Seconds ``waits`` waits take when every one runs to its limit, its last requests included."""
+        return waits * (self.cfg.deadline_max + 2 * self.cfg.request_timeout)
+
     def refresh(
         self,
         min_round: int,
