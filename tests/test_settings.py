@@ -9,7 +9,14 @@ import pytest
 from spes_p2p.errors import ConfigError
 from spes_p2p.fields import flag_of
 from spes_p2p.model.config import PRESETS
-from spes_p2p.settings import SECTIONS, Settings, load_settings, read_toml, reference_toml
+from spes_p2p.settings import (
+    SECTIONS,
+    Settings,
+    load_settings,
+    read_toml,
+    reference_markdown,
+    reference_toml,
+)
 from spes_p2p.sim.config import LOCAL_SWARM_DEFAULTS
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -19,6 +26,13 @@ PEER = "/ip4/127.0.0.1/tcp/4001/p2p/QmTJxrrywQ2EdDBm8kDofL3hoo4x2TB2JY9fh5BJVN1Y
 def test_repo_peers_toml_is_generated_from_the_fields_and_changes_nothing():
     assert (ROOT / "peers.toml").read_text() == reference_toml(), "regenerate: python -m spes_p2p.settings"
     assert load_settings(ROOT / "peers.toml") == Settings()
+
+
+def test_the_settings_reference_in_the_docs_is_generated_from_the_fields():
+    text = (ROOT / "docs" / "settings.md").read_text()
+    assert text == reference_markdown(), "regenerate: python -m spes_p2p.settings --markdown > docs/settings.md"
+    keys = {f"{s}.{f.name}" for s, cls in SECTIONS.items() for f in dataclasses.fields(cls)}
+    assert all(f"`{key}`" in text for key in keys)
 
 
 def test_layers_win_in_order(tmp_path):
