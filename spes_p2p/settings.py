@@ -372,10 +372,10 @@ def reference_markdown() -> str:
         "",
         "Every setting of spes-p2p, generated from the code (`python -m spes_p2p.settings --markdown >",
         "docs/settings.md`; `tests/test_settings.py` checks that this page is current). The repository's",
-        "`peers.toml` lists the same settings, commented out at their defaults. How values are layered (section",
-        "defaults, a command's own, the method's, a file, flags) and what a swarm-wide setting means is in",
-        "[joining.md](joining.md#settings-peerstoml). *swarm*: must match across the swarm (it comes from the",
-        "manifest); *peer*: each volunteer's own.",
+        "`peers.toml` lists the same settings, commented out at their defaults. How values are layered",
+        "(section defaults, a command's own, the method's, a file, flags) and what a swarm-wide setting",
+        "means is in [joining.md](joining.md#settings-peerstoml). *swarm*: must match across the swarm (it",
+        "comes from the manifest); *peer*: each volunteer's own.",
     ]
     for name, cls in SECTIONS.items():
         about = cls.__doc__.splitlines()[0].split(": ", 1)[1]
@@ -384,7 +384,8 @@ def reference_markdown() -> str:
         for f in dataclasses.fields(cls):
             default = tomli_w.dumps({"v": getattr(cls(), f.name)}).strip().removeprefix("v = ")
             help_ = f.metadata["help"].replace("|", "\\|").replace("<", "&lt;")
-            lines.append(f"| `{name}.{f.name}` | `{flag_of(f)}` | `{default}` | {cls.scope_of(f)} | {help_} |")
+            scope = cls.scope_of(f)
+            lines.append(f"| `{name}.{f.name}` | `{flag_of(f)}` | `{default}` | {scope} | {help_} |")
     return "\n".join(lines) + "\n"
 
 

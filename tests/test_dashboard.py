@@ -159,7 +159,8 @@ def test_the_api_serves_the_status_the_page_and_prometheus_metrics(joined):
             }
             assert metrics["spes_peer_round", (("peer", "founder"),)] == 2
             assert metrics["spes_swarm_peers", ()] == 2 and metrics["spes_dashboard_read_ok", ()] == 1
-            assert metrics["spes_peer_sent_bytes_total", (("peer", "founder"),)] == founder_entry["bytes_sent"]
+            sent = metrics["spes_peer_sent_bytes_total", (("peer", "founder"),)]
+            assert sent == founder_entry["bytes_sent"]
             holders = {dict(k[1])["unit"]: v for k, v in metrics.items() if k[0] == "spes_unit_holders"}
             assert holders == {u: len(h) for u, h in served["units"].items()}
 

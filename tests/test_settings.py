@@ -30,7 +30,8 @@ def test_repo_peers_toml_is_generated_from_the_fields_and_changes_nothing():
 
 def test_the_settings_reference_in_the_docs_is_generated_from_the_fields():
     text = (ROOT / "docs" / "settings.md").read_text()
-    assert text == reference_markdown(), "regenerate: python -m spes_p2p.settings --markdown > docs/settings.md"
+    regenerate = "python -m spes_p2p.settings --markdown > docs/settings.md"
+    assert text == reference_markdown(), f"regenerate: {regenerate}"
     keys = {f"{s}.{f.name}" for s, cls in SECTIONS.items() for f in dataclasses.fields(cls)}
     assert all(f"`{key}`" in text for key in keys)
 

@@ -87,7 +87,7 @@ class UpdateFetcher:
         todo: list[tuple[int, str, Announcement]],
         deadline: Deadline,
         part: tuple[int, int] | None = None,
-    ):
+    ) -> list[FetchOutcome]:
         """The outcome of fetching each (round, peer, announcement) in ``todo``, in parallel: the whole
         update, or with ``part`` = (part, parts) that part of it (a reduce-scatter's piece)."""
         cutoff = self._cutoff(deadline)

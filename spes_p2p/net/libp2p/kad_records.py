@@ -170,11 +170,6 @@ class RecordStore:
             if not entries:
                 del self._entries[key]
 
-    def sweep(self, now: float) -> None:
-        """Drops every expired entry."""
-        with self._lock:
-            self._expire(now)
-
 
 class RecordKeeping:
     """Records through the peers that keep them. A peer that nobody can dial (``keeps`` False) keeps none
