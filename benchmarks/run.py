@@ -19,13 +19,17 @@ Sections (each a function below; all figures are measured in this run):
             behind a 50 Mbit/s link (root), with a round's compute set to a GPU's (virtual compute), for
             public peers and for a peer behind NAT (reached through a relay)
 
-Writes DIR/summary.json (the headline ratios and every table), DIR/tables.md and DIR/*.png.
+Writes DIR/summary.json (the headline ratios and every table), DIR/tables.md and DIR/*.png, anew after each
+section: a run that stops halfway keeps what it measured. A section whose prerequisite this machine lacks
+(wan: root, iproute2 and nftables) is skipped with the reason under "skipped"; one that fails is recorded
+under "failed" with its error, the run goes on, and the script exits 1 at the end.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import resource
 import shutil
@@ -34,6 +38,8 @@ import subprocess
 import sys
 import threading
 import time
+import traceback
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -434,27 +440,34 @@ def _wait_fraction(peers_rows, with_last: bool = False) -> float:
 
 
 def headline(results: dict) -> dict:
-    memory, bytes_rows, loss = results["memory"], results["bytes"], results["loss"]
-    preset = bytes_rows[-1]["preset"]
-    spes_int8 = next(
-        r
-        for r in bytes_rows
-        if (r["preset"], r["mode"], r["codec"], r["exchange"]) == (preset, "spes", "int8", DEFAULT_EXCHANGE)
-    )
-    final = {name: curve[-1][1] for name, curve in loss.items()}
-    return {
-        "memory_ratio_vs_diloco": memory["spes"]["total_bytes"] / memory["diloco"]["total_bytes"],
-        "memory_ratio_vs_diloco_best": min(
-            r["total_bytes"] for k, r in memory.items() if k.startswith("spes")
+    """The headline ratios of the sections that were measured."""
+    figures = {}
+    if _measured(results, "memory"):
+        memory = results["memory"]
+        diloco = memory["diloco"]["total_bytes"]
+        figures["memory_ratio_vs_diloco"] = memory["spes"]["total_bytes"] / diloco
+        figures["memory_ratio_vs_diloco_best"] = (
+            min(r["total_bytes"] for k, r in memory.items() if k.startswith("spes")) / diloco
         )
-        / memory["diloco"]["total_bytes"],
-        "bytes_ratio_vs_diloco_fp32": spes_int8["ratio_vs_diloco_fp32"],
-        "bytes_ratio_vs_diloco_rs_fp32": spes_int8["ratio_vs_diloco_rs_fp32"],
-        "bytes_ratio_vs_allreduce_fp32": spes_int8["ratio_vs_allreduce_fp32"],
-        "val_loss_ratio_vs_centralized": final["spes"] / final["centralized"],
-        "val_loss_ratio_vs_diloco": final["spes"] / final["diloco"],
-        "sync_wait_fraction": results["sync"]["overlap"]["sync_wait_fraction"],
-    }
+    if _measured(results, "bytes"):
+        preset = results["bytes"][-1]["preset"]
+        wanted = (preset, "spes", "int8", DEFAULT_EXCHANGE)
+        spes_int8 = next(
+            r for r in results["bytes"] if (r["preset"], r["mode"], r["codec"], r["exchange"]) == wanted
+        )
+        for baseline in ("diloco_fp32", "diloco_rs_fp32", "allreduce_fp32"):
+            figures[f"bytes_ratio_vs_{baseline}"] = spes_int8[f"ratio_vs_{baseline}"]
+    if _measured(results, "loss"):
+        final = {name: curve[-1][1] for name, curve in results["loss"].items()}
+        figures["val_loss_ratio_vs_centralized"] = final["spes"] / final["centralized"]
+        figures["val_loss_ratio_vs_diloco"] = final["spes"] / final["diloco"]
+    if _measured(results, "sync"):
+        figures["sync_wait_fraction"] = results["sync"]["overlap"]["sync_wait_fraction"]
+    return figures
+
+
+def _measured(results: dict, section: str) -> bool:
+    return section in results and section not in results.get("failed", {})
 
 
 def tables(results: dict) -> str:
@@ -521,6 +534,13 @@ def tables(results: dict) -> str:
                     f"{ratio:.2f}x" if ratio else "",
                 )
             )
+    missed = {
+        **results.get("skipped", {}),
+        **{k: f"failed: {v}" for k, v in results.get("failed", {}).items()},
+    }
+    if missed:
+        out += ["", row("section not measured", "why"), row("---", "---")]
+        out += [row(name, why.replace("|", "/")) for name, why in missed.items()]
     return "\n".join(out)
 
 
@@ -594,7 +614,48 @@ def _section(name: str) -> str:
     return name
 
 
-def main() -> None:
+def missing(name: str) -> str | None:
+    """What this machine lacks to run section ``name`` (one line), or None."""
+    if name == "wan":
+        from spes_p2p.sim.netns import missing_tools
+
+        return missing_tools(nat=True)
+    return None
+
+
+def run_sections(
+    sections: dict[str, Callable[[], object]],
+    results: dict,
+    save: Callable[[dict], None],
+    lacks: Callable[[str], str | None] = missing,
+) -> bool:
+    """Runs each section and saves the results after each one; a section this machine cannot run is skipped
+    with its reason, one that fails is recorded with its error, and the others run all the same. Returns
+    whether every section that ran succeeded."""
+    timings = results.setdefault("section_seconds", {})
+    skipped, failed = results.setdefault("skipped", {}), results.setdefault("failed", {})
+    for name, measure in sections.items():
+        skipped.pop(name, None)
+        failed.pop(name, None)
+        reason = lacks(name)
+        if reason:
+            print(f"{name}: skipped: {reason}", flush=True)
+            skipped[name] = reason
+            results.pop(name, None)
+        else:
+            began = time.perf_counter()
+            try:
+                results[name] = measure()
+            except Exception as exc:
+                traceback.print_exc()
+                failed[name] = f"{type(exc).__name__}: {exc}"
+                results.pop(name, None)
+            timings[name] = time.perf_counter() - began
+        save(results)
+    return not failed
+
+
+def main() -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
@@ -609,7 +670,7 @@ def main() -> None:
     args = parser.parse_args()
     if args.memory_child:
         print(json.dumps(memory_child(*args.memory_child)))
-        return
+        return 0
     mode = MODES["quick" if args.quick else "full"]
     args.out.mkdir(parents=True, exist_ok=True)
     summary_path = args.out / "summary.json"
@@ -634,21 +695,28 @@ def main() -> None:
         "wan": lambda: bench_wan(args.out, **mode["wan"]),
         "backends": lambda: bench_backends(args.out, **mode["backends"]),
     }
-    timings = results.setdefault("section_seconds", {})
-    for name in args.only or SECTIONS:
-        began = time.perf_counter()
-        results[name] = sections[name]()
-        timings[name] = time.perf_counter() - began
+    chosen = {name: sections[name] for name in args.only or SECTIONS}
+    ok = run_sections(chosen, results, lambda r: save(r, args.out))
     if not args.only:
         results["seconds"] = time.perf_counter() - started
-    if all(name in results for name in SECTIONS):
-        results.update(headline(results))
-    summary_path.write_text(json.dumps(results, indent=1))
-    (args.out / "tables.md").write_text(tables(results) + "\n")
+    save(results, args.out)
     plots(results, args.out)
     print(tables(results))
     print(json.dumps({k: v for k, v in results.items() if not isinstance(v, (dict, list))}, indent=1))
+    for name, why in {**results["skipped"], **results["failed"]}.items():
+        print(f"{name}: {'FAILED' if name in results['failed'] else 'skipped'}: {why}", file=sys.stderr)
+    return 0 if ok else 1
+
+
+def save(results: dict, out: Path) -> None:
+    """summary.json (with the headline ratios of what was measured) and tables.md, each replaced whole."""
+    results.update(headline(results))
+    files = {"summary.json": json.dumps(results, indent=1), "tables.md": tables(results) + "\n"}
+    for name, text in files.items():
+        tmp = out / f".{name}.tmp"
+        tmp.write_text(text)
+        os.replace(tmp, out / name)
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -1,6 +1,7 @@
 """The benchmark script's own accounting (the runs themselves are too long for CI: see docs/benchmarks.md)."""
 
 import importlib.util
+import json
 from pathlib import Path
 
 import pytest
@@ -29,3 +30,41 @@ def test_memory_accounting_of_diloco_and_spes_peers():
     parts = ("weights_bytes", "grads_bytes", "optimizer_bytes", "outer_bytes")
     assert spes["total_bytes"] == sum(spes[k] for k in parts)
     assert spes["total_bytes"] < diloco["total_bytes"]
+
+
+def test_a_section_that_cannot_run_or_fails_costs_only_itself_and_each_result_is_saved_at_once(tmp_path):
+    saved = []
+
+    def broken():
+        raise RuntimeError("the swarm fell over")
+
+    sections = {
+        "scale": lambda: [],
+        "wan": lambda: pytest.fail("a skipped section must not run"),
+        "loss": broken,
+        "backends": lambda: {},  # (an empty result: no table)
+    }
+    lacks = {"wan": "--netns needs the 'nft' command: install nftables"}.get
+    results = {"loss": "from an earlier run"}
+    ok = bench.run_sections(sections, results, lambda r: saved.append(json.loads(json.dumps(r))), lacks)
+    assert not ok
+    # saved after each section; an earlier run's result stays until its section runs again
+    after_each = [set(s) & set(sections) for s in saved]
+    assert after_each == [{"scale", "loss"}, {"scale", "loss"}, {"scale"}, {"scale", "backends"}]
+    assert results["backends"] == {} and "loss" not in results and "wan" not in results
+    assert results["skipped"] == {"wan": "--netns needs the 'nft' command: install nftables"}
+    assert results["failed"] == {"loss": "RuntimeError: the swarm fell over"}
+    bench.save(results, tmp_path)
+    on_disk = json.loads((tmp_path / "summary.json").read_text())
+    assert on_disk["skipped"] == results["skipped"] and on_disk["backends"] == {}
+    table = (tmp_path / "tables.md").read_text()
+    assert "| wan | --netns needs the 'nft' command" in table and "| loss | failed: RuntimeError" in table
+
+
+def test_the_wan_section_names_what_the_machine_lacks(monkeypatch):
+    import spes_p2p.sim.netns as netns
+
+    monkeypatch.setattr(netns.shutil, "which", lambda tool: None if tool == "nft" else f"/usr/sbin/{tool}")
+    monkeypatch.setattr(netns.os, "geteuid", lambda: 0)
+    assert "install nftables" in bench.missing("wan")
+    assert bench.missing("memory") is None
