@@ -149,6 +149,40 @@ def test_a_holder_that_never_answers_does_not_stop_the_round():
     assert torch.equal(r.new_weights["w1"], results[("p2", "experts/0")].new_weights["w1"])
 
 
+class Roster:
+    """The swarm's records as a test sets them: every peer is live; ``later`` came back (a restart) holding
+    its units only from a later round, so it takes part in no earlier round."""
+
+    def __init__(self, peers, later=()):
+        self.peers, self.later = set(peers), set(later)
+
+    def live_peers(self):
+        return set(self.peers)
+
+    def participants(self, unit, round_):
+        return self.peers - self.later
+
+
+@pytest.mark.timeout(60)
+def test_a_participant_that_came_back_for_later_rounds_is_not_waited_for():
+    """A holder killed and restarted with --resume is live again, but holds its units only from a later round:
+    it will never deliver this round's update. The others stop waiting for it as soon as its record says so
+    (here at once), not at the deadline (600 s: a wait for it would outlive this test's timeout). The churn
+    simulation took 200 s instead of 45 when a restarted peer's first rounds waited for such peers."""
+    net = MemoryNetwork(seed=0)
+    cfg = SyncConfig(codec="none", deadline_min=600.0, deadline_max=600.0)
+    roster = Roster({"p0", "p2", "reborn"}, later={"reborn"})
+    engines = {p: SyncEngine(net.join(p), "t", cfg, SPECS, roster=roster) for p in ("p0", "p2")}
+    net.join("reborn")  # up again, announcing nothing of this round
+    unit, start = "experts/0", tensors(0)["experts/0"]
+    ends = {p: {"w1": start["w1"] + 0.01 * (i + 1)} for i, p in enumerate(engines)}
+    results = exchange_concurrently(
+        engines, 3, unit, {p: start for p in engines}, ends, ["p0", "p2", "reborn"]
+    )
+    assert results["p0"].missing == ["reborn"] and results["p0"].participants == ["p0", "p2"]
+    assert torch.equal(results["p0"].new_weights["w1"], results["p2"].new_weights["w1"])
+
+
 @pytest.mark.timeout(60)
 def test_a_participant_that_announces_and_never_serves_stops_being_waited_for():
     net = MemoryNetwork(seed=0)

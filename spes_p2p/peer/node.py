@@ -113,7 +113,7 @@ class Peer:
         ManifestServer(transport, self.manifest, tokenizer)
         self.member = SwarmMember(transport, self.manifest, member_config(settings))
         specs = {u: specs_of(self.local.read(u)) for u in self.layout.units}
-        self.sync = sync_engine(settings, transport, specs, self.local.read, self.member.live_peers)
+        self.sync = sync_engine(settings, transport, specs, self.local.read, self.member)
         overlap = settings.method.overlap
         round_sync = RoundSync(settings, self.member, self.sync, self.layout)
         self.pipeline, self.frozen = Pipeline(round_sync, overlap), round_sync.frozen

@@ -77,14 +77,14 @@ def member_config(settings: Settings) -> MemberConfig:
     )
 
 
-def sync_engine(settings: Settings, transport: Transport, specs: dict, local_copy, live_peers) -> SyncEngine:
+def sync_engine(settings: Settings, transport: Transport, specs: dict, local_copy, roster) -> SyncEngine:
     return SyncEngine(
         transport,
         settings.swarm.run_id,
         settings.sync,
         specs,
         local_copy,
-        live_peers,
+        roster,
         settings.method.aggregate,
     )
 

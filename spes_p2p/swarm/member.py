@@ -228,9 +228,18 @@ class SwarmMember:
     def live_peers(self) -> set[str]:
         """The peers of the last view, when it is under ``LIVE_MAX_AGE`` seconds old; else a new view's.
         (Waits check liveness often, from several threads: one read serves them all.)"""
+        return set(self._recent_view().peers)
+
+    def participants(self, unit: str, round_: int) -> set[str]:
+        """Who takes part in ``unit``'s round ``round_`` as the swarm's records say now (a view as recent as
+        ``live_peers``'s): a peer that left does not, nor one that came back holding the unit only from a
+        later round (a restart, which will never deliver that round's update)."""
+        return self._recent_view().participants(unit, round_)
+
+    def _recent_view(self) -> SwarmView:
         if time.monotonic() - self._viewed_at > LIVE_MAX_AGE:
             self.view()
-        return set(self.last_view.peers)
+        return self.last_view
 
     def view(self) -> SwarmView:
         """The swarm now (one DHT read). Once this peer's record is out, every read finds it: one that does

@@ -28,7 +28,7 @@ from spes_p2p.sync.codecs import Codecs, TensorSpec
 from spes_p2p.sync.config import SyncConfig
 from spes_p2p.sync.exchange import Exchange
 from spes_p2p.sync.fetching import UpdateFetcher
-from spes_p2p.sync.gather import Gatherer
+from spes_p2p.sync.gather import Gatherer, Roster
 from spes_p2p.sync.jobs import UnitJob, UnitResult
 from spes_p2p.sync.ledger import Ledger
 from spes_p2p.sync.payload import tensors_hash
@@ -50,12 +50,12 @@ class SyncEngine:
         cfg: SyncConfig,
         specs: dict[str, dict[str, TensorSpec]],
         local_copy: Callable[[str], Tensors] | None = None,
-        live_peers: Callable[[], set[str]] | None = None,
+        roster: Roster | None = None,
         aggregate: str = "mean",
     ) -> None:
         """``specs``: every unit's tensors; ``local_copy``: our copy of any unit (for newcomers that find no
-        holder ready); ``live_peers``: who is in the swarm now; ``aggregate``: the rule that combines a
-        round's updates (``aggregate.combine``)."""
+        holder ready); ``roster``: who is in the swarm and takes part in a round now; ``aggregate``: the rule
+        that combines a round's updates (``aggregate.combine``)."""
         self.transport, self.cfg, self._specs = transport, cfg, specs
         codecs = Codecs.of(cfg)
         self._abort = threading.Event()  # set when the peer stops: waits end at once, with what has arrived
@@ -65,10 +65,11 @@ class SyncEngine:
         self._outbox = Outbox(transport, specs, codecs, self._versions, local_copy)
         self._ledger = Ledger(cfg, codecs.update)
         fetcher = UpdateFetcher(transport, cfg, codecs.update, specs, self._pool, self._abort)
-        self._gatherer = Gatherer(transport, run_id, cfg, fetcher, self._ledger, self._abort, live_peers)
+        self._gatherer = Gatherer(transport, run_id, cfg, fetcher, self._ledger, self._abort, roster)
         parts = (transport.peer_id, codecs.update, specs, aggregate, self._outbox, self._ledger)
         self._all_to_all = AllToAll(*parts, self._gatherer, fetcher)
         self._reduce_scatter = ReduceScatter(*parts, self._gatherer, fetcher)
+        live_peers = roster.live_peers if roster is not None else None
         self._refresh = Refresh(transport, cfg, codecs, specs, self._pool, self._abort, live_peers)
         self._fetcher = fetcher
         self._sample: Callable[[], None] = lambda: None

@@ -14,8 +14,8 @@ import logging
 import math
 import threading
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Protocol
 
 from spes_p2p.net.transport import Transport
 from spes_p2p.net.waiting import AdaptiveDeadline, Deadline, poll
@@ -33,6 +33,16 @@ POLL_SECONDS = 0.1  # between reads of a round's announcements
 LIVENESS_CHECK_SECONDS = 1.0  # between checks that the participants we wait for are still in the swarm
 FALLBACK_READ_SECONDS = 1.0  # between DHT reads of a round's announcements, when gossip brings them
 ANNOUNCE_TTL = 120.0  # seconds an announcement lives in the DHT
+
+
+class Roster(Protocol):
+    """Who is in the swarm now, as its records say (``swarm.member.SwarmMember``)."""
+
+    def live_peers(self) -> set[str]: ...
+
+    def participants(self, unit: str, round_: int) -> set[str]:
+        """Who takes part in a unit's round now: not a peer that left, nor one back only for later rounds."""
+        ...
 
 
 @dataclass(frozen=True)
@@ -56,12 +66,13 @@ class Gatherer:
         fetcher: UpdateFetcher,
         ledger: Ledger,
         abort: threading.Event,
-        live_peers: Callable[[], set[str]] | None = None,
+        roster: Roster | None = None,
     ) -> None:
-        """``abort``: set when the peer stops, it ends every wait at once, with what has arrived."""
+        """``abort``: set when the peer stops, it ends every wait at once, with what has arrived;
+        ``roster``: who still takes part in a round (without one, everyone named does)."""
         self.transport, self.run_id, self.cfg = transport, run_id, cfg
         self.fetcher, self.ledger, self.abort = fetcher, ledger, abort
-        self.live_peers = live_peers  # who is still in the swarm: no round waits for peers that left
+        self.roster = roster  # no round waits for peers that left, or that came back for later rounds only
         self.gossip = Gossip(transport, run_id)
         self.deadline = AdaptiveDeadline(cfg.deadline_min, cfg.deadline_max)
         self.received: list = []  # the decoded updates (or pieces) of the unit's round in progress
@@ -73,9 +84,9 @@ class Gatherer:
         """A deadline for one wait of a round, as long as the adaptive deadline says now."""
         return Deadline(self.deadline.seconds(), self.abort)
 
-    def live(self, peers) -> set[str]:
-        """Those of ``peers`` still in the swarm (all of them, without a way to tell)."""
-        return set(peers) & self.live_peers() if self.live_peers is not None else set(peers)
+    def taking_part(self, round_: int, unit: str, peers) -> set[str]:
+        """Those of ``peers`` that still take part in the unit's round (all of them, without a roster)."""
+        return set(peers) & self.roster.participants(unit, round_) if self.roster is not None else set(peers)
 
     # ------------------------------------------------------------------------------------ announcements
 
@@ -142,7 +153,7 @@ class Gatherer:
                 elif isinstance(outcome, Refused):
                     refused.add(peer)
             if waiting and time.monotonic() >= next_liveness_check:
-                waiting.intersection_update(self.live(waiting))  # one whose records vanished has left
+                waiting.intersection_update(self.taking_part(round_, unit, waiting))  # (left, or restarted)
                 next_liveness_check = time.monotonic() + LIVENESS_CHECK_SECONDS
             return True if not waiting else None
 

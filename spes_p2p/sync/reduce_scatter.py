@@ -95,9 +95,10 @@ class ReduceScatter(Exchange):
         or (they are not) the members' end weights averaged."""
         deadline = self.gatherer.round_deadline()
 
-        def bases() -> dict | None:
+        def bases() -> dict | None:  # (from the members that still take part)
             announced = self.gatherer.announcements(job.round, job.unit)
-            return announced if set(job.participants) <= set(announced) else None
+            members = self.gatherer.taking_part(job.round, job.unit, job.participants)
+            return announced if members <= set(announced) else None
 
         announced = poll(bases, deadline, POLL_SECONDS) or self.gatherer.announcements(job.round, job.unit)
         members = [
@@ -167,7 +168,7 @@ class ReduceScatter(Exchange):
 
         def one_pass() -> bool | None:
             announced = self.gatherer.announcements(job.round, job.unit)
-            live = self.gatherer.live(group)
+            live = self.gatherer.taking_part(job.round, job.unit, group)
             for j in sorted(pending):  # an owner on other start weights, or gone, combines nothing for us
                 if group[j] not in live or (group[j] in announced and announced[group[j]].base != job.base):
                     fallback.add(j)
