@@ -84,3 +84,65 @@ def test_the_library_never_imports_the_command_line_nor_runs_its_scripts():
     for path in PKG.rglob("*.py"):  # a console script's name as a whole string: something launches it
         constants = {n.value for n in ast.walk(ast.parse(path.read_text())) if isinstance(n, ast.Constant)}
         assert "spes-join" not in constants, path
+
+
+def module_graph() -> dict[str, set[str]]:
+    """File -> the files of spes_p2p it imports (at any depth of the code: lazy imports count too)."""
+    modules = {
+        ".".join(p.relative_to(PKG.parent).with_suffix("").parts).removesuffix(".__init__"): p
+        for p in PKG.rglob("*.py")
+    }
+
+    def owner(name: str) -> str | None:
+        while name and name not in modules:
+            name = name.rpartition(".")[0]
+        return name or None
+
+    graph = {}
+    for module, path in modules.items():
+        targets = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                targets |= {node.module, *(f"{node.module}.{a.name}" for a in node.names)}
+            elif isinstance(node, ast.Import):
+                targets |= {a.name for a in node.names}
+        package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+        found = {owner(t) for t in targets if t.startswith("spes_p2p")}
+        graph[module] = {t for t in found if t and t != module and t != package}
+    return graph
+
+
+def test_no_two_files_import_each_other_even_through_others():
+    graph = module_graph()
+    reach: dict[str, set[str]] = {}
+
+    def reachable(start: str) -> set[str]:
+        if start not in reach:
+            seen, todo = set(), [start]
+            while todo:
+                for nxt in graph[todo.pop()] - seen:
+                    seen.add(nxt)
+                    todo.append(nxt)
+            reach[start] = seen
+        return reach[start]
+
+    circles = sorted(m for m in graph if m in reachable(m))
+    assert not circles, f"import circles through: {circles}"
+
+
+def test_no_two_modules_share_a_file_name_and_no_two_classes_a_name():
+    shared = {"__init__.py", "__main__.py", "config.py"}
+    names = [p.name for p in PKG.rglob("*.py") if p.name not in shared]
+    assert sorted({n for n in names if names.count(n) > 1}) == []
+    classes = [
+        node.name
+        for p in PKG.rglob("*.py")
+        for node in ast.walk(ast.parse(p.read_text()))
+        if isinstance(node, ast.ClassDef)
+    ]
+    assert sorted({c for c in classes if classes.count(c) > 1}) == []
+
+
+@pytest.mark.parametrize("package", ["net", "swarm", "sync", "peer", "sim", "train", "model"])
+def test_no_package_grows_past_twenty_modules(package):
+    assert len(list((PKG / package).glob("*.py"))) <= 20
