@@ -419,7 +419,7 @@ def test_a_peer_outnumbered_and_out_of_reach_downloads_the_unit():
 
 
 def test_the_deadline_adapts_within_its_bounds():
-    from spes_p2p.net.waiting import AdaptiveDeadline
+    from spes_p2p.sync.gather import AdaptiveDeadline
 
     d = AdaptiveDeadline(low=1.0, high=30.0, factor=2.0)
     assert d.seconds() == 30.0  # nothing observed yet: the maximum

@@ -1,7 +1,7 @@
-"""Bounded waiting: every wait in the swarm layer ends at a deadline, or at once when the peer stops.
+"""Bounded waiting: every wait for another peer ends at a deadline, or at once when the peer stops.
 
 ``Deadline`` is a point in time plus the peer's abort event; ``poll`` asks a question until it has an
-answer or the deadline passes. ``AdaptiveDeadline`` sizes a round's wait from how long participants took.
+answer or the deadline passes.
 """
 
 from __future__ import annotations
@@ -39,20 +39,3 @@ def poll(ask: Callable[[], T | None], deadline: Deadline, every: float) -> T | N
         if answer is not None or last_try:
             return answer
         deadline.sleep(every)
-
-
-class AdaptiveDeadline:
-    """How long a round waits for the last participant: ``factor`` x a running mean of observed waits, within
-    [low, high]; the first round waits up to ``high``."""
-
-    def __init__(self, low: float, high: float, factor: float = 2.0) -> None:
-        self.low, self.high, self.factor = low, high, factor
-        self.mean_wait: float | None = None
-
-    def seconds(self) -> float:
-        if self.mean_wait is None:
-            return self.high
-        return min(self.high, max(self.low, self.factor * self.mean_wait))
-
-    def observe(self, wait: float) -> None:
-        self.mean_wait = wait if self.mean_wait is None else 0.7 * self.mean_wait + 0.3 * wait

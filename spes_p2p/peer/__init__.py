@@ -1,4 +1,5 @@
-"""The volunteer's life cycle, wiring the trainer (spes_p2p.train) to the swarm layer (spes_p2p.swarm).
+"""The volunteer's life cycle, wiring the trainer (spes_p2p.train) to the swarm (spes_p2p.swarm) and the sync
+(spes_p2p.sync).
 
 The names below are imported on first use: ``spes_p2p.peer.config`` (its settings) stays light.
 """

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from spes_p2p.net.transport import Transport
-from spes_p2p.net.waiting import AdaptiveDeadline, Deadline, poll
+from spes_p2p.net.waiting import Deadline, poll
 from spes_p2p.swarm.gossip import Gossip
 from spes_p2p.swarm.records import Announcement, decode_entries, updates_key
 from spes_p2p.sync.aggregate import Contribution, Received
@@ -33,6 +33,23 @@ POLL_SECONDS = 0.1  # between reads of a round's announcements
 LIVENESS_CHECK_SECONDS = 1.0  # between checks that the participants we wait for are still in the swarm
 FALLBACK_READ_SECONDS = 1.0  # between DHT reads of a round's announcements, when gossip brings them
 ANNOUNCE_TTL = 120.0  # seconds an announcement lives in the DHT
+
+
+class AdaptiveDeadline:
+    """How long a round waits for the last participant: ``factor`` x a running mean of observed waits, within
+    [low, high]; the first round waits up to ``high``."""
+
+    def __init__(self, low: float, high: float, factor: float = 2.0) -> None:
+        self.low, self.high, self.factor = low, high, factor
+        self.mean_wait: float | None = None
+
+    def seconds(self) -> float:
+        if self.mean_wait is None:
+            return self.high
+        return min(self.high, max(self.low, self.factor * self.mean_wait))
+
+    def observe(self, wait: float) -> None:
+        self.mean_wait = wait if self.mean_wait is None else 0.7 * self.mean_wait + 0.3 * wait
 
 
 class Roster(Protocol):
