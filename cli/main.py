@@ -221,7 +221,11 @@ def memory(settings, as_json, running) -> None:
 @spes.command()
 @settings_options("swarm.run_id", "swarm.initial_peers", "swarm.backend", "run.log_level", default_file=True)
 @JSON
-@click.option("--watch", is_flag=True, help="Keep the table on screen, refreshed every --every seconds.")
+@click.option(
+    "--watch",
+    is_flag=True,
+    help="Keep the table on screen, refreshed every --every seconds (with --json: a JSON line each time).",
+)
 @click.option("--every", type=click.FloatRange(min=0.5), default=5.0, show_default=True)
 def status(settings, as_json, watch, every) -> None:
     """Show a swarm: its peers, and the holders of every unit (joins the DHT as a client)."""
@@ -234,6 +238,9 @@ def status(settings, as_json, watch, every) -> None:
     with console.status("Reading the swarm..."):
         reader = SwarmReader(settings)
     with reader:
+        if watch and as_json:
+            reader.watch(every, lambda summary: click.echo(json.dumps(summary)), stop_on_signals())
+            return
         if watch:
             with StatusLive(console) as live:
                 reader.watch(every, live.update, stop_on_signals())

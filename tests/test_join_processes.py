@@ -1,14 +1,17 @@
 """Three real `spes-join` processes on 127.0.0.1: claims cover every shard, a SIGKILLed sole holder's shard
 is taken over once its records expire, and SIGTERM releases claims at once."""
 
+import contextlib
 import json
 import os
+import queue
 import re
 import shutil
 import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
 from pathlib import Path
@@ -30,9 +33,45 @@ QUICK_ROUNDS = (
 )
 
 
+class Watch:
+    """One ``spes status --watch --json`` process: the swarm as a peer's view shows it, every half second (one
+    process for all of a test's waits, instead of one ``spes status`` process per look)."""
+
+    def __init__(self, command: list[str], root: Path, env: dict) -> None:
+        self.proc = subprocess.Popen(
+            [*command, "--watch", "--every", "0.5"],
+            cwd=root,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=open(root / "watch.log", "a"),
+            text=True,
+            start_new_session=True,
+        )
+        self.lines: queue.Queue[str] = queue.Queue()
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        for line in self.proc.stdout:
+            self.lines.put(line)
+
+    def drain(self) -> None:
+        """Forgets the statuses read so far: the next one is read after this call."""
+        with contextlib.suppress(queue.Empty):
+            while True:
+                self.lines.get_nowait()
+
+    def next(self, timeout: float) -> dict | None:
+        """The next status (None: none came in ``timeout`` seconds)."""
+        try:
+            return json.loads(self.lines.get(timeout=max(timeout, 0.1)))
+        except queue.Empty:
+            return None
+
+
 class Swarm:
     def __init__(self, root: Path, backend: str = "hivemind") -> None:
         self.root, self.procs, self.backend = root, {}, backend
+        self.watches: dict[str, Watch] = {}
         self.env = {**os.environ, "HOME": str(root), "PYTHONUNBUFFERED": "1"}
 
     @property
@@ -74,33 +113,34 @@ class Swarm:
     def peer_id(self, name: str) -> str:
         return self.address(name).rsplit("/p2p/", 1)[1]
 
+    def status_command(self, via: str) -> list[str]:
+        return [str(BIN / "spes"), "status", "--peers", self.address(via), "--json", *self.swarm_flags]
+
     def status(self, via: str) -> dict:
         out = subprocess.run(
-            [str(BIN / "spes"), "status", "--peers", self.address(via), "--json", *self.swarm_flags],
-            capture_output=True,
-            text=True,
-            timeout=60,
-            cwd=self.root,
-            env=self.env,
+            self.status_command(via), capture_output=True, text=True, timeout=60, cwd=self.root, env=self.env
         )
         assert out.returncode == 0, out.stderr
         return json.loads(out.stdout)
 
     def wait_for(self, via: str, predicate, timeout: float = 90) -> dict:
-        deadline = time.monotonic() + timeout
+        """The first status, read through peer ``via``, that ``predicate`` accepts."""
+        if via not in self.watches:
+            self.watches[via] = Watch(self.status_command(via), self.root, self.env)
+        self.watches[via].drain()
+        deadline, summary = time.monotonic() + timeout, None
         while True:
-            summary = self.status(via)
-            if predicate(summary):
+            summary = self.watches[via].next(deadline - time.monotonic()) or summary
+            if summary is not None and predicate(summary):
                 return summary
             assert time.monotonic() < deadline, f"timed out; last status: {summary}"
-            time.sleep(0.5)
 
     def kill(self, name: str, sig: int = signal.SIGKILL) -> None:
         """Signals the peer's whole process group: the peer, its DHT process and its p2pd daemon."""
         os.killpg(self.procs[name].pid, sig)
 
     def stop_all(self) -> None:
-        stop_process_groups(self.procs.values())
+        stop_process_groups([*self.procs.values(), *(w.proc for w in self.watches.values())])
 
 
 @pytest.fixture

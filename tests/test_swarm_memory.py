@@ -37,9 +37,9 @@ def net(clock):
     return MemoryNetwork(seed=0, clock=clock)
 
 
-def make_settings(shards=2, **swarm) -> Settings:
+def make_settings(shards=2) -> Settings:
     return Settings().override(
-        {"model.shards": shards, "model.dense_blocks": 1, "swarm.record_ttl_seconds": TTL, **swarm}
+        {"model.shards": shards, "model.dense_blocks": 1, "swarm.record_ttl_seconds": TTL}
     )
 
 

@@ -118,8 +118,9 @@ def test_holders_that_store_frozen_experts_differently_merge_alike(tmp_path, mon
     stored = ["full", "int8", "nf4", "full"]
     peer_settings = MemoryFleet.peer_settings
 
-    def mixed(self, index, join_round, **changes):
-        return peer_settings(self, index, join_round, {"train.frozen_experts": stored[index], **changes})
+    def mixed(self, index, join_round, changes=None):
+        own = {"train.frozen_experts": stored[index], **(changes or {})}
+        return peer_settings(self, index, join_round, own)
 
     monkeypatch.setattr(MemoryFleet, "peer_settings", mixed)
     summary = run(
