@@ -249,8 +249,10 @@ def test_resume_after_kill_keeps_the_peer_id(tmp_path):
         stop_process_groups(procs)
 
 
+# hivemind only: the scenario is the simulator's and the peer's, not the backend's; libp2p's newcomers join
+# and catch up in test_join_processes, test_netns and the churn test below
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("backend", ["hivemind", "libp2p"])
+@pytest.mark.parametrize("backend", ["hivemind"])
 def test_late_joins_reach_the_main_swarm(tmp_path, backend):
     """A scenario that used to lose newcomers (they started a swarm of their own, or arrived after the
     end), a minute and a half on two cores: the founder and another peer are killed, two newcomers join at
