@@ -84,7 +84,7 @@ class SyncEngine:
             result = self._strategy(job).run(job)
             self._sample()  # (the round holds the most now: every update received is decoded)
         finally:
-            self._gatherer.received.clear()
+            self._gatherer.unit_done()
         if result.download_from:
             self.refresh(
                 job.round,
@@ -103,7 +103,7 @@ class SyncEngine:
 
     def deadline_seconds(self) -> float:
         """How long a round waits for its last participant now (adapting to how long they took)."""
-        return self._gatherer.deadline.seconds()
+        return self._gatherer.deadline_seconds()
 
     def longest_wait(self) -> float:
         """The longest one wait may take (``[sync] deadline_max``): a round's, a download's, a catch-up's."""
@@ -196,7 +196,7 @@ class SyncEngine:
             "outer": [kept["residuals"], kept["momenta"]],
             "versions": versions["versions"],
             "served": [self._outbox.held(), versions["served"]],
-            "received": [list(self._gatherer.received)],
+            "received": self._gatherer.held(),
         }
 
     def forget_before(self, round_: int, held: list[str] = ()) -> None:

@@ -133,13 +133,12 @@ class Exchange(ABC):
         self.count_outliers(result, far)
         self.ledger.restart_outer(job.unit)
         near = [e.peer_id for e in ends if e.peer_id not in far and e.peer_id != self.me]
-        if not decision.ours_leads and near:
-            # The leaders land on their combined result, which the mean of their end weights only nears:
-            # taking it puts us on their base, bit for bit, for the next round (else we resync every round).
-            result.download_from = near
+        if decision.ours_leads or near:
             self.ledger.on_base(job.unit)
-        elif decision.ours_leads:
-            self.ledger.on_base(job.unit)
+            if not decision.ours_leads:
+                # The leaders land on their combined result, which the mean of their end weights only nears:
+                # taking it puts us on their base, bit for bit, next round (else we resync every round).
+                result.download_from = near
         elif self.ledger.kept_off_base(job.unit):  # outnumbered, and nobody in reach, for too long
             logger.warning(
                 "%s: off the swarm's weights for %d rounds; downloading it", job.unit, RESYNC_LIMIT

@@ -99,7 +99,18 @@ class Gatherer:
 
     def round_deadline(self) -> Deadline:
         """A deadline for one wait of a round, as long as the adaptive deadline says now."""
-        return Deadline(self.deadline.seconds(), self.abort)
+        return Deadline(self.deadline_seconds(), self.abort)
+
+    def deadline_seconds(self) -> float:
+        return self.deadline.seconds()
+
+    def held(self) -> list:
+        """The updates received for the unit's round in progress (``peer.footprint``)."""
+        return [list(self.received)]
+
+    def unit_done(self) -> None:
+        """The unit's round is over: what it received is not kept."""
+        self.received = []
 
     def taking_part(self, round_: int, unit: str, peers) -> set[str]:
         """Those of ``peers`` that still take part in the unit's round (all of them, without a roster)."""
