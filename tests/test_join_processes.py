@@ -1,7 +1,6 @@
 """Three real `spes-join` processes on 127.0.0.1: claims cover every shard, a SIGKILLed sole holder's shard
 is taken over once its records expire, and SIGTERM releases claims at once."""
 
-import contextlib
 import json
 import os
 import queue
@@ -35,7 +34,7 @@ QUICK_ROUNDS = (
 
 class Watch:
     """One ``spes status --watch --json`` process: the swarm as a peer's view shows it, every half second (one
-    process for all of a test's waits, instead of one ``spes status`` process per look)."""
+    process for a wait, instead of one ``spes status`` process per look)."""
 
     def __init__(self, command: list[str], root: Path, env: dict) -> None:
         self.proc = subprocess.Popen(
@@ -54,12 +53,6 @@ class Watch:
         for line in self.proc.stdout:
             self.lines.put(line)
 
-    def drain(self) -> None:
-        """Forgets the statuses read so far: the next one is read after this call."""
-        with contextlib.suppress(queue.Empty):
-            while True:
-                self.lines.get_nowait()
-
     def next(self, timeout: float) -> dict | None:
         """The next status (None: none came in ``timeout`` seconds)."""
         try:
@@ -71,7 +64,6 @@ class Watch:
 class Swarm:
     def __init__(self, root: Path, backend: str = "hivemind") -> None:
         self.root, self.procs, self.backend = root, {}, backend
-        self.watches: dict[str, Watch] = {}
         self.env = {**os.environ, "HOME": str(root), "PYTHONUNBUFFERED": "1"}
 
     @property
@@ -125,22 +117,23 @@ class Swarm:
 
     def wait_for(self, via: str, predicate, timeout: float = 90) -> dict:
         """The first status, read through peer ``via``, that ``predicate`` accepts."""
-        if via not in self.watches:
-            self.watches[via] = Watch(self.status_command(via), self.root, self.env)
-        self.watches[via].drain()
+        watch = Watch(self.status_command(via), self.root, self.env)
         deadline, summary = time.monotonic() + timeout, None
-        while True:
-            summary = self.watches[via].next(deadline - time.monotonic()) or summary
-            if summary is not None and predicate(summary):
-                return summary
-            assert time.monotonic() < deadline, f"timed out; last status: {summary}"
+        try:
+            while True:
+                summary = watch.next(deadline - time.monotonic()) or summary
+                if summary is not None and predicate(summary):
+                    return summary
+                assert time.monotonic() < deadline, f"timed out; last status: {summary}"
+        finally:
+            stop_process_groups([watch.proc])
 
     def kill(self, name: str, sig: int = signal.SIGKILL) -> None:
         """Signals the peer's whole process group: the peer, its DHT process and its p2pd daemon."""
         os.killpg(self.procs[name].pid, sig)
 
     def stop_all(self) -> None:
-        stop_process_groups([*self.procs.values(), *(w.proc for w in self.watches.values())])
+        stop_process_groups(self.procs.values())
 
 
 @pytest.fixture

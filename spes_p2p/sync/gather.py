@@ -72,8 +72,7 @@ class Gathered:
 
 
 class Gatherer:
-    """Sync thread (and the fetch pool); ``received`` (the round's decoded updates, for memory sampling) is
-    read by the peer's sampler."""
+    """Sync thread (and the fetch pool); ``held`` is called by the peer's memory sampler."""
 
     def __init__(
         self,
@@ -92,7 +91,7 @@ class Gatherer:
         self.roster = roster  # no round waits for peers that left, or that came back for later rounds only
         self.gossip = Gossip(transport, run_id)
         self.deadline = AdaptiveDeadline(cfg.deadline_min, cfg.deadline_max)
-        self.received: list = []  # the decoded updates (or pieces) of the unit's round in progress
+        self._received: list = []  # the decoded updates (or pieces) of the unit's round in progress
         # (round, unit) -> when the DHT's announcements were last read, and what they were
         self._read: dict[tuple[int, str], tuple[float, dict[str, Announcement]]] = {}
         self._lock = threading.Lock()
@@ -106,11 +105,11 @@ class Gatherer:
 
     def held(self) -> list:
         """The updates received for the unit's round in progress (``peer.footprint``)."""
-        return [list(self.received)]
+        return [list(self._received)]
 
     def unit_done(self) -> None:
         """The unit's round is over: what it received is not kept."""
-        self.received = []
+        self._received = []
 
     def taking_part(self, round_: int, unit: str, peers) -> set[str]:
         """Those of ``peers`` that still take part in the unit's round (all of them, without a roster)."""
@@ -187,7 +186,7 @@ class Gatherer:
 
         if not poll(one_pass, deadline, POLL_SECONDS):
             logger.info("round %d %s: deadline passed without %s", round_, unit, sorted(waiting))
-        self.received.extend(r.contribution.tensors for r in got.values())
+        self._received.extend(r.contribution.tensors for r in got.values())
         behind = {p for p in waiting - announcing if self.ledger.stretches(p)}
         if behind:  # cut off while still training: this peer ran ahead, and waits longer next round to fall
             self.deadline.observe(time.monotonic() - started)  # back into step (a fake holder: MISS_LIMIT)
