@@ -13,6 +13,8 @@ from typing import TypeVar
 
 T = TypeVar("T")
 
+MIN_REQUEST_SECONDS = 0.5  # a request sent just before a deadline still gets this long
+
 
 class Deadline:
     def __init__(self, seconds: float, abort: threading.Event | None = None) -> None:

@@ -17,7 +17,7 @@ from typing import Annotated, Any
 import msgspec
 
 from spes_p2p.net.transport import RemoteError, Transport, TransportError
-from spes_p2p.net.waiting import Deadline, poll
+from spes_p2p.net.waiting import MIN_REQUEST_SECONDS, Deadline, poll
 from spes_p2p.net.wire import RecordError, Short, Strict
 from spes_p2p.swarm.records import Hex, Record, Unit, decode_entries
 
@@ -29,7 +29,6 @@ RPC_TOKENIZER = "spes/tokenizer"
 MAX_MANIFEST_BYTES = 256 * 1024
 MAX_TOKENIZER_BYTES = 64 * 1024 * 1024
 REQUEST_SECONDS = 20.0  # one request for the manifest or the tokenizer
-MIN_REQUEST_SECONDS = 0.5
 RETRY_SECONDS = 1.0  # between rounds of asking the peers that failed to answer
 
 

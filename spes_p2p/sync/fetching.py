@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from spes_p2p.net.transport import RemoteError, RequestTimeout, Transport, TransportError
-from spes_p2p.net.waiting import Deadline
+from spes_p2p.net.waiting import MIN_REQUEST_SECONDS, Deadline
 from spes_p2p.swarm.records import Announcement
 from spes_p2p.sync.aggregate import Contribution, Received
 from spes_p2p.sync.codecs import EXACT, HEADER_ALLOWANCE, Codec, PayloadError, TensorSpec, piece_spec
@@ -29,8 +29,6 @@ from spes_p2p.sync.messages import RPC_UPDATE, UpdateRequest
 from spes_p2p.sync.payload import decode, metadata_of, payload_meta
 
 logger = logging.getLogger(__name__)
-
-MIN_REQUEST_SECONDS = 0.5  # a batch started just before the deadline still gets this long
 
 
 @dataclass(frozen=True)

@@ -23,7 +23,7 @@ from concurrent.futures import TimeoutError as FutureTimeout
 import torch
 
 from spes_p2p.net.transport import Transport, TransportError
-from spes_p2p.net.waiting import Deadline, poll
+from spes_p2p.net.waiting import MIN_REQUEST_SECONDS, Deadline, poll
 from spes_p2p.sync.codecs import Codecs, PayloadError, TensorSpec
 from spes_p2p.sync.config import SyncConfig
 from spes_p2p.sync.messages import RPC_WEIGHTS, WeightsRequest
@@ -33,7 +33,6 @@ from spes_p2p.sync.versions import ELSEWHERE, EXACT_VERSION, NOBODY, Download, W
 logger = logging.getLogger(__name__)
 
 POLL_SECONDS = 0.1
-MIN_REQUEST_SECONDS = 0.5
 
 Tensors = dict[str, torch.Tensor]
 
