@@ -1,4 +1,4 @@
-"""What a robust aggregation rule costs in a clean run: each `[method] aggregate` next to `mean`.
+"""What a robust aggregation rule costs in a clean run: each `method.aggregate` next to `mean`.
 
     python benchmarks/robust.py --out runs/bench-robust            # about 15 minutes on 2 cores
     python benchmarks/robust.py --out runs/bench-robust --seeds 1  # one seed: a quick look

@@ -268,7 +268,7 @@ def bench_sync(out: Path, rounds: int, steps: int) -> dict:
     return result
 
 
-LOSS_METHODS = {  # settings changes, section__field
+LOSS_METHODS = {  # settings changes, section.field
     "diloco": {"method.mode": "diloco"},  # Nesterov outer step (lr 0.7, momentum 0.9), no merging
     "spes": {},
     "spes, all-to-all, weights": EXCHANGES["all-to-all, weights"],  # the exchange before reduce-scatter

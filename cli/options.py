@@ -17,7 +17,7 @@ from spes_p2p.settings import SECTIONS, load_settings
 
 
 class SettingOption(click.Option):
-    """An option that sets ``[section] field`` (its ``key``: 'section.field')."""
+    """An option that sets one setting (its ``key``: 'section.field')."""
 
     def __init__(self, *args, section: str, key: str, **kwargs) -> None:
         super().__init__(*args, **kwargs)

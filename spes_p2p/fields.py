@@ -19,6 +19,7 @@ from typing import Any
 from spes_p2p.errors import ConfigError
 
 SWARM, PEER = "swarm", "peer"  # scopes: must match across the swarm, or each volunteer's own
+Key = str  # a setting's one name: 'section.field' (in code, files' errors, the manifest and on the wire)
 
 
 def setting(

@@ -28,7 +28,7 @@ import tomli_w
 
 from spes_p2p.dashboard.config import DashboardConfig
 from spes_p2p.errors import ConfigError, SwarmMismatch
-from spes_p2p.fields import SWARM, FieldError, Section, check, flag_of, setting
+from spes_p2p.fields import SWARM, FieldError, Key, Section, check, flag_of, setting
 from spes_p2p.model.config import STEP_SECONDS, ModelSettings
 from spes_p2p.net.config import NetworkConfig
 from spes_p2p.peer.config import METHOD_DEFAULTS, MethodConfig
@@ -39,8 +39,6 @@ from spes_p2p.train.config import DataConfig, MergeConfig, TrainConfig
 
 DEFAULT_CONFIG = Path("peers.toml")  # spes-join and spes status read it from the working directory
 LOG_LEVELS = ("debug", "info", "warning", "error")
-
-Key = str  # a setting's one name: 'section.field' (in code, files' errors, the manifest and on the wire)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -128,11 +126,11 @@ class Settings:
         """Checks that span sections; each names the field to change."""
         if self.method.mode == "diloco" and self.model.dense_blocks != 1:
             raise FieldError(
-                "dense_blocks", "must be 1 with [method] mode = diloco (it trains the full model)", "model"
+                "dense_blocks", "must be 1 with method.mode = diloco (it trains the full model)", "model"
             )
         if self.peer.active_blocks > self.model.dense_blocks:
             raise FieldError(
-                "active_blocks", f"must be at most [model] dense_blocks ({self.model.dense_blocks})", "peer"
+                "active_blocks", f"must be at most model.dense_blocks ({self.model.dense_blocks})", "peer"
             )
         max_len = self.model.architecture().max_seq_len
         if self.train.seq_len > max_len:
@@ -143,7 +141,7 @@ class Settings:
         if round_tokens > self.sync.max_round_tokens:
             raise FieldError(
                 "batch_size",
-                f"x seq_len x steps_per_round ({round_tokens}) is over [sync] max_round_tokens "
+                f"x seq_len x steps_per_round ({round_tokens}) is over sync.max_round_tokens "
                 f"({self.sync.max_round_tokens}): train on smaller batches",
                 "train",
             )
@@ -262,9 +260,9 @@ def read_toml(path: Path) -> Layer:
             where = f"{path}{_line_of(text, section, name)}"
             if name not in hints or name.isupper():
                 raise ConfigError(
-                    f"{where}: [{section}] {name} is not a setting; known: {', '.join(_field_names(section))}"
+                    f"{where}: {section}.{name} is not a setting; known: {', '.join(_field_names(section))}"
                 )
-            layer.values[f"{section}.{name}"] = _coerce(value, hints[name], f"{where}: [{section}] {name}")
+            layer.values[f"{section}.{name}"] = _coerce(value, hints[name], f"{where}: {section}.{name}")
             layer.origins[f"{section}.{name}"] = where
     return layer
 
@@ -288,7 +286,7 @@ def _build(values: dict[Key, Any], origins: dict[Key, str], given: frozenset[Key
 
 def _located(exc: FieldError, section: str, origins: dict[Key, str]) -> ConfigError:
     origin = origins.get(f"{section}.{exc.field}")
-    return ConfigError(f"{origin + ': ' if origin else ''}[{section}] {exc.field} {exc.problem}")
+    return ConfigError(f"{origin + ': ' if origin else ''}{section}.{exc.field} {exc.problem}")
 
 
 def _normal(value: Any) -> Any:
@@ -305,7 +303,7 @@ def check_key(key: Key) -> Key:
     if not _known(key):
         section, _, name = key.partition(".")
         raise ConfigError(
-            f"[{section}] {name} is not a setting" if name else f"{key!r}: expected section.field"
+            f"{section}.{name} is not a setting" if name else f"{key!r}: expected section.field"
         )
     return key
 

@@ -60,5 +60,5 @@ def test_sync_wait_is_the_blocked_time(tmp_path):
 
 
 def test_diloco_refuses_dense_blocks():
-    with pytest.raises(ConfigError, match=r"\[model\] dense_blocks must be 1 with"):
+    with pytest.raises(ConfigError, match=r"model\.dense_blocks must be 1 with"):
         Settings().override({"method.mode": "diloco", "model.dense_blocks": 2})

@@ -130,15 +130,15 @@ def test_memory_8bit_state_is_smaller():
         (
             ["memory", "--shards", "3"],
             1,
-            "--shards: [model] shards (3) must divide the number of experts (8)",
+            "--shards: model.shards (3) must divide the number of experts (8)",
         ),
         (["memory", "--capacity", "5"], 1, "capacity must be between 1 and the shards (4)"),
-        (["train", "--owned-shards", "4", "--out", "{tmp}"], 1, "[run] owned_shards names shard 4"),
+        (["train", "--owned-shards", "4", "--out", "{tmp}"], 1, "run.owned_shards names shard 4"),
         (["train", "--corpus", "/nonexistent/corpus", "--out", "{tmp}"], 1, "does not exist"),
         (["train", "--resume", "--out", "{tmp}"], 1, "nothing to resume"),
-        (["simulate", "--join", "-1@2", "--backend", "memory"], 1, "[sim] joins take at least one newcomer"),
-        (["simulate", "--kill", "x@2"], 1, "--kill: [sim] kills take NUMBER@ROUND"),
-        (["dashboard", "--port", "70000"], 1, "--port: [dashboard] port must be a TCP port, 0 to 65535"),
+        (["simulate", "--join", "-1@2", "--backend", "memory"], 1, "sim.joins take at least one newcomer"),
+        (["simulate", "--kill", "x@2"], 1, "--kill: sim.kills take NUMBER@ROUND"),
+        (["dashboard", "--port", "70000"], 1, "--port: dashboard.port must be a TCP port, 0 to 65535"),
     ],
 )
 def test_bad_input_gets_one_clear_line(args, code, message, tmp_path, cache_dir):

@@ -70,57 +70,57 @@ def test_toml_written_by_the_library_reads_back_to_the_same_settings(tmp_path):
 @pytest.mark.parametrize(
     ("text", "message"),
     [
-        ("[model]\nshards = 'four'\n", r"peers.toml:2: \[model\] shards must be int"),
-        ("[model]\n\nbogus = 1\n", r"peers.toml:3: \[model\] bogus is not a setting"),
+        ("[model]\nshards = 'four'\n", r"peers.toml:2: model\.shards must be int"),
+        ("[model]\n\nbogus = 1\n", r"peers.toml:3: model\.bogus is not a setting"),
         (
             "[model]\nrope_theta = -1.0\n",
-            r"peers.toml:2: \[model\] rope_theta must be 0 \(the preset's\) or more",
+            r"peers.toml:2: model\.rope_theta must be 0 \(the preset's\) or more",
         ),
         ("[modle]\nshards = 2\n", r"unknown section \[modle\]"),
         (
             "[model]\nshards = 3\n",
-            r"peers.toml:2: \[model\] shards \(3\) must divide the number of experts \(8\)",
+            r"peers.toml:2: model\.shards \(3\) must divide the number of experts \(8\)",
         ),
         (
             "[swarm]\ninitial_peers = ['/ip4/1.2.3.4/tcp/notaport']\n",
-            r"peers.toml:2: \[swarm\] initial_peers has a malformed multiaddr",
+            r"peers.toml:2: swarm\.initial_peers has a malformed multiaddr",
         ),
         ("[swarm]\ninitial_peers = ['/ip4/1.2.3.4/tcp/5']\n", "lacks its /p2p/<peer id> part"),
         (
             "[sync]\ncodec = 'zip'\n",
-            r"peers.toml:2: \[sync\] codec must be one of none, fp16, int8, nf4, topk",
+            r"peers.toml:2: sync\.codec must be one of none, fp16, int8, nf4, topk",
         ),
         (
             "[swarm]\nheartbeat_seconds = 10.0\nrecord_ttl_seconds = 5\n",
-            r"peers.toml:3: \[swarm\] record_ttl_seconds must exceed twice",
+            r"peers.toml:3: swarm\.record_ttl_seconds must exceed twice",
         ),
         ("[swarm\nrun_id = 'x'\n", "not valid TOML"),
         ("[network]\nclient_mode = 1\n", r"client_mode must be bool"),
         # checks across sections name the field to change, where it was set
         (
             "[model]\ndense_blocks = 2\n[peer]\nactive_blocks = 3\n",
-            r"peers.toml:4: \[peer\] active_blocks must be at most",
+            r"peers.toml:4: peer\.active_blocks must be at most",
         ),
         (
             "[model]\ndense_blocks = 2\n[method]\nmode = 'diloco'\n",
-            r"peers.toml:2: \[model\] dense_blocks must be 1",
+            r"peers.toml:2: model\.dense_blocks must be 1",
         ),
         (
             "[train]\nseq_len = 4096\n",
-            r"peers.toml:2: \[train\] seq_len \(4096\) exceeds the model's max_seq_len",
+            r"peers.toml:2: train\.seq_len \(4096\) exceeds the model's max_seq_len",
         ),
-        ("[sim]\njoins = ['-1@2']\n", r"peers.toml:2: \[sim\] joins take at least one newcomer"),
-        ("[sim]\nkills = ['9@2']\n", r"peers.toml:2: \[sim\] kills name no peer 9"),
-        ("[sim]\ndrop = 0.1\n", r"\[swarm\] backend must be memory"),
-        ("[run]\nowned_shards = '7'\n", r"peers.toml:2: \[run\] owned_shards names shard 7"),
+        ("[sim]\njoins = ['-1@2']\n", r"peers.toml:2: sim\.joins take at least one newcomer"),
+        ("[sim]\nkills = ['9@2']\n", r"peers.toml:2: sim\.kills name no peer 9"),
+        ("[sim]\ndrop = 0.1\n", r"swarm\.backend must be memory"),
+        ("[run]\nowned_shards = '7'\n", r"peers.toml:2: run\.owned_shards names shard 7"),
         (
             "[swarm]\nallowlist = ['/p2p/Qm1']\n",
-            r"\[swarm\] allowlist has '/p2p/Qm1', which is not a peer id",
+            r"swarm\.allowlist has '/p2p/Qm1', which is not a peer id",
         ),
-        ("[sim]\nbyzantine = ['1:evil']\n", r"\[sim\] byzantine has '1:evil'; write I:MODE"),
+        ("[sim]\nbyzantine = ['1:evil']\n", r"sim\.byzantine has '1:evil'; write I:MODE"),
         (
             "[train]\nbatch_size = 8\nseq_len = 128\n[sync]\nmax_round_tokens = 1000\n",
-            r"\[train\] batch_size x seq_len x steps_per_round \(102400\) is over \[sync\] max_round_tokens",
+            r"train\.batch_size x seq_len x steps_per_round \(102400\) is over sync\.max_round_tokens",
         ),
     ],
 )
@@ -132,11 +132,11 @@ def test_bad_files_name_the_line_section_and_field(tmp_path, text, message):
 
 
 def test_bad_flags_name_the_flag():
-    with pytest.raises(ConfigError, match=r"^--listen: \[network\] listen has a malformed multiaddr"):
+    with pytest.raises(ConfigError, match=r"^--listen: network\.listen has a malformed multiaddr"):
         load_settings(None, {"network.listen": ("nonsense",)})
-    with pytest.raises(ConfigError, match=r"^--active-blocks: \[peer\] active_blocks must be at most"):
+    with pytest.raises(ConfigError, match=r"^--active-blocks: peer\.active_blocks must be at most"):
         load_settings(None, {"peer.active_blocks": 3})
-    with pytest.raises(ConfigError, match=r"^--capacity: \[peer\] capacity must be at least 0"):
+    with pytest.raises(ConfigError, match=r"^--capacity: peer\.capacity must be at least 0"):
         load_settings(None, {"peer.capacity": -1})
 
 

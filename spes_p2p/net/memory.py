@@ -92,7 +92,8 @@ class MemoryNetwork:
     def connected(self, a: str, b: str) -> bool:
         return not self.groups or self.groups.get(a, -1) == self.groups.get(b, -1)
 
-    def _roll(self, probability: float) -> bool:
+    def roll(self, probability: float) -> bool:
+        """Whether a fault of this probability strikes now (drawn from the network's seeded generator)."""
         with self.lock:
             return probability > 0 and self.rng.random() < probability
 
@@ -167,7 +168,7 @@ class MemoryTransport(Transport):
             time.sleep(min(net.delay, timeout))
             if net.delay >= timeout:
                 raise RequestTimeout(f"{name} to {peer_id} timed out after {timeout:.1f}s")
-        if net._roll(net.drop):
+        if net.roll(net.drop):
             net.faults["dropped"] += 1
             raise RequestTimeout(f"{name} to {peer_id} timed out (message dropped)")
         handler, max_request = target.handlers[name]
@@ -175,12 +176,12 @@ class MemoryTransport(Transport):
             raise RemoteError(f"{peer_id} refused a {len(payload)}-byte {name} request (limit {max_request})")
         if not target.admits(self.peer_id):
             raise RemoteError(f"{peer_id} refused {name}: it does not serve this peer")
-        response = target._answer(handler, self.peer_id, name, payload, timeout - net.delay)
+        response = target.answer(handler, self.peer_id, name, payload, timeout - net.delay)
         if len(response) > max_response_bytes:
             raise MessageTooLarge(
                 f"{name} answer from {peer_id} has {len(response)} bytes, over {max_response_bytes}"
             )
-        if net._roll(net.corrupt):
+        if net.roll(net.corrupt):
             net.faults["corrupted"] += 1
             response = _flip_one_byte(response, net)
         with net.lock:
@@ -193,7 +194,7 @@ class MemoryTransport(Transport):
         target.stats.requests_served += 1
         return response
 
-    def _answer(self, handler: Handler, caller: str, name: str, payload: bytes, timeout: float) -> bytes:
+    def answer(self, handler: Handler, caller: str, name: str, payload: bytes, timeout: float) -> bytes:
         """This peer's answer to ``caller``, on a worker thread as a server would run it, within ``timeout``.
         The caller's slot is held until the handler is done, even when the caller gave up waiting."""
         me = self.peer_id
@@ -228,7 +229,7 @@ class MemoryTransport(Transport):
             target = net.peers.get(peer)
             if peer == self.peer_id or target is None or not net.connected(self.peer_id, peer):
                 continue
-            if net._roll(net.gossip_drop):
+            if net.roll(net.gossip_drop):
                 net.faults["gossip dropped"] += 1
             elif target.guard.allows(self.peer_id):
                 on_message(self.peer_id, bytes(data))

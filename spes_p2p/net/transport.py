@@ -49,12 +49,12 @@ logger = logging.getLogger(__name__)
 
 # DHT records are small by design (and values over about 64 KB break hivemind's DHT loop).
 MAX_RECORD_BYTES = 16 * 1024
+MAX_EXPIRY_AHEAD = 600.0  # an entry set to outlive every honest TTL by this much is not read
 DEFAULT_MAX_MESSAGE_BYTES = 1 << 30
+MAX_GOSSIP_BYTES = 4096  # (py-libp2p's gossipsub silently drops messages of 1 MiB or more)
 # What a server grants one remote peer: requests in progress at once, seconds to send its request (a few KB
 # at most), and seconds to take the answer before the stream is dropped.
-MAX_EXPIRY_AHEAD = 600.0  # an entry set to outlive every honest TTL by this much is not read
 MAX_STREAMS_PER_PEER = 8
-MAX_GOSSIP_BYTES = 4096  # (py-libp2p's gossipsub silently drops messages of 1 MiB or more)
 REQUEST_READ_TIMEOUT = 10.0
 ANSWER_WRITE_TIMEOUT = 300.0
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from spes_p2p.fields import SWARM, Section, check, setting
+from spes_p2p.fields import SWARM, Key, Section, check, setting
 from spes_p2p.swarm.claims import BLOCK_ORDERS
 from spes_p2p.sync.config import AGGREGATES
 
@@ -14,7 +14,7 @@ MODES = ("spes", "diloco")
 # A method's own defaults, applied wherever it is chosen unless a file or flag sets the field: DiLoCo as
 # published averages every parameter (the dense part in one block) with a Nesterov outer step (lr 0.7,
 # momentum 0.9) and does not merge.
-METHOD_DEFAULTS: dict[str, dict[tuple[str, str], object]] = {
+METHOD_DEFAULTS: dict[str, dict[Key, object]] = {
     "diloco": {
         "sync.outer": "nesterov",
         "sync.outer_lr": 0.7,

@@ -31,7 +31,7 @@ Tensors = dict[str, torch.Tensor]
 class FrozenCopies:
     def __init__(self, settings: Settings, member: SwarmMember, sync: SyncEngine, layout: UnitLayout) -> None:
         self.settings, self.member, self.sync, self.layout = settings, member, sync, layout
-        self.me = member.transport.peer_id
+        self.me = member.me
         self.every = settings.method.refresh_every_rounds
 
     def merge_due(self, round_: int) -> bool:
@@ -151,9 +151,9 @@ class FrozenCopies:
         holders served them, and ours as we trained them)."""
         by_weights = self.settings.sync.frozen_refresh == "weights"
         if unit in job.results:
-            current = self.sync.version(unit)
             if by_weights:
                 return job.results[unit].new_weights
+            current = self.sync.version(unit)
             return current.weights if current is not None and current.round == job.round else None
         download = job.refreshed.get(unit)
         if download is None or download.round != job.round:

@@ -47,7 +47,7 @@ def wait_for_round(member: SwarmMember, round_: int, timeout: float, stop: threa
 
     def reached() -> bool | None:
         view = member.view()
-        return swarm_round(others_of(view, member.transport.peer_id)) >= round_ or None
+        return swarm_round(others_of(view, member.me)) >= round_ or None
 
     return bool(poll(reached, Deadline(timeout, stop), POLL_SECONDS))
 
@@ -70,7 +70,7 @@ def is_training(view: SwarmView, me: str) -> bool:
 def at_round_boundary(member: SwarmMember, seconds: float) -> SwarmView:
     """If the swarm is training, waits (bounded) until it lands its current round, so a newcomer starts with
     the next round from that round's results instead of joining a round it cannot finish in time."""
-    view, me = member.view(), member.transport.peer_id
+    view, me = member.view(), member.me
     others = others_of(view, me)
     if not is_training(view, me):  # nobody has finished a round yet
         return view

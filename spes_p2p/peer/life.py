@@ -67,7 +67,7 @@ class Frontend:
 def live(
     settings: Settings, stop: threading.Event, ui: Frontend | None = None, transport: Transport | None = None
 ) -> PeerStatus | None:
-    """Runs one peer until ``stop`` is set or ``[run] rounds`` are done; returns its final status (None when
+    """Runs one peer until ``stop`` is set or ``run.rounds`` are done; returns its final status (None when
     stopped before it was admitted). Without a ``transport``, it opens the one the settings name (and counts
     its start-up from the process's start)."""
     ui = ui or Frontend()

@@ -6,9 +6,9 @@ through ``step``, ``read``, ``write`` or ``retarget``, which hold the lock.
 
 ``LocalModel`` is the part every peer has: the swarm's seeded initial model and those accessors.
 ``LocalTraining`` trains it; ``spes_p2p.peer.virtual.VirtualTraining`` stands in for it in simulations with
-virtual compute (``[sim] compute``). ``peer.setup.local_training`` picks the one the settings ask for.
+virtual compute (``sim.compute``). ``peer.setup.local_training`` picks the one the settings ask for.
 
-The model trains on ``[train] device``; the sync sees CPU tensors only: ``read`` copies a unit to the CPU and
+The model trains on ``train.device``; the sync sees CPU tensors only: ``read`` copies a unit to the CPU and
 ``write`` copies one back. So the sync's arithmetic (updates, aggregation, versions and their hashes) is
 the same on a GPU peer as on a CPU peer, and the device's memory holds nothing but the model and its training.
 """

@@ -24,7 +24,6 @@ from spes_p2p.peer.job import RoundJob
 from spes_p2p.settings import Settings
 from spes_p2p.swarm.member import SwarmMember, SwarmView
 from spes_p2p.sync.engine import SyncEngine
-from spes_p2p.sync.exchange import dense_group
 from spes_p2p.sync.jobs import UnitJob, UnitResult
 
 logger = logging.getLogger(__name__)
@@ -37,7 +36,7 @@ Tensors = dict[str, torch.Tensor]
 class RoundSync:
     def __init__(self, settings: Settings, member: SwarmMember, sync: SyncEngine, layout: UnitLayout) -> None:
         self.settings, self.member, self.sync, self.layout = settings, member, sync, layout
-        self.me = member.transport.peer_id
+        self.me = member.me
         self.frozen = FrozenCopies(settings, member, sync, layout)
 
     def __call__(self, job: RoundJob) -> None:
@@ -66,8 +65,7 @@ class RoundSync:
         grouped = unit.startswith("dense/") or self.settings.method.mode == "diloco"
         if grouped:  # a newcomer that does not count yet follows a group it is not a member of
             members = participants if counted else [p for p in participants if p != self.me]
-            size = self.settings.sync.dense_group_size
-            participants = dense_group(members, self.me, job.round, self.settings.swarm.run_id, size)
+            participants = self.sync.group(members, job.round)
         start, end = job.start[unit], job.end[unit]
         return self.sync.exchange(
             UnitJob(job.round, unit, start, end, job.tokens, participants, counted, grouped)

@@ -53,7 +53,7 @@ def initial_seed(settings: Settings) -> int:
 
 
 def local_training(settings: Settings, layout: UnitLayout, seed: int, peer_id: str) -> LocalModel:
-    """The peer's training: real, or virtual when ``[sim] compute`` says so."""
+    """The peer's training: real, or virtual when ``sim.compute`` says so."""
     if settings.sim.virtual:
         return VirtualTraining(settings, layout, seed, peer_id)
     return LocalTraining(settings, layout, seed, peer_id)

@@ -1,7 +1,7 @@
 """Virtual compute (``spes simulate --compute virtual[=SECONDS]``): a peer that does not run its model.
 
 It holds what a training peer holds of the model: the swarm's seeded initial model, its trained units in full
-precision and every other unit as ``[train] frozen_experts`` / ``frozen_dense`` say, so the sync reads and
+precision and every other unit as ``train.frozen_experts`` / ``frozen_dense`` say, so the sync reads and
 writes the same tensors. What it does not have is a trainer: no data batches, no forward or backward pass,
 no gradients, no optimizer state. A step sleeps ``step_seconds`` instead (interrupted by a stop), and at the
 end of a round's H steps each trained unit takes a synthetic change, seeded by the unit, the tensor and the

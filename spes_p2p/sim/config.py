@@ -7,7 +7,7 @@ import re
 import tomllib
 from dataclasses import dataclass
 
-from spes_p2p.fields import FieldError, Section, check, setting
+from spes_p2p.fields import FieldError, Key, Section, check, setting
 
 MEMORY_ONLY_MODES = ("claimall",)  # its fake holders are peers of the in-process network
 SIGNED_MODES = ("forge",)  # the memory backend has no signatures to forge: real peer processes only
@@ -29,7 +29,7 @@ SOLE = -1  # --kill sole@ROUND: whichever live peer is then the only holder of a
 
 # `spes simulate` runs every peer on one machine: short heartbeats and rounds, a slice of the corpus, and
 # deadlines that wait for peers slowed down by sharing the CPU. A file or flag still sets any of them.
-LOCAL_SWARM_DEFAULTS: dict[tuple[str, str], object] = {
+LOCAL_SWARM_DEFAULTS: dict[Key, object] = {
     "swarm.run_id": "sim",
     "swarm.heartbeat_seconds": 1.0,
     "swarm.record_ttl_seconds": 8.0,
@@ -146,7 +146,7 @@ class SimConfig(Section):
             check(0 <= index < total, "byzantine", f"names no peer {index}")
 
     def check_backend(self, backend: str) -> None:
-        """What needs which ``[swarm] backend`` (a FieldError of field ``backend``)."""
+        """What needs which ``swarm.backend`` (a FieldError of field ``backend``)."""
         faults = self.drop or self.delay_ms or self.corrupt or self.gossip_drop or self.partitions
         needs = [(("memory",), "drop, delay, corrupt, gossip_drop, partitions")] if faults else []
         needs += [(("hivemind", "libp2p"), "--netns")] if self.netns else []

@@ -88,7 +88,7 @@ class Churn:
     or, when it was not in the swarm yet (it had to land the swarm's first round, or to come back from a
     restart, and a slow machine let the round pass), in a later one, up to the last round with draws.
 
-    The draws come from a generator seeded with ``[train] seed``, one per peer and round whether or not the
+    The draws come from a generator seeded with ``train.seed``, one per peer and round whether or not the
     peer can be killed then, so a run's kills depend on the seed alone (and on which peers are in the swarm
     at that moment). No kill takes the last peer in the swarm (a restart joins through a live one) or falls
     in the last ``CHURN_TAIL_ROUNDS`` rounds."""

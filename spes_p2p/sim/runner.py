@@ -49,7 +49,7 @@ def simulation(changes: dict | None = None) -> Settings:
 
 
 def run(settings: Settings, on_tick: Callable[[dict], None] | None = None) -> dict:
-    """Runs the simulation to its last round (``[run] rounds``); returns the summary (also written to
+    """Runs the simulation to its last round (``run.rounds``); returns the summary (also written to
     OUT/summary.json)."""
     with _terminate_as_interrupt():
         return _run(settings, on_tick)

@@ -90,7 +90,7 @@ class PeerConfig(Section):
     """[peer]: how much this volunteer trains at once."""
 
     capacity: int = setting(1, "Expert shards this peer trains at once (0: only the dense part).")
-    active_blocks: int = setting(1, "Dense blocks this peer trains at once (with [model] dense_blocks > 1).")
+    active_blocks: int = setting(1, "Dense blocks this peer trains at once (with model.dense_blocks > 1).")
 
     def validate(self) -> None:
         check(self.capacity >= 0, "capacity", "must be at least 0")

@@ -4,7 +4,7 @@ Every unit has a topic, ``<run_id>/units/<unit>``. A peer follows the topics of 
 leaves those it gave up); a holder that posts an update gossips its ``Announcement`` there, besides writing it
 to the DHT. Gossip is lossy (gossipsub drops what it cannot place, and a peer that subscribed late misses
 what came before), so the DHT stays the fallback: with gossip, a round's announcements are read from the
-DHT every ``FALLBACK_READ_SECONDS`` (``fetching.UpdateFetcher``) instead of at every poll, and a lost
+DHT every ``FALLBACK_READ_SECONDS`` (``gather.Gatherer``) instead of at every poll, and a lost
 message delays the round by at most that. A backend without gossip (hivemind) reads the DHT at every poll.
 
 What is heard is as hostile as any record: decoded strictly, for the unit of its topic, from a peer the

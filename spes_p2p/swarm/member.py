@@ -76,8 +76,8 @@ class MemberConfig:
     claimable: list[str]  # units assigned by the claim policy (the expert shards)
     always_held: list[str] = field(default_factory=list)  # units every peer trains (the dense part, B = 1)
     dense_claimable: list[str] = field(default_factory=list)  # dense blocks, when there are B > 1
-    rotate_every: int = 0  # [method] rotate_every_rounds: rounds between dense-block rotations; 0: never
-    block_order: str = "cyclic"  # [method] block_order
+    rotate_every: int = 0  # method.rotate_every_rounds: rounds between dense-block rotations; 0: never
+    block_order: str = "cyclic"  # method.block_order
     version: str = ""
 
 
@@ -164,6 +164,10 @@ class SwarmMember:
         self.unserved: Counter[str] = Counter()  # unit -> refreshes in a row that none of its holders served
 
     @property
+    def me(self) -> str:
+        return self.transport.peer_id
+
+    @property
     def units(self) -> list[str]:
         return [*self.cfg.always_held, *self.cfg.dense_claimable, *self.cfg.claimable]
 
@@ -181,7 +185,7 @@ class SwarmMember:
         that differ while others share ours are left out of this peer's views (one stranger's record does
         not lock newcomers out)."""
         live = read_peers(self.transport, self.cfg.swarm.run_id)
-        me = self.transport.peer_id
+        me = self.me
         records = manifests.read_records(self.transport, self.cfg.swarm.run_id)
         others = {p: r for p, r in records.items() if p != me and p in live}
         differ = {p: r for p, r in sorted(others.items()) if r.hash != self.manifest.hash}
@@ -245,7 +249,7 @@ class SwarmMember:
         """The swarm now (one DHT read). Once this peer's record is out, every read finds it: one that does
         not (a DHT timeout, on a saturated machine) must not read as "everyone left": the last view stands."""
         view = read_view(self.transport, self.cfg.swarm.run_id, self.units, self.manifest.hash)
-        if self._published and self.transport.peer_id not in view.peers:
+        if self._published and self.me not in view.peers:
             logger.warning("a read of the swarm's records found nobody; using the last view")
             return self.last_view
         self.last_view, self._viewed_at = view, time.monotonic()  # (readers see the old view or this one)
@@ -286,7 +290,7 @@ class SwarmMember:
         settled = {p for since in view.since.values() for p, s in since.items() if s >= first_round}
         delivering = {u: set() if self.unserved[u] >= UNSERVED_LIMIT else h for u, h in view.holders.items()}
         experts = choose_units(
-            me=self.transport.peer_id,
+            me=self.me,
             held=self.held,
             units=self.cfg.claimable,
             holders=delivering,
@@ -313,7 +317,7 @@ class SwarmMember:
         others = {u: {p: view.epochs.get(u, {}).get(p, 0) for p in view.holders.get(u, ())} for u in blocks}
         self.epoch = epoch
         return choose_units(
-            me=self.transport.peer_id,
+            me=self.me,
             held=mine,
             units=blocks,
             holders=holders_at_epoch(others, epoch, order, seed),
@@ -376,7 +380,7 @@ class SwarmMember:
 
     def _peer_record(self, state: str, addresses: list[str]) -> PeerRecord:
         return PeerRecord(
-            peer_id=self.transport.peer_id,
+            peer_id=self.me,
             addresses=addresses,
             holds={
                 u: Holding(since=self.since.get(u, 0), until=self.ending.get(u))

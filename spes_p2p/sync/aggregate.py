@@ -9,7 +9,7 @@ Updates come from strangers, so a round's combination is robust (docs/security.m
   rule; the reference is the median norm of the round's updates, or this peer's own when there are fewer
   than three (two cannot outvote each other); token counts are capped alike, at ``TOKEN_FACTOR`` times the
   median (or this peer's own) count;
-- the rule (``[method] aggregate``): ``mean`` (token-weighted), ``clipped_mean`` (each update's norm clipped
+- the rule (``method.aggregate``): ``mean`` (token-weighted), ``clipped_mean`` (each update's norm clipped
   to ``CLIP_FACTOR`` times the reference, then the token-weighted mean; the default), ``trimmed_mean`` (per
   coordinate, the mean of what is left when the largest and smallest quarter are dropped) or ``median`` (per
   coordinate); the last two ignore token counts;

@@ -26,7 +26,7 @@ from spes_p2p.net.transport import Transport
 from spes_p2p.sync.all_to_all import AllToAll
 from spes_p2p.sync.codecs import Codecs, TensorSpec
 from spes_p2p.sync.config import SyncConfig
-from spes_p2p.sync.exchange import Exchange
+from spes_p2p.sync.exchange import Exchange, dense_group
 from spes_p2p.sync.fetching import UpdateFetcher
 from spes_p2p.sync.gather import Gatherer, Roster
 from spes_p2p.sync.jobs import UnitJob, UnitResult
@@ -56,7 +56,7 @@ class SyncEngine:
         """``specs``: every unit's tensors; ``local_copy``: our copy of any unit (for newcomers that find no
         holder ready); ``roster``: who is in the swarm and takes part in a round now; ``aggregate``: the rule
         that combines a round's updates (``aggregate.combine``)."""
-        self.transport, self.cfg, self._specs = transport, cfg, specs
+        self.transport, self.cfg, self._specs, self._run_id = transport, cfg, specs, run_id
         codecs = Codecs.of(cfg)
         self._abort = threading.Event()  # set when the peer stops: waits end at once, with what has arrived
         self._pool = ThreadPoolExecutor(PARALLEL_FETCHES, thread_name_prefix="spes-fetch")
@@ -95,6 +95,11 @@ class SyncEngine:
             )
         return result
 
+    def group(self, members: list[str], round_: int) -> list[str]:
+        """This round's random group of ``members`` (at most ``sync.dense_group_size``) that we exchange
+        a grouped unit with (``exchange.dense_group``)."""
+        return dense_group(members, self.transport.peer_id, round_, self._run_id, self.cfg.dense_group_size)
+
     def _strategy(self, job: UnitJob) -> Exchange:
         """A grouped unit (the dense part) goes by reduce-scatter when the swarm says so and the group has
         three members or more; anything else all-to-all."""
@@ -106,7 +111,7 @@ class SyncEngine:
         return self._gatherer.deadline_seconds()
 
     def longest_wait(self) -> float:
-        """The longest one wait may take (``[sync] deadline_max``): a round's, a download's, a catch-up's."""
+        """The longest one wait may take (``sync.deadline_max``): a round's, a download's, a catch-up's."""
         return self.cfg.deadline_max
 
     def worst_case(self, waits: int) -> float:
@@ -205,8 +210,9 @@ class SyncEngine:
         self._outbox.forget_before(round_)
         self._gatherer.follow_only(held)
         self._versions.forget(set(held), round_ - KEEP_ROUNDS)
-        self._ledger.forget_before(round_, KEEP_ROUNDS)
-        self._gatherer.forget_before(round_ - KEEP_ROUNDS - self.cfg.staleness)
+        oldest = round_ - KEEP_ROUNDS - self.cfg.staleness + 1  # the oldest round a late update may be of
+        self._ledger.forget_before(oldest, round_)
+        self._gatherer.forget_before(oldest)
 
     def stop_waiting(self) -> None:
         """The peer stops: every wait ends at once, with what has arrived."""

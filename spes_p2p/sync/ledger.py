@@ -135,11 +135,11 @@ class Ledger:
 
     # ---------------------------------------------------------------------------------- upkeep
 
-    def forget_before(self, round_: int, keep: int) -> None:
-        horizon = round_ - keep - self.cfg.staleness
-        self._bases = {k: v for k, v in self._bases.items() if k[0] > horizon}
-        self._applied = {k for k in self._applied if k[1] > horizon}
-        self._participants = {k: v for k, v in self._participants.items() if k[0] > horizon}
+    def forget_before(self, oldest: int, round_: int) -> None:
+        """Drops what rounds before ``oldest`` left, and residuals older than the round before ``round_``."""
+        self._bases = {k: v for k, v in self._bases.items() if k[0] >= oldest}
+        self._applied = {k for k in self._applied if k[1] >= oldest}
+        self._participants = {k: v for k, v in self._participants.items() if k[0] >= oldest}
         # a residual carries only into the next round: one older than the round just landed is of a unit
         # given up (and would be dropped on its return anyway)
         self._feedback = {u: f for u, f in self._feedback.items() if f.round is None or f.round >= round_ - 1}

@@ -197,6 +197,3 @@ class ErrorFeedback:
         """Remembers what coding ``full`` lost (``sent`` is what its payloads decode to)."""
         lossless = self.codec.lossless
         self.residual, self.round = ({} if lossless else {n: full[n] - sent[n] for n in full}), round_
-
-    def reset(self) -> None:
-        self.residual, self.round = {}, None

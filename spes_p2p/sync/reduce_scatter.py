@@ -26,7 +26,7 @@ within ``REJECT_FACTOR`` times the norm of our own piece of it, and not point ag
 is among those it combined. A member with no piece this round (a newcomer, or its update diverged) checks
 the part against the one it combines itself from the members' pieces instead. An owner can still steer
 its part within those bounds (a mild sign-flip); a swarm that will not trust owners with that sets
-``[sync] dense_exchange = "all_to_all"``.
+``sync.dense_exchange = "all_to_all"``.
 """
 
 from __future__ import annotations
