@@ -233,7 +233,7 @@ class FakeSync:
 @pytest.mark.parametrize("refresh", ["changes", "weights"])
 def test_a_dense_block_held_quantized_is_fetched_in_its_own_codec(refresh):
     s = blocks_settings().override({"train.frozen_dense": "nf4", "sync.frozen_refresh": refresh})
-    member = SimpleNamespace(transport=SimpleNamespace(peer_id="me"), units_held=["dense/1", "experts/0"])
+    member = SimpleNamespace(me="me", units_held=["dense/1", "experts/0"])
     every = s.method.refresh_every_rounds
     sync = FakeSync(10 - every)
     frozen = FrozenCopies(s, member, sync, layout_of(s.model))
