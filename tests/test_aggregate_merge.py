@@ -153,6 +153,11 @@ def test_an_update_scaled_a_thousandfold_is_rejected_under_every_rule(method):
     # two holders: the receiver measures against its own update
     pair = combine([HONEST[0], attacker], method, own="a")
     assert pair.rejected == ["x"] and torch.equal(pair.update["w"], HONEST[0].tensors["w"])
+    # two strangers' updates, ours not among them (a part combined from its pieces, a newcomer's round):
+    # the smaller one is the yardstick, in any order
+    for pair in ([HONEST[1], attacker], [attacker, HONEST[1]]):
+        combined = combine(pair, method)
+        assert combined.rejected == ["x"] and torch.equal(combined.update["w"], HONEST[1].tensors["w"])
 
 
 def test_no_update_weighs_more_than_four_times_the_median_token_count():
@@ -166,6 +171,8 @@ def test_no_update_weighs_more_than_four_times_the_median_token_count():
     torch.testing.assert_close(combine(ups, "mean").update["w"], torch.tensor([2520 / 760]))
     pair = combine([update("a", [1.0], 100), update("x", [3.0], 10**15)], "mean", own="a")
     torch.testing.assert_close(pair.update["w"], torch.tensor([(100 + 400 * 3) / 500]))  # against its own
+    pair = combine([update("b", [1.0], 100), update("x", [3.0], 10**15)], "mean")
+    torch.testing.assert_close(pair.update["w"], torch.tensor([(100 + 400 * 3) / 500]))  # the smaller count
 
 
 def test_each_rule_on_values():

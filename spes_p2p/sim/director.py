@@ -90,8 +90,9 @@ class Churn:
 
     The draws come from a generator seeded with ``train.seed``, one per peer and round whether or not the
     peer can be killed then, so a run's kills depend on the seed alone (and on which peers are in the swarm
-    at that moment). No kill takes the last peer in the swarm (a restart joins through a live one) or falls
-    in the last ``CHURN_TAIL_ROUNDS`` rounds."""
+    at that moment). No kill takes the last peer in the swarm (a restart joins through a live one): a peer
+    drawn while it is the last one dies once another is in the swarm too. No kill falls in the last
+    ``CHURN_TAIL_ROUNDS`` rounds: a peer drawn and not killable before then is spared (``kill skipped``)."""
 
     def __init__(self, fleet: Fleet, events: list[dict], probability: float, seed: int, rounds: int) -> None:
         self.fleet, self.events, self.p = fleet, events, probability
@@ -111,6 +112,13 @@ class Churn:
             self.doomed |= drawn - set(self.down)  # (a peer that is down is not in the swarm that round)
         if self.doomed and swarm_round <= self.last:
             self._kill(swarm_round)
+        elif self.doomed:  # the draws are over: what could not be killed in time is spared
+            for index in sorted(self.doomed):
+                reason = "never killable while its round lasted"
+                self.events.append(
+                    {"type": "kill skipped", "peer": name_of(index), "reason": reason, "round": swarm_round}
+                )
+            self.doomed.clear()
         for index, at in sorted(self.down.items()):  # (after the kills: a restart dials live peers only)
             if swarm_round > at:
                 del self.down[index]
@@ -123,13 +131,9 @@ class Churn:
     def _kill(self, swarm_round: int) -> None:
         in_swarm = {i for i in range(len(self.fleet.join_rounds)) if self._in_swarm(i, swarm_round)}
         for index in sorted(self.doomed & in_swarm):
+            if len(in_swarm) == 1:  # the last peer in the swarm (as a round starts, often the first to land
+                continue  # it): it dies once another is in too, a restart joins through a live one
             self.doomed.discard(index)
-            if len(in_swarm) == 1:
-                reason = "the last peer in the swarm"
-                self.events.append(
-                    {"type": "kill skipped", "peer": name_of(index), "reason": reason, "round": swarm_round}
-                )
-                continue
             in_swarm.remove(index)
             self.fleet.kill(index)
             self.down[index] = swarm_round

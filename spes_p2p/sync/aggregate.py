@@ -6,9 +6,9 @@ holders that aggregated the same set of updates end with bit-identical weights.
 Updates come from strangers, so a round's combination is robust (docs/security.md):
 
 - an update whose norm is beyond ``REJECT_FACTOR`` times the round's reference norm is rejected, whatever the
-  rule; the reference is the median norm of the round's updates, or this peer's own when there are fewer
-  than three (two cannot outvote each other); token counts are capped alike, at ``TOKEN_FACTOR`` times the
-  median (or this peer's own) count;
+  rule; the reference is the median norm of the round's updates or, when there are fewer than three (two
+  cannot outvote each other), this peer's own, or the smaller norm when ours is not among them; token
+  counts are capped alike, at ``TOKEN_FACTOR`` times the median (or own, or smaller) count;
 - the rule (``method.aggregate``): ``mean`` (token-weighted), ``clipped_mean`` (each update's norm clipped
   to ``CLIP_FACTOR`` times the reference, then the token-weighted mean; the default), ``trimmed_mean`` (per
   coordinate, the mean of what is left when the largest and smallest quarter are dropped) or ``median`` (per
@@ -103,11 +103,15 @@ def _capped_tokens(ordered: list[Contribution], own: str | None) -> list[Contrib
 
 
 def _reference(ordered: list[Contribution], norms: list[float], own: str | None) -> float:
+    """The median of ``norms``; with fewer than three, which cannot outvote each other, our own when it is
+    among them, else the smallest (a stranger's large value is never the yardstick of the others)."""
     mine = [n for c, n in zip(ordered, norms, strict=True) if c.peer_id == own]
     if len(ordered) < 3 and mine:
         return mine[0]
     finite = sorted(n for n in norms if math.isfinite(n))
-    return _middle(finite) if finite else 0.0
+    if not finite:
+        return 0.0
+    return _middle(finite) if len(ordered) >= 3 else finite[0]
 
 
 def _middle(values):
