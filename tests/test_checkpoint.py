@@ -64,6 +64,17 @@ def test_resume_equals_continue(tmp_path, stdlib_data, optimizer):
         assert torch.equal(a, b), name
 
 
+def test_a_metrics_line_torn_by_a_kill_is_dropped_on_resume(tmp_path, stdlib_data, caplog):
+    first = training(stdlib_data, tmp_path, optimizer="adamw")
+    first.run(stop_after=12)
+    kept = losses(tmp_path)
+    with open(tmp_path / "metrics.jsonl", "a") as f:
+        f.write('{"step": 13, "lo')  # the kill came while the next row was being written
+    resumed = training(stdlib_data, tmp_path, resume=True, optimizer="adamw")
+    assert resumed.trainer.step == 12 and losses(tmp_path) == kept
+    assert "metrics.jsonl:" in caplog.text and "not a whole row" in caplog.text
+
+
 def test_state_flattening_round_trip_keeps_sharing():
     shared = torch.arange(4.0)
     state = {

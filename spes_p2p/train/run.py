@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import math
 from collections.abc import Callable
 from pathlib import Path
@@ -24,6 +25,8 @@ from spes_p2p.train.dataset import BatchSampler, DataShard, prepare_data, valida
 from spes_p2p.train.device import place, resolve_device
 from spes_p2p.train.fit import Plan, check_fits
 from spes_p2p.train.trainer import StepResult, Trainer, evaluate
+
+logger = logging.getLogger(__name__)
 
 
 class TrainingRun:
@@ -138,11 +141,15 @@ class TrainingRun:
         """Drops metric rows logged after the checkpoint we resume from, so the file tells one history."""
         if not self.metrics_path.exists():
             return
-        rows = [
-            line
-            for line in self.metrics_path.read_text().splitlines()
-            if line.strip() and json.loads(line)["step"] <= step
-        ]
+        rows = []
+        for number, line in enumerate(self.metrics_path.read_text().splitlines(), start=1):
+            try:
+                logged = json.loads(line)["step"] if line.strip() else None
+            except (json.JSONDecodeError, KeyError, TypeError):  # a line cut short by a kill while writing it
+                logger.warning("%s:%d: dropping a line that is not a whole row", self.metrics_path, number)
+                continue
+            if logged is not None and logged <= step:
+                rows.append(line)
         self.metrics_path.write_text("".join(row + "\n" for row in rows))
 
     def evaluate(self) -> float:
