@@ -25,7 +25,7 @@ KEY = "bench/peers"
 
 def serve(backend: str, initial: list[str]) -> None:
     transport = backend_class(backend)(initial_peers=initial)
-    transport.serve("blob", lambda caller, request: bytes(int(request)))
+    transport.serve("blob", lambda caller, request: bytes(int(request)), max_request_bytes=1024)
     transport.publish(KEY, transport.peer_id.encode(), transport.now() + 600)
     print(transport.addresses()[0], flush=True)
     while True:

@@ -26,7 +26,7 @@ def main(
         announce=announce,
         relays=[initial] if relayed else [],
     )
-    transport.serve("echo", lambda caller, request: b"x" * int(request))
+    transport.serve("echo", lambda caller, request: b"x" * int(request), max_request_bytes=1024)
     (folder / f"{index}.json").write_text(
         json.dumps({"id": transport.peer_id, "addrs": transport.addresses()})
     )

@@ -130,7 +130,7 @@ def test_a_manifest_request_that_breaks_is_asked_again(swarm):
             raise ConnectionResetError("stream reset")
         return founder.manifest.encode()
 
-    founder.transport.serve(manifests.RPC_MANIFEST, breaks_twice)
+    founder.transport.serve(manifests.RPC_MANIFEST, breaks_twice, max_request_bytes=1024)
     assert admit(Settings(), net.join("newcomer"), threading.Event()).manifest.hash == founder.manifest.hash
     assert calls == ["newcomer"] * 3
 
@@ -140,7 +140,8 @@ def test_a_peer_that_serves_a_wrong_manifest_is_not_asked_again(swarm):
     liar = net.join("liar")
     other = msgspec.structs.replace(founder.manifest, run_id="another-swarm")
     asked = []
-    liar.serve(manifests.RPC_MANIFEST, lambda caller, request: asked.append(caller) or other.encode())
+    answer = lambda caller, request: asked.append(caller) or other.encode()  # noqa: E731
+    liar.serve(manifests.RPC_MANIFEST, answer, max_request_bytes=64)
     newcomer = net.join("newcomer")
     manifest, _ = manifests.fetch(newcomer, ["liar", "founder"], founder.manifest.hash, Deadline(60))
     assert manifest == founder.manifest and asked == ["newcomer"]

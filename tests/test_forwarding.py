@@ -46,7 +46,8 @@ def swarm(private_keys):
         keys = Keys(p, PUBLIC[p], key.sign, verify)
         peers[p] = Forwarding(transport, keys, transport.handlers.get)
         peers[p].serve(relay=p == "r")
-    peers["b"].transport.serve("echo", lambda caller, request: caller.encode() + b":" + request * 1000, 64)
+    echo = lambda caller, request: caller.encode() + b":" + request * 1000  # noqa: E731
+    peers["b"].transport.serve("echo", echo, max_request_bytes=64)
     return peers
 
 
@@ -61,7 +62,8 @@ def rejections(swarm):
 def tamper(swarm, peer: str, name: str, change):
     """``peer``'s handler ``name`` passes on ``change(its request, its answer)`` instead."""
     handler, limit = swarm[peer].transport.handlers[name]
-    swarm[peer].transport.serve(name, lambda caller, request: change(request, handler, caller), limit)
+    changed = lambda caller, request: change(request, handler, caller)  # noqa: E731
+    swarm[peer].transport.serve(name, changed, max_request_bytes=limit)
 
 
 def test_the_target_answers_the_asker_through_the_relay(swarm):
@@ -140,7 +142,7 @@ def test_a_relay_forwards_only_so_many_at_once(swarm):
         release.wait(20)
         return b"done"
 
-    swarm["b"].transport.serve("echo", slow, 64)
+    swarm["b"].transport.serve("echo", slow, max_request_bytes=64)
     results = []
     threads = [threading.Thread(target=lambda: results.append(ask(swarm))) for _ in range(MAX_FORWARDS)]
     for t in threads:

@@ -30,7 +30,7 @@ def pair(tmp_path_factory):
 def test_a_request_that_never_arrives_is_dropped(pair, monkeypatch):
     a, b, _ = pair
     monkeypatch.setattr(hivemind_backend, "REQUEST_READ_TIMEOUT", 0.5)
-    a.serve("patient", lambda caller, data: data)
+    a.serve("patient", lambda caller, data: data, max_request_bytes=1024)
 
     async def open_and_say_nothing() -> bytes:
         _, reader, writer = await b._p2p.call_binary_stream_handler(PeerID.from_base58(a.peer_id), "patient")

@@ -83,7 +83,7 @@ def test_a_request_that_never_arrives_is_dropped():
         libp2p_streams.REQUEST_READ_TIMEOUT = 0.5
         a = Libp2pTransport()
         b = Libp2pTransport(initial_peers=a.addresses())
-        a.serve("patient", lambda caller, data: data)
+        a.serve("patient", lambda caller, data: data, max_request_bytes=1024)
 
         async def open_and_say_nothing():
             stream = await b.host.new_stream(ID.from_base58(a.peer_id), ["patient"])
@@ -179,7 +179,7 @@ def test_a_relayed_peer_keeps_no_records_and_is_reached_through_its_relay_until_
         b, c = (Libp2pTransport(initial_peers=a.addresses()) for _ in range(2))
         n = Libp2pTransport(initial_peers=a.addresses(), relays=a.addresses())
         assert n.addresses() == [f"{a.addresses()[0]}/p2p-circuit/p2p/{n.peer_id}"]
-        n.serve("echo", lambda caller, data: caller.encode() + b":" + data)
+        n.serve("echo", lambda caller, data: caller.encode() + b":" + data, max_request_bytes=1024)
         for t in (a, b, c):
             t.learn(n.peer_id, n.addresses())
         expires = n.now() + 60

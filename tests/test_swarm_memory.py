@@ -77,7 +77,7 @@ def test_records_expire_and_the_later_expiry_wins(net, clock):
 
 def test_requests_count_bytes_and_report_failures(net):
     a, b = net.join("a"), net.join("b")
-    a.serve("echo", lambda caller, data: caller.encode() + data)
+    a.serve("echo", lambda caller, data: caller.encode() + data, max_request_bytes=1024)
     assert b.request("a", "echo", b"hello", timeout=1) == b"bhello"
     assert (b.stats.bytes_sent, b.stats.bytes_received) == (5, 6)
     assert (a.stats.bytes_received, a.stats.bytes_sent, a.stats.requests_served) == (5, 6, 1)
@@ -85,7 +85,7 @@ def test_requests_count_bytes_and_report_failures(net):
     def boom(caller, data):
         raise ValueError("bad request")
 
-    a.serve("boom", boom)
+    a.serve("boom", boom, max_request_bytes=1024)
     with pytest.raises(RemoteError, match="bad request"):
         b.request("a", "boom", b"", timeout=1)
     with pytest.raises(PeerUnreachable):
@@ -100,8 +100,8 @@ def test_requests_count_bytes_and_report_failures(net):
 def test_a_hanging_handler_times_out_and_a_flood_is_capped_per_peer(net):
     a, b, c = net.join("a"), net.join("b"), net.join("c")
     release = threading.Event()
-    a.serve("hang", lambda caller, data: b"late" if release.wait(30) else b"")
-    a.serve("echo", lambda caller, data: data)
+    a.serve("hang", lambda caller, data: b"late" if release.wait(30) else b"", max_request_bytes=1024)
+    a.serve("echo", lambda caller, data: data, max_request_bytes=1024)
     with pytest.raises(RequestTimeout):
         b.request("a", "hang", b"", timeout=0.2)  # (its handler still runs, and holds one of b's slots)
     flood = [
@@ -127,7 +127,7 @@ def test_an_allowlist_hides_and_refuses_everyone_else(net, clock):
     a.guard.allow_only(("b",))
     for t in (a, b, stranger):
         t.publish("k", t.peer_id.encode(), clock() + 10)
-        t.serve("echo", lambda caller, data: data)
+        t.serve("echo", lambda caller, data: data, max_request_bytes=1024)
     assert set(a.read("k")) == {"a", "b"} and set(b.read("k")) == {"a", "b", "stranger"}
     assert stranger.request("b", "echo", b"x", timeout=1) == b"x"
     with pytest.raises(RemoteError, match="does not serve this peer"):
@@ -139,7 +139,7 @@ def test_a_peer_rejected_again_and_again_is_banned_until_the_end(net, clock):
     a, bad, flaky = net.join("a"), net.join("bad"), net.join("flaky")
     for t in (bad, flaky):
         t.publish("k", b"record", clock() + 10)
-    a.serve("echo", lambda caller, data: data)
+    a.serve("echo", lambda caller, data: data, max_request_bytes=1024)
     for _ in range(BAN_AFTER - 1):
         a.guard.reject("bad", "payload", "garbage")
         a.guard.reject("flaky", "payload", "a flipped bit")
@@ -163,7 +163,7 @@ def test_an_entry_set_to_outlive_every_ttl_is_not_read(net, clock):
 
 def test_fault_hooks(net):
     a, b = net.join("a"), net.join("b")
-    a.serve("echo", lambda caller, data: data)
+    a.serve("echo", lambda caller, data: data, max_request_bytes=1024)
     net.drop = 1.0
     with pytest.raises(RequestTimeout):
         b.request("a", "echo", b"x", timeout=1)

@@ -172,7 +172,7 @@ def check_entries_count_only_under_the_id_that_signed_them(net: Net) -> None:
 def check_streams_move_large_payloads_and_count_bytes(net: Net) -> None:
     a = net.peer()
     b = net.peer(join=a)
-    a.serve("reverse", lambda caller, data: data[::-1])
+    a.serve("reverse", lambda caller, data: data[::-1], max_request_bytes=16 << 20)
     payload = os.urandom(8 << 20)
     before = (b.stats.bytes_sent, b.stats.bytes_received, b.stats.requests_sent, a.stats.requests_served)
     assert b.request(a.peer_id, "reverse", payload, timeout=60) == payload[::-1]
@@ -195,10 +195,10 @@ def check_request_failures_are_named(net: Net) -> None:
     def not_yet(caller, data):
         raise Unavailable("round 3 is not ready")
 
-    a.serve("slow", slow)
-    a.serve("boom", boom)
-    a.serve("not-yet", not_yet)
-    a.serve("echo", lambda caller, data: callers.append(caller) or data)
+    a.serve("slow", slow, max_request_bytes=16 << 20)
+    a.serve("boom", boom, max_request_bytes=16 << 20)
+    a.serve("not-yet", not_yet, max_request_bytes=16 << 20)
+    a.serve("echo", lambda caller, data: callers.append(caller) or data, max_request_bytes=16 << 20)
     assert b.request(a.peer_id, "echo", b"hi", timeout=10) == b"hi" and callers == [b.peer_id]
     _raises(RequestTimeout, lambda: b.request(a.peer_id, "slow", b"", timeout=0.5))
     _raises(RemoteError, lambda: b.request(a.peer_id, "boom", b"", timeout=10), "no such unit")
@@ -225,7 +225,7 @@ def check_a_flood_is_capped_per_peer(net: Net) -> None:
     a = net.peer()
     b = net.peer(join=a)
     release, answers, errors = threading.Event(), [], []
-    a.serve("hold", lambda caller, data: release.wait(30) and b"done")
+    a.serve("hold", lambda caller, data: release.wait(30) and b"done", max_request_bytes=16 << 20)
 
     def ask() -> None:
         try:
@@ -251,7 +251,7 @@ def check_the_guard_hides_and_refuses_peers_it_does_not_allow(net: Net) -> None:
     b, c = net.peer(join=a), net.peer(join=a)
     for t in (a, b, c):
         t.publish(KEY, t.peer_id.encode(), t.now() + 60)
-        t.serve("echo", lambda caller, data: data)
+        t.serve("echo", lambda caller, data: data, max_request_bytes=16 << 20)
     b.guard.allow_only((c.peer_id,))
     assert set(b.read(KEY)) == {b.peer_id, c.peer_id}
     _raises(RemoteError, lambda: a.request(b.peer_id, "echo", b"hi", timeout=10))
@@ -274,7 +274,7 @@ def check_a_restarted_peer_keeps_its_id_and_its_entries(net: Net) -> None:
 def check_a_stopped_peer_is_unreachable_and_stops_in_bounded_time(net: Net) -> None:
     a = net.peer()
     b = net.peer(join=a)
-    b.serve("echo", lambda caller, data: data)
+    b.serve("echo", lambda caller, data: data, max_request_bytes=16 << 20)
     assert a.request(b.peer_id, "echo", b"hi", timeout=10) == b"hi"
     started = time.monotonic()
     b.shutdown(timeout=3)
@@ -288,6 +288,9 @@ def check_hello_names_the_backend(net: Net) -> None:
     a = net.peer()
     b = net.peer(join=a)
     assert b.request(a.peer_id, HELLO, b"", timeout=10) == net.backend.encode() == a.backend.encode()
+    # (its request is empty: a stranger's 1 MiB is refused, never read into memory, as by every handler)
+    _raises(TransportError, lambda: b.request(a.peer_id, HELLO, b"x" * (1 << 20), timeout=10))
+    assert b.request(a.peer_id, HELLO, b"", timeout=10) == net.backend.encode()
 
 
 def check_bad_addresses_and_ports_are_named(net: Net) -> None:

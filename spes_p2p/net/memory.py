@@ -21,6 +21,7 @@ from spes_p2p.net.guard import Guard
 from spes_p2p.net.transport import (
     DEFAULT_MAX_MESSAGE_BYTES,
     HELLO,
+    HELLO_MAX_BYTES,
     Entry,
     GossipHandler,
     Handler,
@@ -108,7 +109,7 @@ class MemoryTransport(Transport):
         self.guard = Guard()
         self.stats = TransportStats()
         self.alive = True
-        self.serve(HELLO, lambda caller, request: self.backend.encode())
+        self.serve(HELLO, lambda caller, request: self.backend.encode(), max_request_bytes=HELLO_MAX_BYTES)
 
     def addresses(self) -> list[str]:
         return [f"/memory/p2p/{self.peer_id}"]
@@ -144,7 +145,7 @@ class MemoryTransport(Transport):
             if self.readable(peer, entry, now) and self.network.connected(self.peer_id, peer)
         }
 
-    def serve(self, name: str, handler: Handler, max_request_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> None:
+    def serve(self, name: str, handler: Handler, *, max_request_bytes: int) -> None:
         self.handlers[name] = (handler, max_request_bytes)
 
     def request(

@@ -60,6 +60,7 @@ ANSWER_WRITE_TIMEOUT = 300.0
 
 # Every backend answers this request with its name, so a peer of the other backend learns which to use.
 HELLO = "spes.hello"
+HELLO_MAX_BYTES = 64  # its request is empty, and so is every handler's limit: no request is read unbounded
 # On the network backends an answer starts with a status byte (hivemind's markers), then the handler's
 # answer, or its error message in UTF-8.
 ANSWER_OK, ANSWER_FAILED = b"\x00", b"\x01"
@@ -241,8 +242,9 @@ class Transport(ABC):
         """All live entries under ``key`` (bytes values only), by the peer id that wrote them."""
 
     @abstractmethod
-    def serve(self, name: str, handler: Handler, max_request_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> None:
-        """Answers requests named ``name``; the handler runs on a worker thread."""
+    def serve(self, name: str, handler: Handler, *, max_request_bytes: int) -> None:
+        """Answers requests named ``name``; the handler runs on a worker thread. A request over
+        ``max_request_bytes`` is refused unread (a handler states its own limit: there is no default)."""
 
     @abstractmethod
     def request(

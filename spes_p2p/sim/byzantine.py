@@ -105,7 +105,7 @@ class ByzantineTransport(Transport):
 
     # -------------------------------------------------------------------------------------- attacks
 
-    def serve(self, name: str, handler: Handler, max_request_bytes: int = 1 << 30) -> None:
+    def serve(self, name: str, handler: Handler, *, max_request_bytes: int) -> None:
         self.handlers[name] = handler
 
         def attacked(caller: str, request: bytes) -> bytes:
@@ -124,7 +124,7 @@ class ByzantineTransport(Transport):
                     return self._forge(handler(caller, request))
             return handler(caller, request)
 
-        self.inner.serve(name, attacked, max_request_bytes)
+        self.inner.serve(name, attacked, max_request_bytes=max_request_bytes)
 
     def publish(self, key: str, value: bytes, expires_at: float) -> bool:
         parts = key.split("/")

@@ -63,6 +63,7 @@ from spes_p2p.net.transport import (
     ANSWER_WRITE_TIMEOUT,
     DEFAULT_MAX_MESSAGE_BYTES,
     HELLO,
+    HELLO_MAX_BYTES,
     REQUEST_READ_TIMEOUT,
     BootstrapError,
     Entry,
@@ -171,7 +172,7 @@ class HivemindTransport(Transport):
         keys = Keys(self.peer_id, key.get_public_key().to_bytes(), key.sign, _signed_by)
         self.forwarding = Forwarding(self, keys, self._handlers.get)
         self.forwarding.serve(relay=not self.relays.relayed)
-        self.serve(HELLO, lambda caller, request: self.backend.encode())
+        self.serve(HELLO, lambda caller, request: self.backend.encode(), max_request_bytes=HELLO_MAX_BYTES)
 
     # -------------------------------------------------------------------------------------------- DHT
 
@@ -226,7 +227,7 @@ class HivemindTransport(Transport):
 
     # --------------------------------------------------------------------------------------- streams
 
-    def serve(self, name: str, handler: Handler, max_request_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> None:
+    def serve(self, name: str, handler: Handler, *, max_request_bytes: int) -> None:
         self._handlers[name] = (handler, max_request_bytes)
 
         async def rpc_handler(info, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:

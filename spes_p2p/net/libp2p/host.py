@@ -44,6 +44,7 @@ from spes_p2p.net.relays import Relays
 from spes_p2p.net.transport import (
     DEFAULT_MAX_MESSAGE_BYTES,
     HELLO,
+    HELLO_MAX_BYTES,
     BootstrapError,
     Entry,
     GossipHandler,
@@ -133,7 +134,7 @@ class Libp2pTransport(Transport):
             raise ListenError(f"cannot listen on {', '.join(listen)}: {exc}") from None
         except TimeoutError:
             raise ListenError(f"the libp2p host did not start within {startup_timeout:.0f}s") from None
-        self.serve(HELLO, lambda caller, request: BACKEND.encode())
+        self.serve(HELLO, lambda caller, request: BACKEND.encode(), max_request_bytes=HELLO_MAX_BYTES)
         public_key, sign = self._key_pair.public_key.serialize(), self._key_pair.private_key.sign
         self.forwarding = Forwarding(
             self, Keys(self.peer_id, public_key, sign, signed_by), self._requests.handlers.get
@@ -265,7 +266,7 @@ class Libp2pTransport(Transport):
 
     # ------------------------------------------------------------------------------------- streams
 
-    def serve(self, name: str, handler: Handler, max_request_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> None:
+    def serve(self, name: str, handler: Handler, *, max_request_bytes: int) -> None:
         self._requests.serve(name, handler, max_request_bytes)
 
     def request(
