@@ -60,7 +60,7 @@ def test_the_history_tells_joins_leaves_claims_rejections_bans_and_coverage():
     ]
 
 
-def test_the_history_averages_losses_by_round_and_counts_traffic_and_rates():
+def test_the_history_takes_the_median_loss_by_round_and_counts_traffic_and_rates():
     history = SwarmHistory()
     history.add(
         summary(entry("a", 1, 4.0, tokens=100, bytes_sent=10), entry("b", 1, 5.0, val_loss=4.5)), at=0.0
@@ -75,7 +75,7 @@ def test_the_history_averages_losses_by_round_and_counts_traffic_and_rates():
     history.add(summary(entry("a", 3, 2.5, tokens=50, bytes_sent=5)), at=3600.0)  # a restarted: counts from 0
     view = history.view()
     assert view["rounds"] == [1, 2, 3]
-    assert view["loss"] == [4.5, 3.0, pytest.approx(2.25)] and view["val_loss"] == [4.5, None, None]
+    assert view["loss"] == [4.0, 3.0, 2.0] and view["val_loss"] == [4.5, None, None]  # (the median_low)
     assert view["sent"] == [0, 500 + 150, 150] and view["received"] == [0, 40, 0]  # (b: 2 rounds, 300 B)
     assert view["rounds_per_hour"] == 2.0  # round 1 to 3 in an hour
     assert view["tokens_per_hour"] == 1000 + 2000  # (b's tokens since its first read: 2000)
@@ -169,6 +169,29 @@ def test_the_api_serves_the_status_the_page_and_prometheus_metrics(joined):
             request = urllib.request.Request(board.url + "api/status", data=b"{}", method="POST")
             with pytest.raises(urllib.error.HTTPError, match="405"):
                 urllib.request.urlopen(request, timeout=30)
+
+
+def test_the_largest_finite_figures_peers_can_write_neither_stop_the_reader_nor_break_the_page(joined):
+    """Two fake peers reporting a loss of 1.7e308 used to crash the reader thread (a mean that overflowed):
+    the page froze for good."""
+    net, founder = joined
+    with SwarmReader(founder.settings, transport=net.join("observer")) as reader:
+        real = reader.read()
+    huge, count = 1.7e308, 2**63 - 1
+    honest = {**real["peers"][0], "loss": -huge, "val_loss": 4.0}
+    fakes = [
+        {**honest, "peer_id": p, "round": 10**15, "loss": huge, "val_loss": huge, "tokens": count}
+        for p in ("f1", "f2")
+    ]
+    lied = {**real, "peers": [honest, *fakes]}
+    with Dashboard(lambda: lied) as board:
+        for _ in range(2):
+            board.refresh()
+        status, _, body = get(board.url + "api/dashboard")
+        page = json.loads(body)
+        assert status == 200 and page["error"] is None and set(page["history"]["loss"]) == {-huge, huge}
+        assert "nan" not in page["charts"]["loss"] and "inf" not in page["charts"]["loss"]
+        assert get(board.url + "metrics")[0] == 200
 
 
 def test_a_swarm_that_cannot_be_read_is_shown_as_such():

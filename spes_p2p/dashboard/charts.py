@@ -33,7 +33,7 @@ def line_chart(title: str, series: Series, unit: str = "") -> str:
     w, h = WIDTH - LEFT - RIGHT, HEIGHT - TOP - BOTTOM
 
     def at(x: float, y: float) -> str:
-        return f"{LEFT + (x - x0) / (x1 - x0) * w:.1f},{TOP + (1 - (y - y0) / (y1 - y0)) * h:.1f}"
+        return f"{LEFT + _share(x, x0, x1) * w:.1f},{TOP + (1 - _share(y, y0, y1)) * h:.1f}"
 
     parts += [
         f'<rect x="{LEFT}" y="{TOP}" width="{w}" height="{h}" fill="none" stroke="#bbb"/>',
@@ -56,6 +56,12 @@ def line_chart(title: str, series: Series, unit: str = "") -> str:
         parts.append(_label(middle, HEIGHT - 10, f"— {name}", "middle", color))
     parts.append("</svg>")
     return "".join(parts)
+
+
+def _share(value: float, low: float, high: float) -> float:
+    """Where ``value`` lies between ``low`` and ``high`` (0 to 1), in halves: the difference of two finite
+    floats a peer wrote can overflow."""
+    return (value / 2 - low / 2) / (high / 2 - low / 2)
 
 
 def _label(x: float, y: float, text: str, anchor: str, color: str = "#444") -> str:

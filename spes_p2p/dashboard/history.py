@@ -3,10 +3,10 @@ the bytes they moved; the swarm's rates; and what changed (joins, leaves, re-cla
 coverage). Each read is one ``spes status --json`` summary; nothing here touches the network.
 
 Everything comes from the peers' own records, so a peer can lie about its figures: the page shows what the
-swarm says of itself. A liar cannot stretch it, though: the swarm's pace is the median peer's, a peer more
-than ``FAR`` rounds ahead of it is left out of the charts, and a jump of more than ``FAR`` rounds between
-two reads spreads its traffic over the last ``FAR`` only. It is bounded: the last ``MAX_ROUNDS`` rounds and
-``MAX_EVENTS`` events.
+swarm says of itself. A liar cannot stretch it, though: the swarm's pace and loss are the median peer's, a
+peer more than ``FAR`` rounds ahead of it is left out of the charts, and a jump of more than ``FAR`` rounds
+between two reads spreads its traffic over the last ``FAR`` only. It is bounded: the last ``MAX_ROUNDS``
+rounds and ``MAX_EVENTS`` events.
 """
 
 from __future__ import annotations
@@ -71,8 +71,8 @@ class SwarmHistory:
             return {
                 "round": r1,  # the median peer's (a liar far ahead does not move it)
                 "rounds": rounds,
-                "loss": [_mean(self.rounds[r].loss) for r in rounds],
-                "val_loss": [_mean(self.rounds[r].val_loss) for r in rounds],
+                "loss": [_median(self.rounds[r].loss) for r in rounds],
+                "val_loss": [_median(self.rounds[r].val_loss) for r in rounds],
                 "sent": [self.rounds[r].sent for r in rounds],
                 "received": [self.rounds[r].received for r in rounds],
                 "watched_seconds": t1 - t0,
@@ -128,5 +128,7 @@ class SwarmHistory:
         self.events.append({"at": at, "round": summary["round"], "who": who, "kind": kind, "text": text})
 
 
-def _mean(values: dict[str, float]) -> float | None:
-    return statistics.fmean(values.values()) if values else None
+def _median(values: dict[str, float]) -> float | None:
+    """The median peer's value (the lower of the middle two: no arithmetic on what peers wrote, which may be
+    any finite float, and a few liars move it no further than to an honest peer's value)."""
+    return statistics.median_low(values.values()) if values else None

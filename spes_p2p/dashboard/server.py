@@ -107,7 +107,10 @@ class Dashboard:
 
     def _watch(self) -> None:
         while not self._stop.is_set():
-            self.refresh()
+            try:
+                self.refresh()
+            except Exception:  # figures nobody foresaw: logged, and the page goes on with the next read
+                logger.exception("preparing the dashboard's figures failed")
             self._stop.wait(READ_SECONDS)
 
     def refresh(self) -> None:
@@ -176,7 +179,7 @@ def _charts(history: dict) -> dict[str, str]:
     rounds = history["rounds"]
     return {
         "loss": line_chart(
-            "Loss over rounds (mean of the peers at each round)",
+            "Loss over rounds (the median peer at each round)",
             {
                 "training": list(zip(rounds, history["loss"], strict=True)),
                 "validation": list(zip(rounds, history["val_loss"], strict=True)),
