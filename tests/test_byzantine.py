@@ -34,7 +34,7 @@ NOISE = 0.06
 # honest, the late updates are not even fetched, a silent or slow peer is only not waited for). A sign flip
 # looks honest as an update, but not as the dense part the attacker combines for its group: that points
 # against the honest members' own pieces.
-REFUSED = {"garbage", "nan", "scale", "signflip", "resync", "claimall"}
+REFUSED = {"garbage", "nan", "scale", "signflip", "ownerflip", "resync", "claimall"}
 # What two modes cost beyond the noise:
 # - claimall's fake holders keep one shard from being trained until its refreshes have failed 3 times and
 #   the claims have moved: 3 of this run's 6 rounds, measured at +0.01 to +0.05 (a long run dilutes it);

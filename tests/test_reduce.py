@@ -164,6 +164,21 @@ def test_an_owner_serving_a_false_combined_part_is_refused_and_the_others_agree(
     assert all(engines[p].transport.guard.total() >= 1 for p in honest)
 
 
+def test_an_owner_that_names_only_itself_is_checked_against_the_pieces():
+    """An owner that serves -8 times its combined part and says it combined only its own piece: no member
+    may hold the part against its own piece, so each holds it against the part it combines from the pieces.
+    (Before, such a part was not checked for direction at all.)"""
+    engines = swarm(patient=True)
+    post = engines["p3"]._outbox.post_reduced
+    engines["p3"]._outbox.post_reduced = lambda r, u, part, parts, payload: post(
+        r, u, part, parts, rewrite(payload, lambda t: t * -8, peers="p3")
+    )
+    honest = {p: r for p, r in exchange(engines).items() if p != "p3"}
+    assert_identical(honest)
+    assert gap(honest["p0"].new_weights, mean_of(GROUP)) < 2e-3
+    assert all(engines[p].transport.guard.total() >= 1 for p in honest)
+
+
 def lie_with_scale(engine):
     post = engine._outbox.post_reduced
     engine._outbox.post_reduced = lambda r, u, part, parts, payload: post(

@@ -9,6 +9,8 @@ by the client; the attacks only ever reach the honest peers through the network,
     scale     its updates are multiplied by 1000
     signflip  its updates are negated
               (these four also apply to each piece of a reduce-scatter, and to the combined parts it owns)
+    ownerflip the combined parts of the dense update it owns are served as -8 times the honest part, naming
+              only itself as combined (so that no member holds the part against its own piece)
     tokens    it claims 10^15 tokens for every update
     late      it injects updates, as a late participant, into units and rounds it did not train
     resync    it announces a foreign start-weight hash and serves end weights pulled far away
@@ -49,12 +51,12 @@ _REWRITES = {
 }
 
 
-def rewrite(payload: bytes, change) -> bytes:
-    """The payload with ``change`` applied to every floating-point buffer, and its checksum made to match:
-    a well-formed payload carrying bad values."""
+def rewrite(payload: bytes, change, **meta: str) -> bytes:
+    """The payload with ``change`` applied to every floating-point buffer, ``meta`` in its metadata, and its
+    checksum made to match: a well-formed payload carrying bad values."""
     buffers = load(payload)
     changed = {k: change(v) if v.is_floating_point() else v for k, v in buffers.items()}
-    return save(changed, metadata={**metadata_of(payload), "sha256": buffers_digest(changed)})
+    return save(changed, metadata={**metadata_of(payload), **meta, "sha256": buffers_digest(changed)})
 
 
 class ByzantineTransport(Transport):
@@ -122,6 +124,8 @@ class ByzantineTransport(Transport):
                     return rewrite(handler(caller, request), lambda t: t * -10)
                 if req.kind == "reduced" and self.mode in ("garbage", *_REWRITES):
                     return self._forge(handler(caller, request))
+                if req.kind == "reduced" and self.mode == "ownerflip":
+                    return rewrite(handler(caller, request), lambda t: t * -8, peers=self.peer_id)
             return handler(caller, request)
 
         self.inner.serve(name, attacked, max_request_bytes=max_request_bytes)

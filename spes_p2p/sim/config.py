@@ -16,6 +16,7 @@ BYZANTINE_MODES = (
     "nan",
     "scale",
     "signflip",
+    "ownerflip",
     "tokens",
     "late",
     "resync",

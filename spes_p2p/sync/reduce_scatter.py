@@ -21,12 +21,12 @@ from the members and combines them itself, the same pieces by the same rule, and
 owner would have, so members still agree (also a member whose wait for the owner ran out while the others
 got the owner's part, when it combined the same pieces).
 
-A combined part is checked before use: it must decode, be finite, name only members of the group, lie
-within ``REJECT_FACTOR`` times the norm of our own piece of it, and not point against our piece when ours
-is among those it combined. A member with no piece this round (a newcomer, or its update diverged) checks
-the part against the one it combines itself from the members' pieces instead. An owner can still steer
-its part within those bounds (a mild sign-flip); a swarm that will not trust owners with that sets
-``sync.dense_exchange = "all_to_all"``.
+A combined part is checked before use: it must decode, be finite, name only members of the group, and,
+when it says it combined our piece, lie within ``REJECT_FACTOR`` times that piece's norm and not point
+against it. A part that leaves our piece out, and any part a member with no piece this round (a newcomer,
+or its update diverged) receives, is held to the same bounds against the part as the member combines it
+itself from the members' pieces. An owner can still steer its part within those bounds (a mild
+sign-flip); a swarm that will not trust owners with that sets ``sync.dense_exchange = "all_to_all"``.
 """
 
 from __future__ import annotations
@@ -199,12 +199,13 @@ class ReduceScatter(Exchange):
         self, reduced: Reduced, group: tuple[str, ...], own: torch.Tensor | None, here: Callable[[], Reduced]
     ) -> str:
         """Why a combined part from its owner cannot be used ('' when it can). It is checked against our
-        own piece of it or, when we have none (our update does not count this round, or its piece is
-        zero), against the part as we combine it ourselves from the members' pieces (``here``)."""
+        own piece of it when it says it combined that piece, else (it left ours out, or we have none: our
+        update does not count this round, or its piece is zero) against the part as we combine it ourselves
+        from the members' pieces (``here``): an owner cannot dodge the check by leaving us out."""
         if not set(reduced.contributors) <= set(group):
             return "its combined part names peers outside the group"
-        if own is not None and float(own.norm()) > 0:
-            reference, what, signed = own, "our own piece of it", self.me in reduced.contributors
+        if own is not None and float(own.norm()) > 0 and self.me in reduced.contributors:
+            reference, what, signed = own, "our own piece of it", True
         else:
             local = here()
             if not local.contributors:  # we fetched no piece either: nothing to check against
