@@ -4,7 +4,8 @@ the fetches of what they announce, and the adaptive deadline that bounds the wai
 A round waits for the participants still waited for (``Ledger.waited_for``) until all have answered, left
 or been refused, or the deadline passed; a participant that announced and was not heard from in time counts
 a miss, one that had not even announced (it is behind: this peer ran ahead) makes the next round wait
-longer, so the peers fall back into step (``Ledger.attend``). Late updates of the last ``staleness`` rounds
+longer, so the peers fall back into step (``Ledger.attend``); after ``MISS_LIMIT`` rounds in a row of
+either, it is not waited for until it delivers in time again. Late updates of the last ``staleness`` rounds
 count too, from those rounds' participants only, measured from our base of then.
 """
 
@@ -187,9 +188,8 @@ class Gatherer:
         if not poll(one_pass, deadline, POLL_SECONDS):
             logger.info("round %d %s: deadline passed without %s", round_, unit, sorted(waiting))
         self._received.extend(r.contribution.tensors for r in got.values())
-        behind = {p for p in waiting - announcing if self.ledger.stretches(p)}
-        if behind:  # cut off while still training: this peer ran ahead, and waits longer next round to fall
-            self.deadline.observe(time.monotonic() - started)  # back into step (a fake holder: MISS_LIMIT)
+        if waiting - announcing:  # cut off while still training: this peer ran ahead, and waits longer next
+            self.deadline.observe(time.monotonic() - started)  # round to fall back into step
         elif got:
             self.deadline.observe(last_answer - started)
         missing = set(others) - set(got) - refused

@@ -41,6 +41,7 @@ class Attendance:
     def missed(self, round_: int) -> None:
         if self.missed_in < round_:
             self.misses, self.missed_in = self.misses + 1, round_
+        self.behind = 0  # (it announced: it is not behind)
 
     def lagged(self, round_: int) -> None:
         if self.behind_in < round_:
@@ -112,13 +113,13 @@ class Ledger:
     # ---------------------------------------------------------------------------------- per peer
 
     def waited_for(self, peer: str) -> bool:
-        """Whether a round still waits for ``peer``: it did not miss ``MISS_LIMIT`` rounds in a row."""
-        return self._attendance.get(peer, Attendance()).misses < MISS_LIMIT
-
-    def stretches(self, peer: str) -> bool:
-        """Whether ``peer`` being behind still makes the next round wait longer (at most ``MISS_LIMIT``
-        rounds in a row: a fake holder that never announces cannot stretch every round)."""
-        return self._attendance.get(peer, Attendance()).behind < MISS_LIMIT
+        """Whether a round still waits for ``peer`` (and, when the deadline cuts it off still training,
+        waits longer the next round): it neither missed nor was behind ``MISS_LIMIT`` rounds in a row. A
+        holder that never announces costs its co-holders a deadline for that many rounds, not every round;
+        an update of its that comes later counts as a late one, and one delivered in time makes it waited
+        for again."""
+        record = self._attendance.get(peer, Attendance())
+        return record.misses < MISS_LIMIT and record.behind < MISS_LIMIT
 
     def attend(self, round_: int, others: list[str], got: set[str], missing: set[str], announcing: set[str]):
         """Once a round per peer: one that announced its update and did not deliver it (silent, or slow)
