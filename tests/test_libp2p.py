@@ -32,7 +32,7 @@ def test_signed_entries_and_the_record_store():
     python(
         """
         from libp2p.crypto.ed25519 import create_new_key_pair
-        from spes_p2p.net.libp2p.kad_records import RecordStore, SignedEntry, valid_entry
+        from spes_p2p.net.libp2p.kad_records import MAX_WRITERS_PER_KEY, RecordStore, SignedEntry, valid_entry
         from spes_p2p.net.transport import MAX_EXPIRY_AHEAD
 
         me, other = create_new_key_pair(), create_new_key_pair()
@@ -67,6 +67,13 @@ def test_signed_entries_and_the_record_store():
         crowd = [SignedEntry.sign(f"o{i}", b"x" * 1000, now + 100, other.private_key) for i in range(9)]
         small = RecordStore(max_bytes=5_000)  # (another writer, against the store's total budget)
         assert [small.put("them", e, now) for e in crowd] == [True] * 4 + [False] * 5
+        # a flood of writers whose entries expire at once: their slots of the key are freed, not held
+        flood = RecordStore()
+        short = SignedEntry.sign("peers", b"x", now + 1, other.private_key)
+        assert all(flood.put(f"w{i}", short, now) for i in range(MAX_WRITERS_PER_KEY))
+        newcomer = SignedEntry.sign("peers", b"v", now + 30, me.private_key)
+        assert not flood.put("newcomer", newcomer, now)  # the key's slots are all taken, live
+        assert flood.put("newcomer", newcomer, now + 2) and flood.get("peers", now + 2) == [newcomer]
         print("ok")
         """
     )

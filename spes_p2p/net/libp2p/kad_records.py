@@ -147,7 +147,9 @@ class RecordStore:
                 if not self._fits(writer, grows):
                     return False
             if old is None and len(entries) >= MAX_WRITERS_PER_KEY:
-                return False
+                self._expire_key(entry.key, now)  # (a flood of short-lived writers holds no slot for good)
+                if len(self._entries.get(entry.key, {})) >= MAX_WRITERS_PER_KEY:
+                    return False
             self._entries.setdefault(entry.key, {})[writer] = entry
             self._bytes[writer] += grows
             return True
@@ -162,13 +164,16 @@ class RecordStore:
 
     def _expire(self, now: float) -> None:
         for key in list(self._entries):
-            entries = self._entries[key]
-            for writer in [w for w, e in entries.items() if e.expires_at <= now]:
-                self._bytes[writer] -= entries.pop(writer).size
-                if not self._bytes[writer]:
-                    del self._bytes[writer]
-            if not entries:
-                del self._entries[key]
+            self._expire_key(key, now)
+
+    def _expire_key(self, key: str, now: float) -> None:
+        entries = self._entries.get(key, {})
+        for writer in [w for w, e in entries.items() if e.expires_at <= now]:
+            self._bytes[writer] -= entries.pop(writer).size
+            if not self._bytes[writer]:
+                del self._bytes[writer]
+        if not entries:
+            self._entries.pop(key, None)
 
 
 class RecordKeeping:
