@@ -6,6 +6,7 @@ from types import SimpleNamespace
 
 import msgspec
 import pytest
+from conftest import TOKENIZER
 
 from spes_p2p.net.guard import BAN_AFTER
 from spes_p2p.net.memory import MemoryNetwork
@@ -13,10 +14,12 @@ from spes_p2p.net.waiting import Deadline
 from spes_p2p.peer import Peer
 from spes_p2p.peer.admission import SwarmUnavailable, admit
 from spes_p2p.peer.joining import swarm_round
+from spes_p2p.peer.setup import member_config
 from spes_p2p.peer.status import SwarmReader, invite
 from spes_p2p.settings import Settings, load_settings
 from spes_p2p.swarm import manifest as manifests
-from spes_p2p.swarm.member import SwarmMismatch
+from spes_p2p.swarm.manifest import ManifestServer
+from spes_p2p.swarm.member import SwarmMember, SwarmMismatch
 
 pytestmark = pytest.mark.timeout(120)
 ADDRESS = "/ip4/127.0.0.1/tcp/1/p2p/QmTJxrrywQ2EdDBm8kDofL3hoo4x2TB2JY9fh5BJVN1Yon"
@@ -72,6 +75,34 @@ def test_an_invite_joins_the_swarm_it_names_and_nothing_else(swarm, tmp_path):
     stale = invited.override({"swarm.manifest": "ab" * 32})  # an invite to a swarm founded anew since
     with pytest.raises(SwarmMismatch, match="the invite names manifest abababababababab"):
         admit(stale, net.join("late"), threading.Event())
+
+
+def test_fake_records_outnumbering_the_honest_ones_choose_no_manifest(swarm, manifest_of):
+    """Three fake peers share another manifest, against two honest ones: a newcomer takes the manifest of
+    the peers it dialed, and one whose dialed peers do not settle it is refused, naming what to do. (It
+    used to take the most common: the fakes'.)"""
+    net, founder = swarm
+    honest, fake1 = (
+        "QmTJxrrywQ2EdDBm8kDofL3hoo4x2TB2JY9fh5BJVN1Yon",
+        "QmUM8UgrUHuRVxY5DdpkPw9jQAG4jQtrvy4tj7Y9k9Guew",
+    )
+    Peer(founder_settings(), net.join(honest)).join()
+    fake = founder_settings(**{"model.shards": 4})
+    for name in (fake1, "fake2", "fake3"):
+        transport = net.join(name)
+        ManifestServer(transport, manifest_of(fake), TOKENIZER)
+        SwarmMember(transport, manifest_of(fake), member_config(fake)).heartbeat()
+
+    def dialing(*peers: str) -> Settings:
+        addresses = tuple(f"/ip4/127.0.0.1/tcp/1/p2p/{p}" for p in peers)
+        return Settings().override({"data.max_corpus_mb": 1.0, "swarm.initial_peers": addresses})
+
+    assert (
+        admit(dialing(honest), net.join("newcomer"), threading.Event()).manifest.hash == founder.manifest.hash
+    )
+    split = r"share 2 manifests \(\w+ \(3 peers\), \w+ \(2 peers\)\).*--manifest HASH"
+    with pytest.raises(SwarmMismatch, match=split):
+        admit(dialing(fake1, honest), net.join("undecided"), threading.Event())
 
 
 def test_a_swarm_whose_peers_all_left_is_reported_with_its_last_round(tmp_path):

@@ -3,7 +3,8 @@
 The founder (``--new-swarm``) writes the manifest from its own settings, tokenizer and initial model.
 
 Anyone else never starts a swarm of its own. It waits (up to ``join_timeout_seconds``) until it sees live
-peers, takes the manifest they share (the one its invite names, when it has one), fetches it and the
+peers, takes the manifest they share (the one its invite names, when it has one; the one the peers it
+dialed share, when the records disagree, and none when those do not settle it), fetches it and the
 tokenizer and checks both hashes, and is refused when the swarm speaks another protocol or when a setting it
 was given (by file or flag) differs from the manifest's. Every other swarm-wide setting, and the tokenizer,
 it adopts. A swarm with no live peer is an error that says so, with the round its last peers reached.
@@ -139,15 +140,27 @@ def nobody_alive(transport: Transport, run_id: str, seconds: float) -> str:
 
 
 def _wanted(settings: Settings, records: dict[str, ManifestRecord]) -> str:
-    """The manifest to join: the invite's, or the one most live peers share."""
+    """The manifest to join: the invite's; or the one every live peer shares; or, when their records
+    disagree, the one the peers this peer dialed share. Records alone never decide: identities are free,
+    so a majority of them proves nothing."""
     counts = Counter(r.hash for r in records.values())
-    pinned = settings.swarm.manifest
+    pinned, run_id = settings.swarm.manifest, settings.swarm.run_id
     if pinned and pinned not in counts:
         shared = ", ".join(h[:16] for h in counts)
         raise SwarmMismatch(
-            f"the invite names manifest {pinned[:16]}, but the live peers of swarm {settings.swarm.run_id!r} "
+            f"the invite names manifest {pinned[:16]}, but the live peers of swarm {run_id!r} "
             f"share {shared}: the swarm was founded anew; ask for a fresh invite"
         )
-    if len(counts) > 1:
-        logger.warning("the live peers share %d manifests; joining the most common", len(counts))
-    return pinned or counts.most_common(1)[0][0]
+    if pinned or len(counts) == 1:
+        return pinned or next(iter(counts))
+    dialed = {address.rsplit("/p2p/", 1)[-1] for address in settings.swarm.initial_peers}
+    theirs = {records[p].hash for p in dialed if p in records}
+    if len(theirs) == 1:
+        logger.warning("the live peers share %d manifests; joining the one of the peers dialed", len(counts))
+        return theirs.pop()
+    listed = ", ".join(f"{h[:16]} ({n} peers)" for h, n in counts.most_common())
+    raise SwarmMismatch(
+        f"the live peers of swarm {run_id!r} share {len(counts)} manifests ({listed}), and the peers you "
+        "dialed do not settle which is the swarm's: join with an invite from a peer you trust, or pass "
+        "--manifest HASH"
+    )
