@@ -30,6 +30,6 @@ def manifest_of():
     from spes_p2p.peer.admission import manifest_for
 
     def build(settings):
-        return manifest_for(settings, TOKENIZER, {}, "0" * 64)
+        return manifest_for(settings, TOKENIZER, {}, {})
 
     return build

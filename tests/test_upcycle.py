@@ -20,8 +20,12 @@ from spes_p2p.interop.upcycle import read_dense, upcycle, write_upcycled
 from spes_p2p.net.memory import MemoryNetwork
 from spes_p2p.peer import Peer
 from spes_p2p.peer.admission import admit
-from spes_p2p.peer.setup import founded_from
+from spes_p2p.peer.setup import founded_from, member_config
 from spes_p2p.settings import Settings
+from spes_p2p.swarm.member import SwarmMember
+from spes_p2p.sync.codecs import CODECS
+from spes_p2p.sync.messages import RPC_WEIGHTS, WeightsRequest
+from spes_p2p.sync.payload import encode, payload_meta
 from spes_p2p.train.data import EOS
 
 transformers = pytest.importorskip("transformers")
@@ -149,6 +153,21 @@ def test_spes_upcycle_then_generate(tmp_path):
     assert missing.exit_code != 0 and "config.json is missing" in missing.output
 
 
+def lying_holder(net: MemoryNetwork, founder: Peer) -> SwarmMember:
+    """A peer of the founder's manifest that claims units and serves random weights as the initial ones."""
+    transport = net.join("liar")
+    member = SwarmMember(transport, founder.manifest, member_config(founder.settings))
+    member.join(first_round=0)
+
+    def weights(caller: str, request: bytes) -> bytes:
+        unit = WeightsRequest.decode(request).unit
+        noise = {n: torch.randn_like(t) for n, t in founder.local.read(unit).items()}
+        return encode(noise, CODECS["none"], meta=payload_meta(unit, -1, "weights"))
+
+    transport.serve(RPC_WEIGHTS, weights, max_request_bytes=1024)
+    return member
+
+
 def test_a_swarm_founded_from_an_upcycled_model_hands_it_to_a_newcomer(tmp_path):
     """The founder starts from the checkpoint (--init); the manifest records its config and fingerprint; a
     newcomer adopts the config, builds a model of that shape and downloads the weights from the founder."""
@@ -166,13 +185,17 @@ def test_a_swarm_founded_from_an_upcycled_model_hands_it_to_a_newcomer(tmp_path)
     try:
         founder.join()
         assert founder.manifest.model == moe.cfg.to_dict()
+        liar = lying_holder(net, founder)
         transport = net.join("newcomer")
         admission = admit(Settings().override(mine), transport, threading.Event())
         assert Path(admission.settings.data.tokenizer).read_bytes() == tokenizer.to_str().encode()
         newcomer = Peer(admission.settings, transport, admission=admission)
-        assert newcomer.initial_fingerprint != founder.manifest.initial_model_sha256  # (seeded, not --init)
-        newcomer.join()  # (it checks the downloaded model against the manifest's fingerprint)
+        assert newcomer.initial_units != founder.manifest.initial_units  # (seeded, not --init)
+        newcomer.join()  # (it checks each downloaded unit against the manifest's fingerprint)
         assert newcomer.local.model.cfg == moe.cfg
+        # the liar, the only holder of some units, served its own weights first: refused, and the founder
+        # asked next (it used to lock newcomers out until the swarm trained)
+        assert liar.units_held and transport.guard.rejections["liar"] >= 1
         ours = moe.state_dict()
         for unit in newcomer.member.units_held:  # (the others it now holds as frozen int8 copies)
             assert all(torch.equal(ours[name], t) for name, t in newcomer.local.read(unit).items()), unit

@@ -49,17 +49,19 @@ class Admission:
     tokenizer: bytes
 
 
-def found(settings: Settings, tokenizer: bytes, corpus_sha256: str, initial_model_sha256: str) -> Manifest:
+def found(
+    settings: Settings, tokenizer: bytes, corpus_sha256: str, initial_units: dict[str, str]
+) -> Manifest:
     """The manifest of a swarm this peer founds."""
     data = {
         "corpus": settings.data.corpus,
         "max_corpus_mb": settings.data.max_corpus_mb,
         "sha256": corpus_sha256,
     }
-    return manifest_for(settings, tokenizer, data, initial_model_sha256)
+    return manifest_for(settings, tokenizer, data, initial_units)
 
 
-def manifest_for(settings: Settings, tokenizer: bytes, data: dict, initial_model_sha256: str) -> Manifest:
+def manifest_for(settings: Settings, tokenizer: bytes, data: dict, initial_units: dict[str, str]) -> Manifest:
     return Manifest(
         protocol=PROTOCOL,
         run_id=settings.swarm.run_id,
@@ -69,16 +71,16 @@ def manifest_for(settings: Settings, tokenizer: bytes, data: dict, initial_model
         tokenizer_sha256=hashlib.sha256(tokenizer).hexdigest(),
         tokenizer_bytes=len(tokenizer),
         data=data,
-        initial_model_sha256=initial_model_sha256,
+        initial_units=initial_units,
     )
 
 
-def weights_fingerprint(model: torch.nn.Module) -> str:
+def fingerprint(tensors: dict[str, torch.Tensor]) -> str:
     """SHA-256 of every tensor's name, shape and values (as float32): another torch build may draw other
     random weights from the same seed, and a newcomer that downloads the initial model from peers (a swarm
-    founded from --init) must be able to tell it is the founder's, to the last value (seconds for 1b)."""
+    founded from --init) must be able to tell each unit is the founder's, to the last value."""
     h = hashlib.sha256()
-    for name, tensor in sorted(model.state_dict().items()):
+    for name, tensor in sorted(tensors.items()):
         h.update(f"{name}{tuple(tensor.shape)}".encode())
         h.update(tensor.detach().float().cpu().contiguous().numpy().tobytes())
     return h.hexdigest()

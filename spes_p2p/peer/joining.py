@@ -20,7 +20,7 @@ import torch
 
 from spes_p2p.errors import SwarmMismatch
 from spes_p2p.net.waiting import Deadline, poll
-from spes_p2p.peer.admission import weights_fingerprint
+from spes_p2p.peer.admission import fingerprint
 from spes_p2p.swarm.member import SwarmMember, SwarmView
 from spes_p2p.sync.engine import SyncEngine
 from spes_p2p.sync.versions import EXACT_WEIGHTS
@@ -113,13 +113,33 @@ def serve_initial_model(sync: SyncEngine, read: Callable[[str], dict], units: li
         sync.serve_initial(unit, read(unit))
 
 
-def check_initial_model(model: torch.nn.Module, fingerprint: str) -> None:
-    """After downloading the swarm's initial model (a newcomer whose own is another one: the founder's came
-    from ``--init``, or another torch build drew this one from the seed): it must be the manifest's."""
-    if weights_fingerprint(model) != fingerprint:
+def download_initial_model(
+    view: SwarmView, me: str, sync: SyncEngine, write: Write, seconds: float, units: dict[str, str]
+) -> None:
+    """The initial weights of ``units`` (unit -> the manifest's fingerprint of them), for a newcomer whose own
+    are others (the founder's came from ``--init``, or another torch build drew these from the seed): from
+    any live peer (holders first), each unit checked against its fingerprint. A peer that serves other
+    weights is refused and counted, and the next one asked: one liar does not lock newcomers out."""
+    others = [p.peer_id for p in others_of(view, me)]
+    sources = {u: [*sorted(view.holders.get(u, set()) - {me}), *others] for u in units}
+    sources = {u: list(dict.fromkeys(peers)) for u, peers in sources.items()}  # (each peer once, in order)
+
+    def verify(unit: str, tensors: dict[str, torch.Tensor]) -> str:
+        return "" if fingerprint(tensors) == units[unit] else "its initial weights are not the manifest's"
+
+    got = sync.refresh(
+        -1,
+        sources,
+        seconds,
+        want=EXACT_WEIGHTS,
+        on_unit=lambda u, found: write(u, found.tensors),
+        verify=verify,
+    )
+    missing = ", ".join(sorted(set(units) - set(got)))
+    if missing:
         raise SwarmMismatch(
-            "could not download the swarm's initial model from its peers (what came does not match the "
-            "manifest): try again, or join once the swarm trains"
+            f"could not download the swarm's initial model from its peers (no peer served {missing} as the "
+            "manifest has it): try again, or join once the swarm trains"
         )
 
 

@@ -30,7 +30,7 @@ from spes_p2p.net.reachability import SelfCheck
 from spes_p2p.net.transport import Transport
 from spes_p2p.net.waiting import Deadline, poll
 from spes_p2p.peer import joining
-from spes_p2p.peer.admission import Admission, found, weights_fingerprint
+from spes_p2p.peer.admission import Admission, fingerprint, found
 from spes_p2p.peer.footprint import Footprint
 from spes_p2p.peer.heartbeat import Heartbeat
 from spes_p2p.peer.job import RoundJob
@@ -103,11 +103,11 @@ class Peer:
         self.layout = layout_of(settings.model)
         self.local = local_training(settings, self.layout, initial_seed(settings), self.me)
         self.admission = admission
-        self.initial_fingerprint = weights_fingerprint(self.local.model)
+        self.initial_units = {u: fingerprint(self.local.read(u)) for u in self.layout.units}
         if admission is None:
             data = self.local.data  # (a peer with virtual compute reads it for this only)
             tokenizer = data.tokenizer.to_str().encode()
-            self.manifest = found(settings, tokenizer, data.corpus_hash, self.initial_fingerprint)
+            self.manifest = found(settings, tokenizer, data.corpus_hash, self.initial_units)
         else:
             self.manifest, tokenizer = admission.manifest, admission.tokenizer
         ManifestServer(transport, self.manifest, tokenizer)
@@ -147,9 +147,11 @@ class Peer:
         training = joining.is_training(view, self.me)
         if training:
             self._catch_up(view)
-        elif not checkpoint and self.initial_fingerprint != self.manifest.initial_model_sha256:
-            self._catch_up(view)  # the founder's model came from --init, or another torch drew this one
-            joining.check_initial_model(self.local.model, self.manifest.initial_model_sha256)
+        elif not checkpoint and self.initial_units != self.manifest.initial_units:
+            # the founder's model came from --init, or another torch drew this one
+            differ = {u: h for u, h in self.manifest.initial_units.items() if self.initial_units.get(u) != h}
+            seconds = self.sync.longest_wait()
+            joining.download_initial_model(view, self.me, self.sync, self.local.write, seconds, differ)
         self.member.report(self.round, Progress())
         # in a swarm that is training, the others read their participants before we can claim: our first
         # round is not counted, we adopt its result

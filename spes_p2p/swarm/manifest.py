@@ -23,7 +23,7 @@ from spes_p2p.swarm.records import Hex, Record, Unit, decode_entries
 
 logger = logging.getLogger(__name__)
 
-PROTOCOL = 5  # bumped when peers of different versions can no longer work together
+PROTOCOL = 6  # bumped when peers of different versions can no longer work together
 RPC_MANIFEST = "spes/manifest"
 RPC_TOKENIZER = "spes/tokenizer"
 MAX_MANIFEST_BYTES = 256 * 1024
@@ -48,7 +48,7 @@ class Manifest(Strict):
     tokenizer_sha256: Hex
     tokenizer_bytes: Annotated[int, msgspec.Meta(ge=1, le=MAX_TOKENIZER_BYTES)]
     data: dict[str, Any]  # the founder's corpus: a description; each peer brings its own data
-    initial_model_sha256: Hex
+    initial_units: Annotated[dict[Unit, Hex], msgspec.Meta(max_length=4096)]  # unit -> its fingerprint
 
     @property
     def hash(self) -> str:

@@ -33,7 +33,7 @@ from spes_p2p.sync.jobs import UnitJob, UnitResult
 from spes_p2p.sync.ledger import Ledger
 from spes_p2p.sync.payload import tensors_hash
 from spes_p2p.sync.reduce_scatter import ReduceScatter
-from spes_p2p.sync.refresh import Refresh
+from spes_p2p.sync.refresh import Refresh, Verify
 from spes_p2p.sync.serving import KEEP_ROUNDS, Outbox
 from spes_p2p.sync.versions import EXACT_WEIGHTS, Copies, Download, Version, Versions, Want
 
@@ -126,9 +126,10 @@ class SyncEngine:
         want: Want | dict[str, Want] | None = None,
         on_unit: Callable[[str, Download], None] | None = None,
         fallback: list[str] = (),
+        verify: Verify | None = None,
     ) -> dict[str, int]:
         """Fetches each unit in ``holders`` from one of them (``refresh.Refresh.run``); unit -> round got."""
-        return self._refresh.run(min_round, holders, seconds, want, on_unit, fallback)
+        return self._refresh.run(min_round, holders, seconds, want, on_unit, fallback, verify)
 
     @property
     def rejected_payloads(self) -> int:

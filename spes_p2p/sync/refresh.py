@@ -35,6 +35,9 @@ logger = logging.getLogger(__name__)
 POLL_SECONDS = 0.1
 
 Tensors = dict[str, torch.Tensor]
+Verify = Callable[
+    [str, Tensors], str
+]  # (unit, tensors as they decode) -> why they cannot be used; '' if they can
 
 
 class Refresh:
@@ -65,15 +68,19 @@ class Refresh:
         want: Want | dict[str, Want] | None = None,
         on_unit: Callable[[str, Download], None] | None = None,
         fallback: list[str] = (),
+        verify: Verify | None = None,
     ) -> dict[str, int]:
         """Fetches each unit in ``holders`` (unit -> live holders) from one of them; returns unit -> round
         fetched, for the units obtained. ``want``: one for every unit, or unit -> what (default: weights in
-        the refresh codec)."""
+        the refresh codec). ``verify``: a check of what a peer served beyond its payload's (a peer that
+        fails it is refused and counted, and the next one asked)."""
         default = Want("weights", self.cfg.refresh_codec)
         wants = want if isinstance(want, dict) else {u: want or default for u in holders}
         deadline, patience = Deadline(seconds, self.abort), Deadline(seconds / 2, self.abort)
         futures = {
-            u: self.pool.submit(self._unit, u, h, list(fallback), min_round, wants[u], deadline, patience)
+            u: self.pool.submit(
+                self._unit, u, h, list(fallback), min_round, wants[u], deadline, patience, verify
+            )
             for u, h in holders.items()
             if h or fallback
         }
@@ -99,6 +106,7 @@ class Refresh:
         want: Want,
         deadline: Deadline,
         patience: Deadline,
+        verify: Verify | None,
     ) -> Download | None:
         """``patience``: how long to wait for a change before asking for the exact version instead."""
         order = list(holders)
@@ -114,7 +122,7 @@ class Refresh:
                     return NOBODY
             elsewhere = False
             for peer in order:
-                found = self._fetch(peer, unit, want, min_round, False, deadline)
+                found = self._fetch(peer, unit, want, min_round, False, deadline, verify)
                 elsewhere |= found is ELSEWHERE
                 if found is not None and found is not ELSEWHERE:
                     return found
@@ -123,7 +131,7 @@ class Refresh:
             if order and not deadline.passed():
                 return None  # holders first, while they may still catch up
             for peer in fallback:
-                found = self._fetch(peer, unit, want, -1, True, deadline)
+                found = self._fetch(peer, unit, want, -1, True, deadline, verify)
                 if found is not None:
                     return found
             return None
@@ -136,7 +144,14 @@ class Refresh:
         return None if found is NOBODY else found
 
     def _fetch(
-        self, peer: str, unit: str, want: Want, min_round: int, any_copy: bool, deadline: Deadline
+        self,
+        peer: str,
+        unit: str,
+        want: Want,
+        min_round: int,
+        any_copy: bool,
+        deadline: Deadline,
+        verify: Verify | None,
     ) -> Download | None:
         """What we want of ``unit`` from ``peer``, or None when it cannot serve it (yet)."""
         # the round to match (refreshes: every peer then gets the same version), or the newest (catch-up)
@@ -162,13 +177,17 @@ class Refresh:
             meta={"unit": unit, "kind": want.kind},
         )
         try:
-            decoder(payload)  # checked now; decoded again when used
+            tensors = decoder(payload)  # checked now; decoded again when used
             round_ = _round_of(payload)
             since = metadata_of(payload).get("since") if want.kind == "change" else None
+            problem = verify(unit, tensors) if verify is not None else ""
+            if problem:
+                raise PayloadError(problem)
         except PayloadError as exc:
             self.transport.guard.reject(peer, f"{want.kind} of {unit}", str(exc))
             with self._lock:
                 self.rejected += 1
+                self.failed[peer] += 1
             return None
         self.transport.guard.accept(peer)
         with self._lock:
