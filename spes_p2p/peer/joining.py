@@ -121,8 +121,8 @@ def download_initial_model(
     any live peer (holders first), each unit checked against its fingerprint. A peer that serves other
     weights is refused and counted, and the next one asked: one liar does not lock newcomers out."""
     others = [p.peer_id for p in others_of(view, me)]
-    sources = {u: [*sorted(view.holders.get(u, set()) - {me}), *others] for u in units}
-    sources = {u: list(dict.fromkeys(peers)) for u, peers in sources.items()}  # (each peer once, in order)
+    # (each peer once, in order: dict.fromkeys)
+    sources = {u: list(dict.fromkeys([*sorted(view.holders.get(u, set()) - {me}), *others])) for u in units}
 
     def verify(unit: str, tensors: dict[str, torch.Tensor]) -> str:
         return "" if fingerprint(tensors) == units[unit] else "its initial weights are not the manifest's"

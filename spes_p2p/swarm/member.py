@@ -136,6 +136,65 @@ def over_capacity(peers: dict[str, PeerRecord], guard) -> set[str]:
     return over
 
 
+@dataclass(frozen=True)
+class ClaimChoice:
+    """Which units a peer holds from a round on: the claim policy (``claims.choose_units``) over a view, for
+    the expert shards and, with dense blocks (B > 1), the blocks carried through their rotations."""
+
+    cfg: MemberConfig
+    me: str
+
+    def epoch_of(self, round_: int) -> int:
+        """The dense-block rotation epoch of ``round_`` (0 without rotations)."""
+        return round_ // self.cfg.rotate_every if self.cfg.dense_claimable and self.cfg.rotate_every else 0
+
+    def __call__(
+        self, view: SwarmView, held: set[str], unserved: Counter[str], first_round: int, epoch: int
+    ) -> tuple[set[str], int]:
+        """The units to hold from ``first_round`` on, and the rotation epoch of those claims (``epoch``:
+        that of ``held``). A unit none of whose holders served ``UNSERVED_LIMIT`` refreshes in a row
+        counts as uncovered."""
+        settled = {p for since in view.since.values() for p, s in since.items() if s >= first_round}
+        delivering = {u: set() if unserved[u] >= UNSERVED_LIMIT else h for u, h in view.holders.items()}
+        experts = choose_units(
+            me=self.me,
+            held=held,
+            units=self.cfg.claimable,
+            holders=delivering,
+            capacity=self.cfg.peer.capacity,
+            target=self.cfg.swarm.target_replication,
+            hysteresis=self.cfg.swarm.hysteresis,
+            settled=settled,
+        )
+        if not self.cfg.dense_claimable:
+            return experts, epoch
+        target = self.epoch_of(first_round)
+        return experts | self._blocks(view, held, epoch, target, settled), target
+
+    def _blocks(self, view: SwarmView, held: set[str], epoch: int, target: int, settled: set) -> set[str]:
+        """The dense blocks to train from epoch ``target`` on: ours carried through the rotations since
+        ``epoch``, then the claim policy over everyone's claims carried to the same epoch."""
+        blocks, order, seed = self.cfg.dense_claimable, self.cfg.block_order, self.cfg.swarm.run_id
+        mine = {
+            blocks[carry_block(int(u.split("/")[1]), epoch, target, len(blocks), order, seed)]
+            for u in held
+            if u in blocks
+        }
+        if mine != {u for u in held if u in blocks}:
+            logger.info("rotation to epoch %d: dense blocks %s", target, sorted(mine))
+        others = {u: {p: view.epochs.get(u, {}).get(p, 0) for p in view.holders.get(u, ())} for u in blocks}
+        return choose_units(
+            me=self.me,
+            held=mine,
+            units=blocks,
+            holders=holders_at_epoch(others, target, order, seed),
+            capacity=self.cfg.peer.active_blocks,
+            target=len(view.peers) + 1,  # dense blocks: as evenly covered as the peers allow
+            hysteresis=self.cfg.swarm.hysteresis,
+            settled=settled,
+        )
+
+
 class SwarmMember:
     """This peer's claims and progress, and its records in the DHT.
 
@@ -147,6 +206,7 @@ class SwarmMember:
 
     def __init__(self, transport: Transport, manifest: Manifest, cfg: MemberConfig) -> None:
         self.transport, self.manifest, self.cfg = transport, manifest, cfg
+        self._choose = ClaimChoice(cfg, transport.peer_id)
         self._manifest_record = manifest.record()
         self._manifest_due = float("-inf")  # when the manifest record is next refreshed (transport time)
         self._published = False  # whether this peer's active record is out (until it leaves)
@@ -203,14 +263,11 @@ class SwarmMember:
         view = self.view()
         with self._state:
             first = self.round if first_round is None else first_round
-            self.epoch = self.epoch_of(first)
-            self.held = self._choose(view, first)
+            epoch = self._choose.epoch_of(first)
+            self.held, self.epoch = self._choose(view, self.held, self.unserved, first, epoch)
             self.since = {u: first for u in self.units}
         self.heartbeat()
         return self.view()
-
-    def epoch_of(self, round_: int) -> int:
-        return round_ // self.cfg.rotate_every if self.cfg.dense_claimable and self.cfg.rotate_every else 0
 
     def start_at(self, round_: int) -> None:
         """A peer that caught up trains everything it holds from ``round_`` on."""
@@ -271,7 +328,7 @@ class SwarmMember:
         with self._state:
             first_round = self.round if first_round is None else first_round
             count_from = first_round if count_from is None else count_from
-            new = self._choose(view, first_round)
+            new, self.epoch = self._choose(view, self.held, self.unserved, first_round, self.epoch)
             dropped = self.held - new
             if new != self.held:
                 logger.info("claims: %s -> %s", sorted(self.held), sorted(new))
@@ -285,47 +342,6 @@ class SwarmMember:
             self.held = new
         self.heartbeat()
         return dropped
-
-    def _choose(self, view: SwarmView, first_round: int) -> set[str]:
-        settled = {p for since in view.since.values() for p, s in since.items() if s >= first_round}
-        delivering = {u: set() if self.unserved[u] >= UNSERVED_LIMIT else h for u, h in view.holders.items()}
-        experts = choose_units(
-            me=self.me,
-            held=self.held,
-            units=self.cfg.claimable,
-            holders=delivering,
-            capacity=self.cfg.peer.capacity,
-            target=self.cfg.swarm.target_replication,
-            hysteresis=self.cfg.swarm.hysteresis,
-            settled=settled,
-        )
-        if not self.cfg.dense_claimable:
-            return experts
-        return experts | self._choose_blocks(view, self.epoch_of(first_round), settled)
-
-    def _choose_blocks(self, view: SwarmView, epoch: int, settled: set[str]) -> set[str]:
-        """The dense blocks to train from ``epoch`` on: this peer's carried through the rotations since its
-        last claim, then the claim policy over everyone's claims carried to the same epoch."""
-        blocks, order, seed = self.cfg.dense_claimable, self.cfg.block_order, self.cfg.swarm.run_id
-        mine = {
-            blocks[carry_block(int(u.split("/")[1]), self.epoch, epoch, len(blocks), order, seed)]
-            for u in self.held
-            if u in blocks
-        }
-        if mine != {u for u in self.held if u in blocks}:
-            logger.info("rotation to epoch %d: dense blocks %s", epoch, sorted(mine))
-        others = {u: {p: view.epochs.get(u, {}).get(p, 0) for p in view.holders.get(u, ())} for u in blocks}
-        self.epoch = epoch
-        return choose_units(
-            me=self.me,
-            held=mine,
-            units=blocks,
-            holders=holders_at_epoch(others, epoch, order, seed),
-            capacity=self.cfg.peer.active_blocks,
-            target=len(view.peers) + 1,  # dense blocks: as evenly covered as the peers allow
-            hysteresis=self.cfg.swarm.hysteresis,
-            settled=settled,
-        )
 
     def heartbeat(self) -> None:
         """Refreshes this peer's records; a unit given up is announced as such until its last round is
