@@ -190,6 +190,23 @@ def test_join_and_claim_cover_every_shard(member, net):
     assert record.units == members[2].units_held and record.addresses == ["/memory/p2p/p2"]
 
 
+def test_founders_that_claimed_alike_at_the_same_moment_settle_before_the_first_round(member, net):
+    """Four founders each read the swarm before any of the others published (a race, under load): some
+    claim the same shard and leave another uncovered for the first rounds, until ``settle``."""
+    settings = make_settings(shards=4)
+    members = [member(net, f"p{i}", settings) for i in range(4)]
+    empty = members[0].view()
+    for m in members:
+        m.view = lambda: empty  # (what each read before the others' records were out)
+        m.join()
+        del m.view
+    shards = [f"experts/{s}" for s in range(4)]
+    assert 0 in [coverage(members[0])[u] for u in shards]  # the race
+    for m in members:
+        m.settle()
+    assert [coverage(members[0])[u] for u in shards] == [1, 1, 1, 1]
+
+
 def test_a_failed_read_of_the_swarm_is_not_everyone_leaving(member, net, monkeypatch):
     """A DHT read that times out finds nothing: a peer whose own record is out keeps its last view, rather
     than stop waiting for every participant or count every unit uncovered."""

@@ -149,12 +149,20 @@ class ClaimChoice:
         return round_ // self.cfg.rotate_every if self.cfg.dense_claimable and self.cfg.rotate_every else 0
 
     def __call__(
-        self, view: SwarmView, held: set[str], unserved: Counter[str], first_round: int, epoch: int
+        self,
+        view: SwarmView,
+        held: set[str],
+        unserved: Counter[str],
+        first_round: int,
+        epoch: int,
+        founding: bool = False,
     ) -> tuple[set[str], int]:
         """The units to hold from ``first_round`` on, and the rotation epoch of those claims (``epoch``:
         that of ``held``). A unit none of whose holders served ``UNSERVED_LIMIT`` refreshes in a row
-        counts as uncovered."""
+        counts as uncovered. Peers that claimed since ``first_round`` are not moved again, but for
+        ``founding`` (before the first round, when every claim is that new)."""
         settled = {p for since in view.since.values() for p, s in since.items() if s >= first_round}
+        settled = set() if founding else settled
         delivering = {u: set() if unserved[u] >= UNSERVED_LIMIT else h for u, h in view.holders.items()}
         experts = choose_units(
             me=self.me,
@@ -268,6 +276,19 @@ class SwarmMember:
             self.since = {u: first for u in self.units}
         self.heartbeat()
         return self.view()
+
+    def settle(self) -> None:
+        """Before the first round, once the founders see each other: founders that claimed at the same
+        moment (neither had seen the other's record) may hold the same unit while another has nobody; the
+        moves that each of them plans alike from the same view spread them out."""
+        view = self.view()
+        with self._state:
+            new, _ = self._choose(view, self.held, self.unserved, 0, self.epoch, founding=True)
+            if new == self.held:
+                return
+            logger.info("claims, settled among the founders: %s -> %s", sorted(self.held), sorted(new))
+            self.held = new
+        self.heartbeat()
 
     def start_at(self, round_: int) -> None:
         """A peer that caught up trains everything it holds from ``round_`` on."""
