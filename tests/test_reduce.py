@@ -38,8 +38,13 @@ def swarm(dense_exchange="reduce_scatter", codec="int8", deadline=5.0, peers=GRO
 
 
 def weights(seed: int, scale: float = 1.0) -> dict[str, torch.Tensor]:
-    g = torch.Generator().manual_seed(seed)
-    return {n: torch.randn(s.shape, generator=g) * scale for n, s in SPECS[UNIT].items()}
+    """Random weights, or updates: a part they all share plus one of their own, as honest updates of one
+    unit point the same way (co-holders screen out updates that do not: sync/screening.py)."""
+    shared, own = torch.Generator().manual_seed(12345), torch.Generator().manual_seed(seed)
+    return {
+        n: (torch.randn(s.shape, generator=shared) + torch.randn(s.shape, generator=own)) * scale
+        for n, s in SPECS[UNIT].items()
+    }
 
 
 START = weights(0)

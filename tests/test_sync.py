@@ -27,9 +27,14 @@ TOLERANCE = {"none": 2e-5, "fp16": 2e-3, "int8": 3e-2}
 
 
 def tensors(seed: int, scale: float = 1.0) -> dict[str, dict[str, torch.Tensor]]:
-    g = torch.Generator().manual_seed(seed)
+    """Random weights, or updates: a part they all share plus one of their own, as honest updates of one
+    unit point the same way (co-holders screen out updates that do not: sync/screening.py)."""
+    shared, own = torch.Generator().manual_seed(12345), torch.Generator().manual_seed(seed)
     return {
-        u: {n: torch.randn(s.shape, generator=g) * scale for n, s in spec.items()}
+        u: {
+            n: (torch.randn(s.shape, generator=shared) + torch.randn(s.shape, generator=own)) * scale
+            for n, s in spec.items()
+        }
         for u, spec in SPECS.items()
     }
 
@@ -136,7 +141,7 @@ def test_a_holder_that_never_answers_does_not_stop_the_round():
     _, engines = make_swarm("none", deadline=1.0, peers=("p0", "p1", "p2", "p3", "ghost"))
     holders = {**HOLDERS, "experts/0": ["p0", "p2", "ghost"]}
     start = tensors(0)
-    ends = {p: tensors(7) for p in engines}
+    ends = {p: tensors(7 + i) for i, p in enumerate(engines)}
     results = run_round(
         engines,
         start,
@@ -175,7 +180,7 @@ def test_a_participant_that_came_back_for_later_rounds_is_not_waited_for():
     engines = {p: SyncEngine(net.join(p), "t", cfg, SPECS, roster=roster) for p in ("p0", "p2")}
     net.join("reborn")  # up again, announcing nothing of this round
     unit, start = "experts/0", tensors(0)["experts/0"]
-    ends = {p: {"w1": start["w1"] + 0.01 * (i + 1)} for i, p in enumerate(engines)}
+    ends = {p: {"w1": start["w1"] + tensors(i + 1, 0.01)[unit]["w1"]} for i, p in enumerate(engines)}
     results = exchange_concurrently(
         engines, 3, unit, {p: start for p in engines}, ends, ["p0", "p2", "reborn"]
     )
@@ -198,7 +203,7 @@ def test_a_participant_that_announces_and_never_serves_stops_being_waited_for():
     start = tensors(0)[unit]
     for round_ in range(MISS_LIMIT):
         ghost_announces(round_)
-        ends = {p: {"w1": start["w1"] + 0.01 * (i + 1)} for i, p in enumerate(engines)}
+        ends = {p: {"w1": start["w1"] + tensors(i + 1, 0.01)[unit]["w1"]} for i, p in enumerate(engines)}
         results = exchange_concurrently(engines, round_, unit, {p: start for p in engines}, ends, holders)
         assert results["p0"].missing == ["ghost"] and results["p0"].participants == ["p0", "p2"]
         start = results["p0"].new_weights
@@ -208,7 +213,7 @@ def test_a_participant_that_announces_and_never_serves_stops_being_waited_for():
     for engine in engines.values():  # from now on a wait for the ghost would outlive this test's timeout
         engine._gatherer.deadline.low = engine._gatherer.deadline.high = 600.0
     ghost_announces(MISS_LIMIT)
-    ends = {p: {"w1": start["w1"] + 0.01} for p in engines}
+    ends = {p: {"w1": start["w1"] + tensors(i + 1, 0.01)[unit]["w1"]} for i, p in enumerate(engines)}
     results = exchange_concurrently(engines, MISS_LIMIT, unit, {p: start for p in engines}, ends, holders)
     assert results["p0"].missing == ["ghost"] and results["p0"].participants == ["p0", "p2"]
 
@@ -271,14 +276,19 @@ def test_a_late_update_counts_in_the_next_round():
         UnitJob(0, unit, start, end["p2"], TOKENS["p2"], holders)
     )  # ...and announces afterwards
     base = first["p0"].new_weights
+    late_delta = end["p2"]["w1"] - start["w1"]
+    steps = {p: 0.5 * late_delta + tensors(60 + i, 0.5)[unit]["w1"] for i, p in enumerate(("p0", "p1"))}
     two = {p: base for p in ("p0", "p1")}
-    second = exchange_concurrently(engines, 1, unit, two, two, holders)
+    second = exchange_concurrently(
+        engines, 1, unit, two, {p: {"w1": base["w1"] + steps[p]} for p in two}, holders
+    )
     for p in ("p0", "p1"):
         assert second[p].participants == ["p0", "p1", "p2"]  # p2 counts, with its late update
-    late_delta = end["p2"]["w1"] - start["w1"]
-    # the others' updates of round 1 are zero here: the mean is the late update weighted by its tokens
-    share = TOKENS["p2"] / (TOKENS["p0"] + TOKENS["p1"] + TOKENS["p2"])
-    torch.testing.assert_close(second["p0"].new_weights["w1"], base["w1"] + share * late_delta)
+    # the mean of round 1's updates and the late one, weighted by their tokens
+    mean = sum(TOKENS[p] * d for p, d in [*steps.items(), ("p2", late_delta)]) / sum(
+        TOKENS[p] for p in ("p0", "p1", "p2")
+    )
+    torch.testing.assert_close(second["p0"].new_weights["w1"], base["w1"] + mean)
     assert torch.equal(second["p0"].new_weights["w1"], second["p1"].new_weights["w1"])
     assert same  # (every holder started round 0 from the same weights)
 
@@ -302,10 +312,13 @@ def test_a_non_participant_cannot_slip_in_a_late_update():
     )
     base = first["p0"].new_weights
     two = {p: base for p in holders}
-    second = exchange_concurrently(engines, 1, unit, two, two, holders, tokens={**TOKENS, "intruder": 1})
-    for p in holders:
+    steps = {p: tensors(60 + i, 0.01)[unit]["w1"] for i, p in enumerate(holders)}
+    ends = {p: {"w1": base["w1"] + steps[p]} for p in holders}
+    second = exchange_concurrently(engines, 1, unit, two, ends, holders, tokens={**TOKENS, "intruder": 1})
+    mean = sum(TOKENS[p] * steps[p] for p in holders) / sum(TOKENS[p] for p in holders)
+    for p in holders:  # the intruder's update did not count
         assert second[p].participants == ["p0", "p1"]
-        assert torch.equal(second[p].new_weights["w1"], base["w1"])  # nothing moved: no update counted
+        torch.testing.assert_close(second[p].new_weights["w1"], base["w1"] + mean)
 
 
 def poisoned_round(attack, aggregate="clipped_mean"):
@@ -348,7 +361,7 @@ def test_an_update_in_another_codec_than_the_swarms_is_refused_unfetched():
         for p, codec in (("p0", "int8"), ("p1", "none"))
     }
     start = tensors(0)["experts/0"]
-    ends = {p: {"w1": start["w1"] + 0.01} for p in engines}
+    ends = {p: {"w1": start["w1"] + tensors(i + 1, 0.01)["experts/0"]["w1"]} for i, p in enumerate(engines)}
     results = exchange_concurrently(engines, 0, "experts/0", {p: start for p in engines}, ends, ["p0", "p1"])
     assert results["p0"].rejected == ["p1"] and results["p0"].participants == ["p0"]
     assert not any(caller == "p0" for caller, *_ in net.log)  # nothing was fetched from p1
@@ -397,7 +410,7 @@ def test_far_end_weights_drag_nobody():
     unit, holders = "experts/0", ["p0", "x"]
     start = tensors(0)[unit]
     starts = {"p0": start, "x": {"w1": start["w1"] + 1}}  # a tie of bases, one of them far off
-    ends = {"p0": {"w1": start["w1"] + 0.01}, "x": {"w1": starts["x"]["w1"] + 1e4}}
+    ends = {"p0": {"w1": start["w1"] + tensors(1, 0.01)[unit]["w1"]}, "x": {"w1": starts["x"]["w1"] + 1e4}}
     results = exchange_concurrently(engines, 0, unit, starts, ends, holders)
     assert results["p0"].resynced and results["p0"].rejected == ["x"]
     assert torch.equal(results["p0"].new_weights["w1"], ends["p0"]["w1"])  # p0 did not move
@@ -409,7 +422,9 @@ def test_a_peer_outnumbered_and_out_of_reach_downloads_the_unit():
     start = tensors(0)[unit]
     for round_ in range(RESYNC_LIMIT):
         starts = {"p0": start, "p1": start, "x": {"w1": start["w1"] + 1 + round_}}  # x: elsewhere, far
-        ends = {p: {"w1": s["w1"] + 1e-4} for p, s in starts.items()}
+        ends = {
+            p: {"w1": s["w1"] + tensors(i + 1, 1e-4)[unit]["w1"]} for i, (p, s) in enumerate(starts.items())
+        }
         results = exchange_concurrently(engines, round_, unit, starts, ends, holders)
         assert not results["p0"].resynced and results["p0"].participants == ["p0", "p1"]
         assert results["x"].resynced and results["x"].rejected == ["p0", "p1"]
@@ -444,7 +459,7 @@ def test_a_deadline_that_cut_off_a_peer_still_training_waits_longer_next_round()
     start, waits = tensors(0)[unit], []
     for round_ in range(MISS_LIMIT + 1):
         waits.append(engines["p0"]._gatherer.deadline.seconds())
-        ends = {p: {"w1": start["w1"] + 0.01 * (i + 1)} for i, p in enumerate(engines)}
+        ends = {p: {"w1": start["w1"] + tensors(i + 1, 0.01)[unit]["w1"]} for i, p in enumerate(engines)}
         results = exchange_concurrently(engines, round_, unit, {p: start for p in engines}, ends, holders)
         assert results["p0"].missing == ["p2"] and results["p0"].participants == ["p0", "p1"]
         start = results["p0"].new_weights
@@ -452,7 +467,7 @@ def test_a_deadline_that_cut_off_a_peer_still_training_waits_longer_next_round()
     assert not engines["p0"]._ledger.waited_for("p2")
     for engine in engines.values():  # from now on a wait for p2 would outlive this test's timeout
         engine._gatherer.deadline.low = engine._gatherer.deadline.high = 600.0
-    ends = {p: {"w1": start["w1"] + 0.01} for p in engines}
+    ends = {p: {"w1": start["w1"] + tensors(i + 1, 0.01)[unit]["w1"]} for i, p in enumerate(engines)}
     results = exchange_concurrently(engines, MISS_LIMIT + 1, unit, {p: start for p in engines}, ends, holders)
     assert results["p0"].missing == ["p2"] and results["p0"].participants == ["p0", "p1"]
 

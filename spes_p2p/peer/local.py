@@ -15,6 +15,7 @@ the same on a GPU peer as on a CPU peer, and the device's memory holds nothing b
 
 from __future__ import annotations
 
+import hashlib
 import statistics
 import threading
 import time
@@ -186,3 +187,26 @@ class LocalTraining(LocalModel):
     def evaluate(self) -> float | None:
         with self._lock:
             return evaluate(self.model, self.val_batches)
+
+    def probe(
+        self, round_: int, unit: str, start: dict[str, Tensors], candidates: list[Tensors]
+    ) -> list[float]:
+        """The validation loss on round ``round_``'s probe batch (every peer of the swarm picks the same
+        one) with the units of ``start`` at those weights: first as they are, then with ``unit`` at each of
+        ``candidates``. Training pauses meanwhile; its weights are put back."""
+        pick = hashlib.sha256(f"{self.settings.swarm.run_id}:{round_}".encode()).digest()
+        batch = [self.val_batches[int.from_bytes(pick[:8], "big") % len(self.val_batches)]]
+        with self._lock:
+            training = {u: read_unit(self.model, self.layout, u) for u in start}
+            try:
+                for u, weights in start.items():
+                    write_unit(self.model, self.layout, u, weights)
+                losses = [evaluate(self.model, batch)]
+                for weights in candidates:
+                    write_unit(self.model, self.layout, unit, weights)
+                    losses.append(evaluate(self.model, batch))
+            finally:
+                for u, weights in training.items():
+                    write_unit(self.model, self.layout, u, weights)
+                self.model.train()
+        return losses

@@ -51,6 +51,11 @@ class RoundMetrics:
             "units": job.units,
             "participants": {u: r.participants for u, r in job.results.items()},
             "missing": {u: r.missing for u, r in job.results.items() if r.missing},
+            "refused": {u: r.rejected for u, r in job.results.items() if r.rejected},
+            # the validation loss each participant's update took off (screening.screen)
+            "scores": {
+                u: {p: round(s, 5) for p, s in r.scores.items()} for u, r in job.results.items() if r.scores
+            },
             "resynced": sorted(u for u, r in job.results.items() if r.resynced),
             "refreshed": {u: f.want.kind for u, f in sorted(job.refreshed.items())},  # how each came
             "rejected_payloads": rejected,

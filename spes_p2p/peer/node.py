@@ -115,7 +115,8 @@ class Peer:
         specs = {u: specs_of(self.local.read(u)) for u in self.layout.units}
         self.sync = sync_engine(settings, transport, specs, self.local.read, self.member)
         overlap = settings.method.overlap
-        round_sync = RoundSync(settings, self.member, self.sync, self.layout)
+        probe = self.local.probe if self.local.compute == "real" else None
+        round_sync = RoundSync(settings, self.member, self.sync, self.layout, probe)
         self.pipeline, self.frozen = Pipeline(round_sync, overlap), round_sync.frozen
         self.landing = Landing(
             self.local.read, self.local.write, overlap, self.local.reset_state, self.frozen.landed

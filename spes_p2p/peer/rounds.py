@@ -14,6 +14,8 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Callable
+from functools import partial
 
 import torch
 
@@ -34,16 +36,26 @@ Tensors = dict[str, torch.Tensor]
 
 
 class RoundSync:
-    def __init__(self, settings: Settings, member: SwarmMember, sync: SyncEngine, layout: UnitLayout) -> None:
+    def __init__(
+        self,
+        settings: Settings,
+        member: SwarmMember,
+        sync: SyncEngine,
+        layout: UnitLayout,
+        probe: Callable[..., list[float]] | None = None,
+    ) -> None:
+        """``probe``: ``LocalTraining.probe``, which measures the validation loss of candidate weights
+        (None with virtual compute: updates are then screened without it)."""
         self.settings, self.member, self.sync, self.layout = settings, member, sync, layout
-        self.me = member.me
+        self.me, self.probe = member.me, probe
         self.frozen = FrozenCopies(settings, member, sync, layout)
 
     def __call__(self, job: RoundJob) -> None:
         try:
             view = self.member.view()
+            starts = dict(job.start)  # (the probes measure every unit at its start weights)
             for unit in job.units:
-                job.results[unit] = self._exchange(job, unit, view)
+                job.results[unit] = self._exchange(job, unit, view, starts)
                 del job.start[unit]  # (snapshots go as soon as their arithmetic is done)
                 self.sync.serve_weights(job.round, unit, job.results[unit].new_weights)
             self.frozen.publish(job, view)
@@ -57,7 +69,7 @@ class RoundSync:
         except BaseException as exc:  # re-raised on the training thread when the job lands
             job.error = exc
 
-    def _exchange(self, job: RoundJob, unit: str, view: SwarmView) -> UnitResult:
+    def _exchange(self, job: RoundJob, unit: str, view: SwarmView, starts: dict[str, Tensors]) -> UnitResult:
         """The unit's round: its participants are its holders in that round, or (the dense part, and every
         unit in DiLoCo) the round's random group; a unit we started to hold since then does not count."""
         counted = self.member.since_of(unit) <= job.round
@@ -67,8 +79,9 @@ class RoundSync:
             members = participants if counted else [p for p in participants if p != self.me]
             participants = self.sync.group(members, job.round)
         start, end = job.start[unit], job.end[unit]
+        probe = self.probe and partial(self.probe, job.round, unit, starts)
         return self.sync.exchange(
-            UnitJob(job.round, unit, start, end, job.tokens, participants, counted, grouped)
+            UnitJob(job.round, unit, start, end, job.tokens, participants, counted, grouped, probe)
         )
 
     def bound(self, job: RoundJob) -> float:

@@ -8,7 +8,11 @@ by the client; the attacks only ever reach the honest peers through the network,
     nan       its updates are NaN (block scales too, in a quantized codec)
     scale     its updates are multiplied by 1000
     signflip  its updates are negated
-              (these four also apply to each piece of a reduce-scatter, and to the combined parts it owns)
+    subtle    its updates are half the honest ones, negated: inside every norm bound
+    zero      its updates are zeros, for the tokens it claims to have trained on (a free-rider)
+    noise     its updates are random, of the honest update's norm (per buffer of the payload)
+              (these seven also apply to each piece of a reduce-scatter, and to the combined parts it owns)
+    copy      it serves, as its own, a copy of another participant's update of the unit (or of its pieces)
     ownerflip the combined parts of the dense update it owns are served as -8 times the honest part, naming
               only itself as combined (so that no member holds the part against its own piece)
     tokens    it claims 10^15 tokens for every update
@@ -29,6 +33,7 @@ import sys
 import threading
 
 import msgspec
+import torch
 from safetensors.torch import load, save
 
 from spes_p2p.model.units import layout_of
@@ -44,10 +49,14 @@ logger = logging.getLogger(__name__)
 SLOW_SECONDS = 8.0
 SYBILS = 8
 SILENT_SECONDS = 120.0  # how long a silent peer holds a request before dropping it
+COPY_WAIT_SECONDS = 10.0  # how long a copier waits for an update to copy before it sends its own
 _REWRITES = {
     "nan": lambda t: t * float("nan"),
     "scale": lambda t: t * 1000,
     "signflip": lambda t: -t,
+    "subtle": lambda t: t * -0.5,
+    "zero": lambda t: t * 0,
+    "noise": lambda t: torch.randn_like(t) * (t.norm() / max(t.numel(), 1) ** 0.5),
 }
 
 
@@ -72,6 +81,7 @@ class ByzantineTransport(Transport):
         self.forged: dict[tuple[int, str, int], bytes] = {}  # (round, unit, part) -> the payload it serves
         self.stopped = threading.Event()
         self.sybils: list[Transport] = []
+        self.run_id = ""  # (learnt from the first update it announces)
 
     # ---------------------------------------------------------------------------------- pass-through
 
@@ -137,6 +147,7 @@ class ByzantineTransport(Transport):
         if self.mode == "forge" and parts[-1] == "peers":
             self._forge_tombstones(parts[0], PeerRecord.decode(value))
         if len(parts) == 5 and parts[1] == "updates":  # <run>/updates/<round>/<unit>: our update is ready
+            self.run_id = parts[0]
             value = self._announce(int(parts[2]), f"{parts[3]}/{parts[4]}", Announcement.decode(value))
             if self.mode == "late":
                 self._inject_late(parts[0], int(parts[2]) - 1, expires_at)
@@ -150,6 +161,8 @@ class ByzantineTransport(Transport):
             fields["tokens"] = 10**15
         elif self.mode == "resync":
             fields["base"] = hashlib.sha256(f"foreign {round_}".encode()).hexdigest()[:16]
+        elif self.mode == "copy":
+            self._copy(round_, unit, fields)
         elif self.mode in ("garbage", *_REWRITES):
             serve = self.handlers[RPC_UPDATE]
             if not a.pieces:
@@ -165,6 +178,32 @@ class ByzantineTransport(Transport):
                 ]
                 fields.update(pieces=pieces, sha256=hashlib.sha256("".join(pieces).encode()).hexdigest())
         return Announcement(**fields).encode()
+
+    def _copy(self, round_: int, unit: str, fields: dict) -> None:
+        """Waits (bounded) for another participant's update of the unit, and serves a copy of it (or of its
+        pieces) as its own: ``fields`` are made to announce the copy."""
+        key = f"{self.run_id}/updates/{round_}/{unit}"
+        parts = len(fields["pieces"])
+        for _ in range(int(COPY_WAIT_SECONDS / 0.2)):
+            for holder, entry in sorted(self.inner.read(key).items()):
+                theirs = Announcement.decode(entry.value) if holder != self.peer_id else None
+                if theirs is None or len(theirs.pieces) != parts or theirs.base != fields["base"]:
+                    continue
+                try:
+                    copied = [
+                        self.inner.request(holder, RPC_UPDATE, ask.encode(), timeout=5)
+                        for ask in _requests(round_, unit, parts)
+                    ]
+                except TransportError as exc:
+                    logger.debug("nothing to copy from %s: %s", holder, exc)
+                    continue
+                for part, payload in enumerate(copied):
+                    self.forged[(round_, unit, part)] = payload
+                fields.update(tokens=theirs.tokens, bytes=theirs.bytes, sha256=theirs.sha256)
+                fields["pieces"] = theirs.pieces
+                return
+            if self.stopped.wait(0.2):
+                return
 
     def _forge(self, honest: bytes) -> bytes:
         return os.urandom(len(honest)) if self.mode == "garbage" else rewrite(honest, _REWRITES[self.mode])
@@ -250,6 +289,13 @@ class ByzantineTransport(Transport):
                     self.inner.request(peer, name, os.urandom(64), timeout=2)
                 except TransportError:
                     pass
+
+
+def _requests(round_: int, unit: str, parts: int) -> list[UpdateRequest]:
+    """The requests of a whole update, or of each of its ``parts`` pieces."""
+    if not parts:
+        return [UpdateRequest(round=round_, unit=unit)]
+    return [UpdateRequest(round=round_, unit=unit, kind="piece", part=p, parts=parts) for p in range(parts)]
 
 
 def main(argv: list[str]) -> int:

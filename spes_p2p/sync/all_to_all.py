@@ -31,13 +31,12 @@ class AllToAll(Exchange):
             return self.resync(job, own, decision, deadline, result)
         outer = self.ledger.outer(job.unit)
         fallback = job.start if job.diverged else job.end
+        screened = self.screen(job, result, decision.contributions)
         result.new_weights, outliers = averaged(
-            job.start, fallback, decision.contributions, outer, self.aggregate, self.me if own else None
+            job.start, fallback, screened, outer, self.aggregate, self.me if own else None
         )
         self.count_outliers(result, outliers)
-        return self.close(
-            job, result, {c.peer_id for c in decision.contributions if c.peer_id not in outliers}
-        )
+        return self.close(job, result, {c.peer_id for c in screened if c.peer_id not in outliers})
 
     def _post(self, job: UnitJob) -> Contribution:
         """Codes, posts and announces our update; returns it as it decodes, which is what we combine."""

@@ -20,6 +20,7 @@ import logging
 import math
 import random
 from abc import ABC, abstractmethod
+from dataclasses import dataclass
 
 import torch
 
@@ -31,7 +32,8 @@ from spes_p2p.sync.fetching import UpdateFetcher
 from spes_p2p.sync.gather import Gathered, Gatherer
 from spes_p2p.sync.jobs import UnitJob, UnitResult
 from spes_p2p.sync.ledger import RESYNC_LIMIT, Ledger
-from spes_p2p.sync.payload import encode, payload_meta
+from spes_p2p.sync.payload import encode, flatten, payload_meta, unflatten
+from spes_p2p.sync.screening import Screened, screen
 from spes_p2p.sync.serving import Outbox, Posted
 
 logger = logging.getLogger(__name__)
@@ -52,6 +54,31 @@ def dense_group(peers: list[str], me: str, round_: int, run_id: str, size: int) 
     return next(
         (g for g in groups if me in g), groups[int(hashlib.sha256(me.encode()).hexdigest(), 16) % n_groups]
     )
+
+
+@dataclass(frozen=True)
+class Piece:
+    """Where a reduce-scatter part lies in the unit's flattened weights, and the unit's tensor specs."""
+
+    start: int
+    end: int
+    specs: dict[str, TensorSpec]
+
+
+def screened_updates(job: UnitJob, updates: list[Contribution], piece: Piece | None = None) -> Screened:
+    """``screening.screen`` on whole updates, or on the pieces of one part: a piece is probed as the start
+    weights with that part moved by it."""
+    if piece is None:
+        return screen(updates, job.start, job.probe)
+    flat = flatten(job.start)
+    probe = None
+    if job.probe is not None:
+
+        def probe(candidates: list[Tensors]) -> list[float]:
+            moved = [torch.cat([flat[: piece.start], c["piece"], flat[piece.end :]]) for c in candidates]
+            return job.probe([unflatten(m, piece.specs) for m in moved])
+
+    return screen(updates, {"piece": flat[piece.start : piece.end]}, probe)
 
 
 class Exchange(ABC):
@@ -145,6 +172,22 @@ class Exchange(ABC):
             )
             result.download_from = [c.peer_id for c in decision.resync_from]
         return self.close(job, result, {e.peer_id for e in ends if e.peer_id not in far})
+
+    def screen(
+        self, job: UnitJob, result: UnitResult, updates: list[Contribution], piece: Piece | None = None
+    ) -> list[Contribution]:
+        """The updates (of one ``piece`` of the unit: a reduce-scatter's part) that pass their screening
+        (``screening.screen``) as the round combines them; the others are refused, with the reason, and
+        every update's score goes in the result."""
+        screened = screened_updates(job, updates, piece)
+        for peer, reason in sorted(screened.refused.items()):
+            if peer == self.me:
+                logger.warning("round %d %s: our update fails its screening: %s", job.round, job.unit, reason)
+            else:
+                self.fetcher.refuse(peer, job.unit, reason)
+        result.rejected = sorted(set(result.rejected) | set(screened.refused) - {self.me})
+        result.scores.update(screened.scores)
+        return screened.kept
 
     def count_outliers(self, result: UnitResult, peers: list[str]) -> None:
         """Refuses the updates of ``peers`` (but ours, which is only left out) that lie far from the rest."""

@@ -13,6 +13,7 @@ from functools import cached_property
 import torch
 
 from spes_p2p.sync.payload import tensors_hash
+from spes_p2p.sync.screening import Probe
 
 Tensors = dict[str, torch.Tensor]
 
@@ -32,6 +33,7 @@ class UnitJob:
     participants: tuple[str, ...]
     counted: bool = True
     grouped: bool = False
+    probe: Probe | None = None  # the validation loss of candidate weights for the unit (screening.Probe)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "participants", tuple(self.participants))
@@ -65,4 +67,5 @@ class UnitResult:
     resynced: bool = False  # start weights differed, so end weights were averaged instead
     diverged: bool = False  # our update was not finite: not sent; we took the others' result
     download_from: list[str] = field(default_factory=list)  # take this round's result from one of them
+    scores: dict[str, float] = field(default_factory=dict)  # peer -> the validation loss its update took off
     new_weights: Tensors = field(default_factory=dict)

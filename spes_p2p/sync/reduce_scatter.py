@@ -40,7 +40,7 @@ import torch
 from spes_p2p.net.waiting import Deadline, poll
 from spes_p2p.sync.aggregate import REJECT_FACTOR, Combined, Contribution, Received, combine
 from spes_p2p.sync.codecs import TensorSpec, part_bounds
-from spes_p2p.sync.exchange import Exchange
+from spes_p2p.sync.exchange import Exchange, Piece, screened_updates
 from spes_p2p.sync.fetching import Reduced, Refused
 from spes_p2p.sync.gather import Gathered
 from spes_p2p.sync.jobs import UnitJob, UnitResult
@@ -85,7 +85,8 @@ class ReduceScatter(Exchange):
             whole = None if own is None else self._whole(unit, split.pieces)
             mean = None if whole is None else Contribution(self.me, split.tokens, whole, job.round)
             return self.resync(job, mean, decision, deadline, result)
-        combined = combine(decision.contributions, self.aggregate, self.me if own else None)
+        screened = self.screen(job, result, decision.contributions, self._piece(job, split, mine))
+        combined = combine(screened, self.aggregate, self.me if own else None)
         self.count_outliers(result, combined.rejected)
         parts = self._collect(job, split, {mine: self._post_reduced(job, split, mine, combined)})
         return self._apply(job, job.start if job.diverged else job.end, parts, result)
@@ -228,10 +229,14 @@ class ReduceScatter(Exchange):
         deadline = deadline or self.gatherer.round_deadline()
         contributions = self.gatherer.pieces(job.round, job.unit, others, job.base, where, deadline)
         own = split.own(self.me, job.round, part)
-        combined = combine(contributions + ([own] if own else []), self.aggregate)
+        pieces = contributions + ([own] if own else [])
+        combined = combine(screened_updates(job, pieces, self._piece(job, split, part)).kept, self.aggregate)
         return self._coded(job, split, part, combined)[1]
 
     # ---------------------------------------------------------------------------------- helpers
+
+    def _piece(self, job: UnitJob, split: _Split, part: int) -> Piece:
+        return Piece(*split.bounds[part], self.specs[job.unit])
 
     def _whole(self, unit: str, pieces: list[torch.Tensor]) -> Tensors:
         return unflatten(torch.cat(pieces), self.specs[unit])

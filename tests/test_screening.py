@@ -1,0 +1,70 @@
+"""Screening of co-holders' updates (sync/screening.py): free-riders, agreement and the loss probe, decided
+alike by every holder, whoever's update is whose."""
+
+import torch
+
+from spes_p2p.sync.aggregate import Contribution
+from spes_p2p.sync.screening import screen
+
+N = 100_000  # noise's cosine with anything is about 1 / sqrt(N)
+START = {"w": torch.zeros(N)}
+TARGET = torch.linspace(-1, 1, N)  # the weights that minimize the probe's loss
+
+
+def probe(candidates):
+    """A loss every holder measures alike: the distance to TARGET."""
+    return [float((START["w"] - TARGET).pow(2).mean())] + [
+        float((c["w"] - TARGET).pow(2).mean()) for c in candidates
+    ]
+
+
+def honest(seed: int, tokens: int = 100) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return 0.1 * TARGET + 0.05 * torch.randn(N, generator=g)  # toward the target, with its own noise
+
+
+def update(peer: str, t: torch.Tensor, tokens: int = 100) -> Contribution:
+    return Contribution(peer, tokens, {"w": t})
+
+
+def decided(updates, with_probe=True):
+    out = screen(updates, START, probe if with_probe else None)
+    return sorted(c.peer_id for c in out.kept), out
+
+
+def test_honest_updates_all_count_and_the_order_they_come_in_does_not_matter():
+    updates = [update("a", honest(0)), update("b", honest(1)), update("c", honest(2))]
+    kept, out = decided(updates)
+    assert kept == ["a", "b", "c"] and not out.refused
+    assert all(s > 0 for s in out.scores.values())
+    assert decided(updates[::-1])[0] == kept
+    weights = {c.peer_id: c.tokens for c in out.kept}
+    assert max(weights.values()) == 100 and min(weights.values()) > 50  # all take loss off: over half
+
+
+def test_a_flipped_a_half_flipped_a_noise_and_a_zero_update_are_refused_among_two_or_three_holders():
+    for bad in (-honest(5), -0.5 * honest(5), torch.randn(N) * honest(5).norm() / N**0.5, 0 * TARGET):
+        for holders in (["a"], ["a", "b"]):
+            updates = [update(p, honest(i)) for i, p in enumerate(holders)] + [update("m", bad)]
+            for order in (updates, updates[::-1]):  # (each holder's own is a different one of them)
+                kept, out = decided(order)
+                assert kept == holders and "m" in out.refused, (bad[:3], holders, out)
+
+
+def test_a_copy_counts_once_and_the_copier_is_refused():
+    original = honest(0)
+    kept, out = decided([update("a", original), update("b", honest(1)), update("c", original + 1e-6)])
+    assert kept == ["a", "b"] and out.refused["c"] == "its update is a copy of a's"
+
+
+def test_without_a_probe_two_updates_that_point_apart_are_both_left_out():
+    kept, out = decided([update("a", honest(0)), update("m", -honest(0) * 0.5)], with_probe=False)
+    assert kept == [] and set(out.refused) == {"a", "m"}
+    kept, _ = decided([update("a", honest(0)), update("b", honest(1))], with_probe=False)
+    assert kept == ["a", "b"]
+
+
+def test_an_update_that_agrees_but_adds_loss_weighs_less_or_is_refused():
+    good, bent = honest(0), honest(1) + 0.3 * (torch.rand(N) - 0.5) * 4  # agrees, but adds loss
+    _, out = decided([update("a", good), update("b", honest(2)), update("m", bent)])
+    assert out.scores["m"] < 0 and ("m" in out.refused or {c.peer_id: c.tokens for c in out.kept}["m"] < 50)
