@@ -283,7 +283,7 @@ def status_tables(summary: dict) -> list[Table]:
     )
     peers.add_column("peer", overflow="fold")
     columns = ("units", "round", "tokens/s", "loss", "val loss", "sent / received", "reachable", "version")
-    for col in (*columns, "seen", "banned by"):
+    for col in (*columns, "seen", "score", "banned by"):
         peers.add_column(col)
     for p in summary["peers"]:
         loss, val = ("-" if x is None else f"{x:.3f}" for x in (p["loss"], p["val_loss"]))
@@ -302,6 +302,7 @@ def status_tables(summary: dict) -> list[Table]:
             reach,
             p["version"],
             seen,
+            "-" if p["score"] is None else f"{p['score']:.2f}",
             banned_by,
             style="red" if banned_by else None,
         )

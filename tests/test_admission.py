@@ -138,14 +138,17 @@ def test_status_shows_who_banned_whom(swarm):
     other.join()
     for _ in range(BAN_AFTER):
         founder.transport.guard.reject("other", "request", "garbage")
-    founder.member.heartbeat()  # its record now lists its bans
+    founder.transport.guard.score("other", 0.5)
+    founder.member.heartbeat()  # its record now lists its bans and the scores it gave
     with SwarmReader(founder.settings, transport=net.join("observer")) as reader:
         peers = {p["peer_id"]: p for p in reader.read()["peers"]}
         console = Console(record=True, width=200)
         for table in status_tables(reader.read()):
             console.print(table)
     assert peers["founder"]["banned"] == ["other"] and peers["other"]["banned_by"] == ["founder"]
-    assert "banned by" in console.export_text()
+    assert peers["other"]["score"] == 0.75 and peers["founder"]["score"] is None  # (nobody scored it)
+    text = console.export_text()
+    assert "banned by" in text and "0.75" in text
     assert founder.status().banned == ["other"]
     other.close()
 

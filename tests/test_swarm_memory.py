@@ -7,7 +7,7 @@ import msgspec
 import pytest
 from conftest import TOKENIZER
 
-from spes_p2p.net.guard import BAN_AFTER
+from spes_p2p.net.guard import BAN_AFTER, BAN_SCORE
 from spes_p2p.net.memory import FakeClock, MemoryNetwork
 from spes_p2p.net.transport import (
     MAX_EXPIRY_AHEAD,
@@ -152,6 +152,23 @@ def test_a_peer_rejected_again_and_again_is_banned_until_the_end(net, clock):
         bad.request("a", "echo", b"x", timeout=1)  # ...nor its requests served
     a.guard.accept("bad")
     assert a.guard.banned() == ["bad"]  # for the rest of the run
+
+
+def test_a_peer_whose_contributions_keep_being_refused_scores_low_and_is_banned(net):
+    """What passes every payload check and is refused later, by screening, resets no streak: the score
+    catches it. An honest peer refused once, or counted for half, recovers."""
+    a = net.join("a")
+    for _ in range(3):
+        a.guard.accept("freerider")  # (its payloads decode)
+        a.guard.score("freerider", 0.0)  # (and are refused by its co-holders)
+        a.guard.score("honest", 1.0)
+    a.guard.score("honest", 0.0)
+    a.guard.score("honest", 0.5)
+    assert a.guard.banned() == ["freerider"]
+    assert a.guard.scores()["freerider"] < BAN_SCORE < a.guard.scores()["honest"] < 1.0
+    for _ in range(5):
+        a.guard.score("honest", 1.0)
+    assert a.guard.scores()["honest"] > 0.95 and a.guard.banned() == ["freerider"]
 
 
 def test_an_entry_set_to_outlive_every_ttl_is_not_read(net, clock):

@@ -110,6 +110,20 @@ def test_a_holder_without_the_version_before_serves_its_weights_as_the_next_vers
     assert fetched.want.kind == "version" and torch.equal(fetched.tensors["w1"], weights["w1"])
 
 
+def test_a_version_of_a_round_far_ahead_is_refused_and_the_next_holder_asked():
+    net = MemoryNetwork(seed=0)
+    cfg = SyncConfig(refresh_codec="int8", deadline_min=0.2, deadline_max=2.0, request_timeout=1.0)
+    liar, honest, peer = (SyncEngine(net.join(p), "t", cfg, SPECS) for p in ("liar", "honest", "peer"))
+    weights = {"w1": torch.randn(64, 128)}
+    liar.advance_version(UNIT, 10**9, 10**9 - 1, weights)
+    honest.advance_version(UNIT, 3, 2, weights)
+    got = []
+    peer.refresh(
+        3, {UNIT: ["liar", "honest"]}, 2.0, want=Want("version", "none"), on_unit=lambda _, f: got.append(f)
+    )
+    assert [f.round for f in got] == [3] and peer.transport.guard.rejections["liar"] == 1
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_holders_that_store_frozen_experts_differently_merge_alike(tmp_path, monkeypatch):

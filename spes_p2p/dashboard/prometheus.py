@@ -15,6 +15,10 @@ PEER_GAUGES = {  # status field -> (metric name, help)
     "loss": ("spes_peer_loss", "Mean training loss of the peer's last round."),
     "val_loss": ("spes_peer_val_loss", "Validation loss at the peer's last evaluation."),
     "seen_seconds_ago": ("spes_peer_seen_seconds", "Seconds since the peer last wrote its record."),
+    "score": (
+        "spes_peer_score",
+        "Median score of its contributions, by the peers that scored them (0-1).",
+    ),
 }
 PEER_COUNTERS = {
     "tokens": ("spes_peer_tokens", "Tokens the peer trained since it started."),

@@ -7,6 +7,14 @@ is logged once per peer (then at debug level) and counted; a peer whose payloads
 ``BAN_AFTER`` times in a row (an accepted one resets the count: a bit flipped in transit is not a ban) is
 banned for the rest of the run. A malformed record only hides that record: records are re-read at every
 poll, so each kind counts once per peer and never toward a ban.
+
+A peer's contributions also get a **score** (``score``): a moving average of how each of its updates fared,
+1 when it counted fully, less when it counted for less, 0 when it was refused; a peer whose score falls
+below ``BAN_SCORE`` after ``MIN_SCORED`` outcomes is banned too. This catches what passes every payload
+check and is refused only later, by its co-holders' screening, round after round (a free-rider).
+A plain moving average, not a rating system such as OpenSkill: outcomes here are a peer's pass or fail
+against checks every holder runs alike, not matches between peers to rank, and the average says in one
+number, readable on the dashboard, what share of a peer's recent updates counted.
 """
 
 from __future__ import annotations
@@ -18,6 +26,9 @@ from collections import Counter
 logger = logging.getLogger(__name__)
 
 BAN_AFTER = 5
+SCORE_RATE = 0.5  # the weight of each new outcome in a peer's score
+BAN_SCORE = 0.25  # three refusals in a row from a full score: 0.125
+MIN_SCORED = 3
 
 
 class Guard:
@@ -29,6 +40,8 @@ class Guard:
         self.rejections: Counter[str] = Counter()  # peer -> everything of it rejected
         self._streak: Counter[str] = Counter()  # peer -> payloads and requests rejected in a row
         self._banned: set[str] = set()
+        self._scores: dict[str, float] = {}  # peer -> the moving average of its contributions' outcomes
+        self._scored: Counter[str] = Counter()
         self._logged: set[tuple[str, str]] = set()
         self._lock = threading.Lock()
 
@@ -66,6 +79,22 @@ class Guard:
         log("rejecting %s's %s: %s", peer, kind, reason)
         if ban:
             logger.warning("banning %s for the rest of the run: %d rejections in a row", peer, self.ban_after)
+
+    def score(self, peer: str, outcome: float) -> None:
+        """How one contribution of ``peer`` fared: 1 it counted fully, 0 it was refused (or between)."""
+        with self._lock:
+            old = self._scores.get(peer, 1.0)
+            new = self._scores[peer] = old + SCORE_RATE * (min(max(outcome, 0.0), 1.0) - old)
+            self._scored[peer] += 1
+            ban = new < BAN_SCORE and self._scored[peer] >= MIN_SCORED and peer not in self._banned
+            if ban:
+                self._banned.add(peer)
+        if ban:
+            logger.warning("banning %s for the rest of the run: its contributions score %.2f", peer, new)
+
+    def scores(self) -> dict[str, float]:
+        with self._lock:
+            return dict(self._scores)
 
     def accept(self, peer: str) -> None:
         """``peer`` sent something that passed every check."""

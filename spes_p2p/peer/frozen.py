@@ -1,6 +1,11 @@
 """Frozen copies: a peer's copies of the units it does not train, brought up to date by versions
 (``sync/versions.py``), and the expert-merging warm-up, which runs on every expert's version of a round.
 
+What a holder serves for a frozen copy is checked before it is kept (docs/security.md): it may move our copy
+by at most ``MAX_MOVE`` of the copy's norm, and, for a copy held in full precision, must not raise the
+validation loss on the round's probe batch by more than ``PROBE_MARGIN`` of it. A holder that fails is
+refused and counted, and the next one asked.
+
 Runs on the sync thread, as part of a round's sync (``rounds.RoundSync``); ``landed`` on the training
 thread, as each refreshed copy is written into the model.
 """
@@ -9,6 +14,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from functools import partial
 from typing import TYPE_CHECKING
 
 import torch
@@ -16,6 +22,7 @@ import torch
 from spes_p2p.model.units import UnitLayout
 from spes_p2p.settings import Settings
 from spes_p2p.swarm.member import SwarmMember, SwarmView
+from spes_p2p.sync.aggregate import norm_of
 from spes_p2p.sync.engine import SyncEngine
 from spes_p2p.sync.versions import EXACT_VERSION, EXACT_WEIGHTS, Download, Want, is_version_round
 from spes_p2p.train.merge import merge_experts
@@ -27,10 +34,24 @@ logger = logging.getLogger(__name__)
 
 Tensors = dict[str, torch.Tensor]
 
+MAX_MOVE = 10.0  # an honest version moved a copy of a tiny model's expert by up to 1.2 of its norm
+PROBE_MARGIN = 1e-3  # of the probe loss
+
 
 class FrozenCopies:
-    def __init__(self, settings: Settings, member: SwarmMember, sync: SyncEngine, layout: UnitLayout) -> None:
+    def __init__(
+        self,
+        settings: Settings,
+        member: SwarmMember,
+        sync: SyncEngine,
+        layout: UnitLayout,
+        read: Callable[[str], Tensors] | None = None,
+        probe: Callable[..., list[float]] | None = None,
+    ) -> None:
+        """``read``: our copy of a unit (None: what holders serve is taken as it decodes); ``probe``:
+        ``LocalTraining.probe`` (None with virtual compute)."""
         self.settings, self.member, self.sync, self.layout = settings, member, sync, layout
+        self.read, self.probe = read, probe
         self.me = member.me
         self.every = settings.method.refresh_every_rounds
 
@@ -85,16 +106,35 @@ class FrozenCopies:
             for u in self.layout.units
             if u not in job.units and (versions or u in self.member.units_held)
         }
+        wants = {u: self._want(u, job) for u in frozen}
         got = self.sync.refresh(
             job.round,
             frozen,
             self.sync.deadline_seconds(),
-            want={u: self._want(u, job) for u in frozen},
+            want=wants,
             on_unit=lambda unit, download: job.refreshed.__setitem__(unit, download),
+            verify=partial(self._problem, job.round, wants) if self.read else None,
         )
         for unit, holders in frozen.items():
             if holders:
                 self.member.served(unit, unit in got)
+
+    def _problem(self, round_: int, wants: dict[str, Want], unit: str, tensors: Tensors) -> str:
+        """Why what a holder served for our frozen copy of ``unit`` cannot be kept ('' when it can). (The
+        exact weights of a unit we start training are checked by its co-holders' next exchange.)"""
+        if unit in self.member.units_held:
+            return ""
+        copy = self.read(unit)
+        new = {n: copy[n] + tensors[n] for n in copy} if wants[unit].kind == "change" else tensors
+        moved, size = norm_of({n: new[n] - copy[n] for n in copy}), norm_of(copy)
+        if not moved <= MAX_MOVE * size:
+            return f"it moves our copy by {moved / max(size, 1e-30):.3g} of its norm (at most {MAX_MOVE})"
+        if self.probe is None or self._stored(unit) != "full":
+            return ""
+        base, loss = self.probe(round_, unit, {}, [new])
+        if not loss <= base + PROBE_MARGIN * abs(base):
+            return f"it raises the validation loss by {loss - base:.4f} (from {base:.4f})"
+        return ""
 
     def _want(self, unit: str, job: RoundJob) -> Want:
         """Exact weights of a unit we are about to train. For a frozen copy: the change since its version

@@ -193,11 +193,12 @@ class LocalTraining(LocalModel):
     ) -> list[float]:
         """The validation loss on round ``round_``'s probe batch (every peer of the swarm picks the same
         one) with the units of ``start`` at those weights: first as they are, then with ``unit`` at each of
-        ``candidates``. Training pauses meanwhile; its weights are put back."""
+        ``candidates``. Training pauses meanwhile; its weights are put back (``unit`` must be held in full
+        precision: a quantized one would be quantized again)."""
         pick = hashlib.sha256(f"{self.settings.swarm.run_id}:{round_}".encode()).digest()
         batch = [self.val_batches[int.from_bytes(pick[:8], "big") % len(self.val_batches)]]
         with self._lock:
-            training = {u: read_unit(self.model, self.layout, u) for u in start}
+            training = {u: read_unit(self.model, self.layout, u) for u in {*start, unit}}
             try:
                 for u, weights in start.items():
                     write_unit(self.model, self.layout, u, weights)

@@ -116,7 +116,7 @@ class Peer:
         self.sync = sync_engine(settings, transport, specs, self.local.read, self.member)
         overlap = settings.method.overlap
         probe = self.local.probe if self.local.compute == "real" else None
-        round_sync = RoundSync(settings, self.member, self.sync, self.layout, probe)
+        round_sync = RoundSync(settings, self.member, self.sync, self.layout, self.local.read, probe)
         self.pipeline, self.frozen = Pipeline(round_sync, overlap), round_sync.frozen
         self.landing = Landing(
             self.local.read, self.local.write, overlap, self.local.reset_state, self.frozen.landed

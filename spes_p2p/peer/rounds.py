@@ -42,13 +42,14 @@ class RoundSync:
         member: SwarmMember,
         sync: SyncEngine,
         layout: UnitLayout,
+        read: Callable[[str], Tensors] | None = None,
         probe: Callable[..., list[float]] | None = None,
     ) -> None:
-        """``probe``: ``LocalTraining.probe``, which measures the validation loss of candidate weights
-        (None with virtual compute: updates are then screened without it)."""
+        """``read``: our weights of a unit; ``probe``: ``LocalTraining.probe``, which measures the validation
+        loss of candidate weights (None with virtual compute: updates are then screened without it)."""
         self.settings, self.member, self.sync, self.layout = settings, member, sync, layout
         self.me, self.probe = member.me, probe
-        self.frozen = FrozenCopies(settings, member, sync, layout)
+        self.frozen = FrozenCopies(settings, member, sync, layout, read, probe)
 
     def __call__(self, job: RoundJob) -> None:
         try:

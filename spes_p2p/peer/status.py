@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import statistics
 import threading
 from collections.abc import Callable
 from pathlib import Path
@@ -91,6 +92,8 @@ def swarm_summary(transport: Transport, run_id: str, manifest: Manifest) -> dict
                 "seen_seconds_ago": max(0.0, now - p.seen),
                 "banned": p.banned,  # peers this one has banned
                 "banned_by": sorted(q.peer_id for q in view.peers.values() if p.peer_id in q.banned),
+                # the median of the scores the peers that scored its contributions gave it (None: none did)
+                "score": _median_score(p.peer_id, view.peers.values()),
             }
             for p in sorted(view.peers.values(), key=lambda p: p.peer_id)
         ],
@@ -99,6 +102,12 @@ def swarm_summary(transport: Transport, run_id: str, manifest: Manifest) -> dict
         "uncovered": view.uncovered(),
         "under_replicated": [u for u in experts if 0 < len(view.holders.get(u, ())) < target],
     }
+
+
+def _median_score(peer_id: str, peers) -> float | None:
+    """The median (lower) of the scores the peers that scored ``peer_id``'s contributions gave it."""
+    given = [q.scores[peer_id] for q in peers if peer_id in q.scores]
+    return statistics.median_low(given) if given else None
 
 
 def invite(settings: Settings, manifest: Manifest, addresses: list[str]) -> str:

@@ -13,6 +13,7 @@ by the client; the attacks only ever reach the honest peers through the network,
     noise     its updates are random, of the honest update's norm (per buffer of the payload)
               (these seven also apply to each piece of a reduce-scatter, and to the combined parts it owns)
     copy      it serves, as its own, a copy of another participant's update of the unit (or of its pieces)
+    frozenscale the versions and changes it serves for others' frozen copies are multiplied by 1000
     ownerflip the combined parts of the dense update it owns are served as -8 times the honest part, naming
               only itself as combined (so that no member holds the part against its own piece)
     tokens    it claims 10^15 tokens for every update
@@ -41,7 +42,7 @@ from spes_p2p.net.transport import Entry, Handler, Transport, TransportError
 from spes_p2p.net.wire import RecordError
 from spes_p2p.sim.config import BYZANTINE_MODES as MODES
 from spes_p2p.swarm.records import Announcement, Holding, PeerRecord, peers_key
-from spes_p2p.sync.messages import RPC_UPDATE, RPC_WEIGHTS, UpdateRequest
+from spes_p2p.sync.messages import RPC_UPDATE, RPC_WEIGHTS, UpdateRequest, WeightsRequest
 from spes_p2p.sync.payload import buffers_digest, metadata_of
 
 logger = logging.getLogger(__name__)
@@ -136,6 +137,9 @@ class ByzantineTransport(Transport):
                     return self._forge(handler(caller, request))
                 if req.kind == "reduced" and self.mode == "ownerflip":
                     return rewrite(handler(caller, request), lambda t: t * -8, peers=self.peer_id)
+            if name == RPC_WEIGHTS and self.mode == "frozenscale":
+                if WeightsRequest.decode(request).kind in ("version", "change"):
+                    return rewrite(handler(caller, request), lambda t: t * 1000)
             return handler(caller, request)
 
         self.inner.serve(name, attacked, max_request_bytes=max_request_bytes)

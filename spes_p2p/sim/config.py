@@ -20,6 +20,7 @@ BYZANTINE_MODES = (
     "zero",
     "noise",
     "copy",
+    "frozenscale",
     "ownerflip",
     "tokens",
     "late",

@@ -32,6 +32,7 @@ from spes_p2p.swarm.manifest import Manifest, ManifestError
 from spes_p2p.swarm.records import (
     MAX_ADDRESSES,
     MAX_BANNED,
+    MAX_SCORES,
     Holding,
     PeerRecord,
     Progress,
@@ -439,5 +440,9 @@ class SwarmMember:
             seen=self.transport.now(),
             capacity=self.cfg.peer.capacity + sum(u.startswith("experts/") for u in self.cfg.always_held),
             banned=self.transport.guard.banned()[:MAX_BANNED],
+            scores={
+                p: round(s, 3)
+                for p, s in sorted(self.transport.guard.scores().items(), key=lambda kv: kv[1])[:MAX_SCORES]
+            },
             reachable=self.reachable,
         )

@@ -28,12 +28,14 @@ from spes_p2p.net.wire import RecordError, Short, Strict
 MAX_ADDRESSES = 16
 MAX_UNITS = 256
 MAX_BANNED = 64
+MAX_SCORES = 64  # the scores a record carries: the lowest first
 MAX_PARTS = 64  # the most parts a unit is split into for a reduce-scatter (one per group member)
 
 Unit = Annotated[str, msgspec.Meta(pattern=r"^(experts|dense)/\d{1,4}$")]
 Round = Annotated[int, msgspec.Meta(ge=0)]
 Count = Annotated[int, msgspec.Meta(ge=0)]
 Hex = Annotated[str, msgspec.Meta(pattern=r"^[0-9a-f]{16,64}$")]
+Score = Annotated[float, msgspec.Meta(ge=0, le=1)]
 
 R = TypeVar("R", bound="Record")
 
@@ -88,6 +90,10 @@ class PeerRecord(Record):
     reachable: Literal["yes", "no", "unknown"] = "unknown"  # whether peers could dial it back
     banned: Annotated[list[Short], msgspec.Meta(max_length=MAX_BANNED)] = msgspec.field(default_factory=list)
     capacity: Annotated[int, msgspec.Meta(ge=0, le=MAX_UNITS)] = 1  # expert shards it may hold at once
+    # how the contributions of other peers fared with it (net/guard.py: Guard.score); shown, never acted on
+    scores: Annotated[dict[Short, Score], msgspec.Meta(max_length=MAX_SCORES)] = msgspec.field(
+        default_factory=dict
+    )
 
     def __post_init__(self) -> None:
         if not math.isfinite(self.seen):

@@ -20,7 +20,6 @@ import logging
 import math
 import random
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
 
 import torch
 
@@ -32,8 +31,8 @@ from spes_p2p.sync.fetching import UpdateFetcher
 from spes_p2p.sync.gather import Gathered, Gatherer
 from spes_p2p.sync.jobs import UnitJob, UnitResult
 from spes_p2p.sync.ledger import RESYNC_LIMIT, Ledger
-from spes_p2p.sync.payload import encode, flatten, payload_meta, unflatten
-from spes_p2p.sync.screening import Screened, screen
+from spes_p2p.sync.payload import encode, payload_meta
+from spes_p2p.sync.screening import screen
 from spes_p2p.sync.serving import Outbox, Posted
 
 logger = logging.getLogger(__name__)
@@ -54,31 +53,6 @@ def dense_group(peers: list[str], me: str, round_: int, run_id: str, size: int) 
     return next(
         (g for g in groups if me in g), groups[int(hashlib.sha256(me.encode()).hexdigest(), 16) % n_groups]
     )
-
-
-@dataclass(frozen=True)
-class Piece:
-    """Where a reduce-scatter part lies in the unit's flattened weights, and the unit's tensor specs."""
-
-    start: int
-    end: int
-    specs: dict[str, TensorSpec]
-
-
-def screened_updates(job: UnitJob, updates: list[Contribution], piece: Piece | None = None) -> Screened:
-    """``screening.screen`` on whole updates, or on the pieces of one part: a piece is probed as the start
-    weights with that part moved by it."""
-    if piece is None:
-        return screen(updates, job.start, job.probe)
-    flat = flatten(job.start)
-    probe = None
-    if job.probe is not None:
-
-        def probe(candidates: list[Tensors]) -> list[float]:
-            moved = [torch.cat([flat[: piece.start], c["piece"], flat[piece.end :]]) for c in candidates]
-            return job.probe([unflatten(m, piece.specs) for m in moved])
-
-    return screen(updates, {"piece": flat[piece.start : piece.end]}, probe)
 
 
 class Exchange(ABC):
@@ -174,12 +148,13 @@ class Exchange(ABC):
         return self.close(job, result, {e.peer_id for e in ends if e.peer_id not in far})
 
     def screen(
-        self, job: UnitJob, result: UnitResult, updates: list[Contribution], piece: Piece | None = None
+        self, job: UnitJob, result: UnitResult, updates: list[Contribution], whole: bool = True
     ) -> list[Contribution]:
-        """The updates (of one ``piece`` of the unit: a reduce-scatter's part) that pass their screening
+        """The updates (``whole``, or pieces of one part of a reduce-scatter) that pass their screening
         (``screening.screen``) as the round combines them; the others are refused, with the reason, and
-        every update's score goes in the result."""
-        screened = screened_updates(job, updates, piece)
+        every update's score goes in the result. A piece moves the loss by a sliver of what its update
+        does: pieces are screened without the probe."""
+        screened = screen(updates, job.start, job.probe if whole else None)
         for peer, reason in sorted(screened.refused.items()):
             if peer == self.me:
                 logger.warning("round %d %s: our update fails its screening: %s", job.round, job.unit, reason)
@@ -187,6 +162,9 @@ class Exchange(ABC):
                 self.fetcher.refuse(peer, job.unit, reason)
         result.rejected = sorted(set(result.rejected) | set(screened.refused) - {self.me})
         result.scores.update(screened.scores)
+        for c in screened.kept:
+            if c.peer_id != self.me:
+                self.fetcher.rate(c.peer_id, 1.0)
         return screened.kept
 
     def count_outliers(self, result: UnitResult, peers: list[str]) -> None:

@@ -108,8 +108,13 @@ class UpdateFetcher:
         """A round's token count, at most what a round can hold (so no peer outweighs the others at will)."""
         return min(tokens, self.cfg.max_round_tokens)
 
+    def rate(self, peer: str, share: float) -> None:
+        """A contribution of ``peer`` counted for ``share`` of its weight (``Guard.score``)."""
+        self.transport.guard.score(peer, share)
+
     def refuse(self, peer: str, unit: str, reason: str) -> Refused:
         self.transport.guard.reject(peer, f"{unit} update", reason)
+        self.rate(peer, 0.0)
         with self._lock:
             self.rejected += 1
         return Refused(reason)

@@ -40,11 +40,12 @@ import torch
 from spes_p2p.net.waiting import Deadline, poll
 from spes_p2p.sync.aggregate import REJECT_FACTOR, Combined, Contribution, Received, combine
 from spes_p2p.sync.codecs import TensorSpec, part_bounds
-from spes_p2p.sync.exchange import Exchange, Piece, screened_updates
+from spes_p2p.sync.exchange import Exchange
 from spes_p2p.sync.fetching import Reduced, Refused
 from spes_p2p.sync.gather import Gathered
 from spes_p2p.sync.jobs import UnitJob, UnitResult
 from spes_p2p.sync.payload import decode, encode, flatten, payload_meta, unflatten
+from spes_p2p.sync.screening import screen
 
 POLL_SECONDS = 0.1  # between asks for the combined parts not served yet
 
@@ -85,7 +86,7 @@ class ReduceScatter(Exchange):
             whole = None if own is None else self._whole(unit, split.pieces)
             mean = None if whole is None else Contribution(self.me, split.tokens, whole, job.round)
             return self.resync(job, mean, decision, deadline, result)
-        screened = self.screen(job, result, decision.contributions, self._piece(job, split, mine))
+        screened = self.screen(job, result, decision.contributions, whole=False)
         combined = combine(screened, self.aggregate, self.me if own else None)
         self.count_outliers(result, combined.rejected)
         parts = self._collect(job, split, {mine: self._post_reduced(job, split, mine, combined)})
@@ -230,13 +231,10 @@ class ReduceScatter(Exchange):
         contributions = self.gatherer.pieces(job.round, job.unit, others, job.base, where, deadline)
         own = split.own(self.me, job.round, part)
         pieces = contributions + ([own] if own else [])
-        combined = combine(screened_updates(job, pieces, self._piece(job, split, part)).kept, self.aggregate)
+        combined = combine(screen(pieces, {}, None).kept, self.aggregate)
         return self._coded(job, split, part, combined)[1]
 
     # ---------------------------------------------------------------------------------- helpers
-
-    def _piece(self, job: UnitJob, split: _Split, part: int) -> Piece:
-        return Piece(*split.bounds[part], self.specs[job.unit])
 
     def _whole(self, unit: str, pieces: list[torch.Tensor]) -> Tensors:
         return unflatten(torch.cat(pieces), self.specs[unit])

@@ -33,6 +33,7 @@ from spes_p2p.sync.versions import ELSEWHERE, EXACT_VERSION, NOBODY, Download, W
 logger = logging.getLogger(__name__)
 
 POLL_SECONDS = 0.1
+ROUNDS_AHEAD = 16  # what a holder serves is of the round asked for, or a few later: not of round 10^9
 
 Tensors = dict[str, torch.Tensor]
 Verify = Callable[
@@ -179,6 +180,8 @@ class Refresh:
         try:
             tensors = decoder(payload)  # checked now; decoded again when used
             round_ = _round_of(payload)
+            if round_ > max(min_round, 0) + ROUNDS_AHEAD:
+                raise PayloadError(f"it is of round {round_}, far past round {min_round} asked for")
             since = metadata_of(payload).get("since") if want.kind == "change" else None
             problem = verify(unit, tensors) if verify is not None else ""
             if problem:

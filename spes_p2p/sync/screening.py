@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 import torch
 
@@ -34,6 +34,7 @@ from spes_p2p.sync.aggregate import Contribution, norm_of
 
 COPY_COSINE = 0.99  # copies: honest updates of one unit, trained on different data, lie far below
 NOISE = 2e-4  # of the probe loss: what an honest update of a round's end may add or take off on one batch
+HARM_FACTOR = 10.0  # honest updates of a tiny model added up to 8 times what the best of their round took off
 AGREE_MIN = 0.02  # honest co-holders' updates measured 0.24 to 0.65; noise of a million entries ~0.001
 
 Tensors = dict[str, torch.Tensor]
@@ -43,8 +44,8 @@ Probe = Callable[[list[Tensors]], list[float]]
 
 @dataclass
 class Screened:
-    """What screening kept (token weights scaled by their gain), refused (peer -> why) and scored (peer ->
-    the probe loss its update took off, negative when it added some)."""
+    """What screening kept, refused (peer -> why) and scored (peer -> the probe loss its update took off,
+    negative when it added some)."""
 
     kept: list[Contribution]
     refused: dict[str, str] = field(default_factory=dict)
@@ -59,23 +60,22 @@ def screen(contributions: list[Contribution], start: Tensors, probe: Probe | Non
     if not rest:
         return out
     losses = probe([{n: start[n] + c.tensors[n] for n in start} for c in rest]) if probe else []
-    out.scores = (
-        {c.peer_id: losses[0] - loss for c, loss in zip(rest, losses[1:], strict=True)} if losses else {}
-    )
+    if losses:
+        out.scores = {c.peer_id: losses[0] - loss for c, loss in zip(rest, losses[1:], strict=True)}
     rest = _agreeing(rest, out)
-    gains = [out.scores[c.peer_id] for c in rest] if losses else []
-    best = max(gains, default=0.0)
-    if not losses or not best > NOISE * abs(losses[0]):  # (NaN too) nothing beyond noise: no yardstick
+    if not losses:
         out.kept = rest
         return out
-    for c, gain in zip(rest, gains, strict=True):
-        if not gain >= -best:
-            out.refused[c.peer_id] = (
-                f"it adds {-gain:.5f} to the validation loss (the best takes off {best:.5f})"
-            )
-        else:
-            share = min(1.0, (1 + gain / best) / 2)
-            out.kept.append(replace(c, tokens=max(1, round(c.tokens * share))) if share < 1 else c)
+    best = max(out.scores[c.peer_id] for c in rest)
+    if not best > NOISE * abs(losses[0]):  # (NaN too) the probe sees no update help: it cannot judge
+        out.kept = rest
+        return out
+    for c in rest:
+        gain = out.scores[c.peer_id]
+        if gain >= -HARM_FACTOR * best:
+            out.kept.append(c)
+        else:  # (NaN too)
+            out.refused[c.peer_id] = f"it adds {-gain:.5f} to the validation loss (the best: -{best:.5f})"
     return out
 
 
@@ -106,7 +106,7 @@ def _agreeing(ordered: list[Contribution], out: Screened) -> list[Contribution]:
         best = max(ordered, key=lambda c: gains[c.peer_id] if gains[c.peer_id] > 0 else -math.inf)
         keep = [best] if gains[best.peer_id] > 0 else []
     for c in ordered:
-        if c not in keep:
+        if not any(k is c for k in keep):
             out.refused[c.peer_id] = "its update points away from every other update of the unit"
     return keep
 
