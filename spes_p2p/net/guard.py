@@ -27,8 +27,8 @@ logger = logging.getLogger(__name__)
 
 BAN_AFTER = 5
 SCORE_RATE = 0.5  # the weight of each new outcome in a peer's score
-BAN_SCORE = 0.25  # three refusals in a row from a full score: 0.125
-MIN_SCORED = 3
+BAN_SCORE = 0.3  # two refusals in a row from a full score: 0.25
+MIN_SCORED = 2
 
 
 class Guard:
