@@ -62,6 +62,7 @@ class LocalModel:
             model.load_state_dict(load_checkpoint(Path(settings.model.init)).model)
         self.model = place(model, device)
         self._lock = threading.RLock()
+        self._probing = 0.0  # seconds spent in probes since the last ``probing_seconds``
 
     def read(self, unit: str) -> Tensors:
         """A CPU copy of the unit's weights."""
@@ -75,6 +76,12 @@ class LocalModel:
     def restore(self, checkpoint: Checkpoint) -> None:
         with self._lock:
             self.model.load_state_dict(checkpoint.model)
+
+    def probing_seconds(self) -> float:
+        """Seconds the probes of screening took (training paused) since the last call."""
+        with self._lock:
+            seconds, self._probing = self._probing, 0.0
+        return seconds
 
     def frozen_experts(self, trained: list[str]) -> Tensors:
         """Every expert weight outside ``trained`` (the merge's neighbours)."""
@@ -198,6 +205,7 @@ class LocalTraining(LocalModel):
         pick = hashlib.sha256(f"{self.settings.swarm.run_id}:{round_}".encode()).digest()
         batch = [self.val_batches[int.from_bytes(pick[:8], "big") % len(self.val_batches)]]
         with self._lock:
+            began = time.perf_counter()
             training = {u: read_unit(self.model, self.layout, u) for u in {*start, unit}}
             try:
                 for u, weights in start.items():
@@ -210,4 +218,5 @@ class LocalTraining(LocalModel):
                 for u, weights in training.items():
                     write_unit(self.model, self.layout, u, weights)
                 self.model.train()
+                self._probing += time.perf_counter() - began
         return losses

@@ -266,6 +266,7 @@ class Peer:
         self._catch_up_if_behind()
         row = self.metrics.row(job, self.local.step, self.local.tokens, self.sync.rejected_payloads)
         row.update(self.footprint.take())
+        row["probe_seconds"] = self.local.probing_seconds()  # (screening; training paused meanwhile)
         every = self.settings.train.eval_every
         if crossed(self.round, self.settings.method.steps_per_round, every) and self.local.compute == "real":
             row["val_loss"] = self.local.evaluate()

@@ -150,16 +150,19 @@ class Exchange(ABC):
     def screen(
         self, job: UnitJob, result: UnitResult, updates: list[Contribution], whole: bool = True
     ) -> list[Contribution]:
-        """The updates (``whole``, or pieces of one part of a reduce-scatter) that pass their screening
-        (``screening.screen``) as the round combines them; the others are refused, with the reason, and
-        every update's score goes in the result. A piece moves the loss by a sliver of what its update
-        does: pieces are screened without the probe."""
+        """The updates (``whole``, or pieces of one part of a reduce-scatter: screened without the probe,
+        as a piece moves the loss by a sliver) that pass their screening (``screening.screen``) as the
+        round combines them; the others are refused, with the reason, and every update's score goes in the
+        result. Each outcome goes into the peer's score (``Guard.score``): only screening's, which every
+        holder decides alike (a peer off the swarm's weights finds the honest ones far off: its refusals
+        of them must not ban them)."""
         screened = screen(updates, job.start, job.probe if whole else None)
         for peer, reason in sorted(screened.refused.items()):
             if peer == self.me:
                 logger.warning("round %d %s: our update fails its screening: %s", job.round, job.unit, reason)
             else:
                 self.fetcher.refuse(peer, job.unit, reason)
+                self.fetcher.rate(peer, 0.0)
         result.rejected = sorted(set(result.rejected) | set(screened.refused) - {self.me})
         result.scores.update(screened.scores)
         for c in screened.kept:

@@ -114,7 +114,6 @@ class UpdateFetcher:
 
     def refuse(self, peer: str, unit: str, reason: str) -> Refused:
         self.transport.guard.reject(peer, f"{unit} update", reason)
-        self.rate(peer, 0.0)
         with self._lock:
             self.rejected += 1
         return Refused(reason)

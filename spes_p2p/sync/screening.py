@@ -57,7 +57,8 @@ def screen(contributions: list[Contribution], start: Tensors, probe: Probe | Non
     two updates that point apart are both refused."""
     out = Screened([])
     rest = _without_free_riders(sorted(contributions, key=lambda c: (c.peer_id, c.round)), out)
-    if not rest:
+    if len(rest) < 2:  # one update has nothing to agree with, nor a better one to be measured against
+        out.kept = rest
         return out
     losses = probe([{n: start[n] + c.tensors[n] for n in start} for c in rest]) if probe else []
     if losses:
