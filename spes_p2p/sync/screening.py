@@ -62,15 +62,15 @@ def screen(contributions: list[Contribution], start: Tensors, probe: Probe | Non
     if len(rest) < 2:  # one update has nothing to agree with, nor a better one to be measured against
         out.kept = rest
         return out
-    losses = probe([{n: start[n] + c.tensors[n] for n in start} for c in rest]) if probe else []
-    if losses:
-        out.scores = {c.peer_id: losses[0] - loss for c, loss in zip(rest, losses[1:], strict=True)}
-    rest = _agreeing(rest, out, NOISE * abs(losses[0]) if losses else 0.0)
-    if not losses:
-        out.kept = rest
+    if probe is None:
+        out.kept = _agreeing(rest, out, None)
         return out
+    base, *losses = probe([{n: start[n] + c.tensors[n] for n in start} for c in rest])
+    out.scores = {c.peer_id: base - loss for c, loss in zip(rest, losses, strict=True)}
+    noise = NOISE * abs(base)
+    rest = _agreeing(rest, out, noise)
     best = max(out.scores[c.peer_id] for c in rest)
-    if not best > NOISE * abs(losses[0]):  # (NaN too) the probe sees no update help: it cannot judge
+    if not best > noise:  # (NaN too) the probe sees no update help: it cannot judge
         out.kept = rest
         return out
     for c in rest:
@@ -95,15 +95,13 @@ def _without_free_riders(ordered: list[Contribution], out: Screened) -> list[Con
     return kept
 
 
-def _agreeing(ordered: list[Contribution], out: Screened, margin: float) -> list[Contribution]:
+def _agreeing(ordered: list[Contribution], out: Screened, margin: float | None) -> list[Contribution]:
     """Rule 2. ``margin``: how much more loss the best update must take off than the next to be told
-    apart from it (0 without a probe)."""
-    if len(ordered) < 2:
-        return ordered
+    apart from it (None: there is no probe). ``ordered`` holds two updates or more."""
     closest = {id(c): max(cosine(c.tensors, o.tensors) for o in ordered if o is not c) for c in ordered}
     if any(a > AGREE_MIN for a in closest.values()):
         keep = [c for c in ordered if closest[id(c)] > AGREE_MIN]
-    elif margin > 0:  # none agree: the probe tells them apart, when it clearly can
+    elif margin is not None:  # none agree: the probe tells them apart, when it clearly can
         ranked = sorted(ordered, key=lambda c: -out.scores[c.peer_id])
         best, second = (out.scores[c.peer_id] for c in ranked[:2])
         keep = [ranked[0]] if best > 0 and best - second > margin else ordered
