@@ -42,6 +42,13 @@ def wait_for_peers(member: SwarmMember, count: int, timeout: float, stop: thread
     return len(member.last_view.peers)
 
 
+def settle_founders(member: SwarmMember, round_: int) -> None:
+    """Founders that waited for each other settle their claims before the first round (the peer's
+    first round then trains what they settled on); a peer that joined a training swarm does nothing."""
+    if round_ == 0 and not is_training(member.view(), member.me):
+        member.settle()
+
+
 def wait_for_round(member: SwarmMember, round_: int, timeout: float, stop: threading.Event) -> bool:
     """Waits (bounded) until the swarm has reached ``round_``, before joining it."""
 

@@ -173,7 +173,7 @@ def _join(peer: Peer, stop: threading.Event, ui: Frontend, startup: Startup) -> 
     if run.min_peers > 1:
         with ui.phase(f"Waiting for {run.min_peers} peers..."):
             joining.wait_for_peers(peer.member, run.min_peers, run.wait_seconds, stop)
-        peer.settle_claims()
+        joining.settle_founders(peer.member, peer.round)
     ui.update(peer.status())
 
 

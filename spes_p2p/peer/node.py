@@ -170,12 +170,6 @@ class Peer:
         self.metrics = RoundMetrics(self.transport)  # traffic counts from here
         return self.status()
 
-    def settle_claims(self) -> None:
-        """Founders that waited for each other settle their claims before the first round (``_follow_claims``
-        then trains what they settled on)."""
-        if self.round == 0 and not joining.is_training(self.member.view(), self.me):
-            self.member.settle()
-
     def _restore(self) -> Checkpoint:
         """Loads the newest checkpoint of this peer's run folder (model, data position, round)."""
         if self.outputs is None:
