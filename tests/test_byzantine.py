@@ -86,14 +86,27 @@ def test_one_malicious_peer_neither_stops_nor_steers_the_honest_ones(mode, clean
         assert (report["honest_rejected"] > 0) == (mode in REFUSED), report
     if mode == "garbage":  # malformed requests, again and again: every honest peer bans it
         assert report["attackers"][name]["banned_by"] == sorted(honest)
-    if mode in EXCLUDED:  # banned by its co-holder of a shard by round 2 (the others, as the dense groups
-        # make them meet it: each honest peer screens its pieces only in the rounds it shares its group)
-        rows = [r for p in honest for r in read_rows(tmp_path / "peers" / p)]
+    if mode in EXCLUDED:  # banned by an honest peer within the first three rounds it screened the attacker's
+        # updates in (a round in which the attacker started from other weights, or came late, screens none:
+        # more of them on a busy machine)
         assert report["attackers"][name]["banned_by"], report
-        assert min(r["round"] for r in rows if name in r["banned"]) <= 2
+        attacker_id = next(r["peer"] for r in read_rows(tmp_path / "peers" / name) if "peer" in r)
+        assert any(_banned_within(read_rows(tmp_path / "peers" / p), attacker_id, 3) for p in honest)
     if mode == "claimall":  # the shard its fakes claimed went unserved, so honest peers took it over
         last = str(SWARM["run.rounds"] - 1)
         assert honest & set(summary["units"]["experts/1"]["holders"][last])
+
+
+def _banned_within(rows: list[dict], attacker: str, rounds: int) -> bool:
+    """Whether a peer (its metrics ``rows``) banned ``attacker`` by the ``rounds``-th round in which it
+    combined or refused the attacker's updates."""
+    met = [
+        r["round"]
+        for r in rows
+        if any(attacker in p for p in (*r.get("participants", {}).values(), *r.get("refused", {}).values()))
+    ]
+    banned = [r["round"] for r in rows if attacker in r.get("banned", ())]
+    return bool(met and banned) and banned[0] <= met[:rounds][-1]
 
 
 @pytest.mark.parametrize("backend", ["hivemind", "libp2p"])

@@ -8,9 +8,9 @@ is logged once per peer (then at debug level) and counted; a peer whose payloads
 banned for the rest of the run. A malformed record only hides that record: records are re-read at every
 poll, so each kind counts once per peer and never toward a ban.
 
-A peer's contributions also get a **score** (``score``): a moving average of how each of its updates fared,
-1 when it counted fully, less when it counted for less, 0 when it was refused; a peer whose score falls
-below ``BAN_SCORE`` after ``MIN_SCORED`` outcomes is banned too. This catches what passes every payload
+A peer's contributions also get a **score** (``score``): a moving average of how each of its updates fared
+in its co-holders' screening, 1 kept, 0 refused; a peer whose score falls below ``BAN_SCORE`` after
+``MIN_SCORED`` outcomes is banned too. This catches what passes every payload
 check and is refused only later, by its co-holders' screening, round after round (a free-rider).
 A plain moving average, not a rating system such as OpenSkill: outcomes here are a peer's pass or fail
 against checks every holder runs alike, not matches between peers to rank, and the average says in one

@@ -41,6 +41,7 @@ from spes_p2p.model.units import layout_of
 from spes_p2p.net.transport import Entry, Handler, Transport, TransportError
 from spes_p2p.net.wire import RecordError
 from spes_p2p.sim.config import BYZANTINE_MODES as MODES
+from spes_p2p.swarm.gossip import Told
 from spes_p2p.swarm.records import Announcement, Holding, PeerRecord, peers_key
 from spes_p2p.sync.messages import RPC_UPDATE, RPC_WEIGHTS, UpdateRequest, WeightsRequest
 from spes_p2p.sync.payload import buffers_digest, metadata_of
@@ -80,6 +81,7 @@ class ByzantineTransport(Transport):
         self.peer_id, self.stats, self.guard = inner.peer_id, inner.stats, inner.guard
         self.handlers: dict[str, Handler] = {}
         self.forged: dict[tuple[int, str, int], bytes] = {}  # (round, unit, part) -> the payload it serves
+        self.announced: dict[tuple[int, str], Announcement] = {}  # (round, unit) -> what it announces
         self.stopped = threading.Event()
         self.sybils: list[Transport] = []
         self.run_id = ""  # (learnt from the first update it announces)
@@ -107,8 +109,10 @@ class ByzantineTransport(Transport):
     def unsubscribe(self, topic: str) -> None:
         self.inner.unsubscribe(topic)
 
-    def gossip(self, topic: str, data: bytes) -> bool:
-        return self.inner.gossip(topic, data)
+    def gossip(self, topic: str, data: bytes) -> bool:  # (an announcement: the one it published)
+        told = Told.decode(data)
+        forged = self.announced.get((told.announcement.round, told.unit), told.announcement)
+        return self.inner.gossip(topic, Told(told.unit, forged).encode())
 
     def shutdown(self, timeout: float = 5.0) -> None:
         self.stopped.set()
@@ -152,12 +156,19 @@ class ByzantineTransport(Transport):
             self._forge_tombstones(parts[0], PeerRecord.decode(value))
         if len(parts) == 5 and parts[1] == "updates":  # <run>/updates/<round>/<unit>: our update is ready
             self.run_id = parts[0]
-            value = self._announce(int(parts[2]), f"{parts[3]}/{parts[4]}", Announcement.decode(value))
+            value = self._announced(int(parts[2]), f"{parts[3]}/{parts[4]}", Announcement.decode(value))
             if self.mode == "late":
                 self._inject_late(parts[0], int(parts[2]) - 1, expires_at)
             if self.mode == "garbage":
                 self._send_garbage_requests(parts[0])
         return self.inner.publish(key, value, expires_at)
+
+    def _announced(self, round_: int, unit: str, a: Announcement) -> bytes:
+        """The announcement it publishes and gossips for its update ``a`` (forged once: the same both ways,
+        and when it announces again)."""
+        if (round_, unit) not in self.announced:
+            self.announced[(round_, unit)] = Announcement.decode(self._announce(round_, unit, a))
+        return self.announced[(round_, unit)].encode()
 
     def _announce(self, round_: int, unit: str, a: Announcement) -> bytes:
         fields = {f: getattr(a, f) for f in a.__struct_fields__}

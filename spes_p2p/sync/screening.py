@@ -15,9 +15,9 @@ updates and stay bit-identical:
    (by the probe's noise); else, and without a probe, only those pointing against all others are refused;
 3. **the loss** (``Probe``: each update applied alone to the unit's start weights, the other units at their
    start weights too, on the round's probe batch of held-out data): where the best update takes more than
-   the probe's noise off (``NOISE`` of the loss), one that adds more than the best takes off is refused, and
-   each kept update weighs its tokens times ``(1 + gain / best) / 2``, clamped to [0, 1]: the best counts
-   fully, one that does nothing half.
+   the probe's noise off (``NOISE`` of the loss), one that adds ``HARM_FACTOR`` times more than the best
+   takes off is refused. Kept updates keep their token weights: a weight from the probe, which each holder
+   measures on a model whose frozen copies differ slightly, would part the holders' weights every round.
 
 Peers whose frozen copies of other units differ slightly measure slightly different losses: a decision at
 the very edge can then differ between holders, and their weights part; the start-weights vote of the next
