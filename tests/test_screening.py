@@ -4,7 +4,7 @@ alike by every holder, whoever's update is whose."""
 import torch
 
 from spes_p2p.sync.aggregate import Contribution
-from spes_p2p.sync.screening import screen
+from spes_p2p.sync.screening import NOISE, screen
 
 N = 100_000  # noise's cosine with anything is about 1 / sqrt(N)
 START = {"w": torch.zeros(N)}
@@ -74,3 +74,31 @@ def test_an_update_that_agrees_but_adds_more_loss_than_the_best_takes_off_is_ref
 def test_updates_that_pass_keep_their_token_weights():
     _, out = decided([update("a", honest(0), 100), update("b", 0.2 * honest(1), 300)])
     assert {c.peer_id: c.tokens for c in out.kept} == {"a": 100, "b": 300}
+
+
+
+STEP = 5e-5
+
+
+def weak(seed: int) -> torch.Tensor:
+    """An honest update of few steps: a sliver toward the target in its own noise, which agrees with no
+    other update (cosine about 0.015) and takes off 1e-4 of the probe's loss (between TIE and NOISE)."""
+    g = torch.Generator().manual_seed(seed)
+    noise = torch.randn(N, generator=g)
+    noise -= (noise @ TARGET) / (TARGET @ TARGET) * TARGET  # (orthogonal to the target)
+    return STEP * (TARGET + 8 * noise / noise.norm() * TARGET.norm())
+
+
+def test_of_two_holders_noise_goes_even_when_the_honest_update_takes_little_loss_off():
+    noise = torch.randn(N) * weak(0).norm() / N**0.5
+    kept, out = decided([update("a", weak(0)), update("m", noise)])
+    assert 0 < out.scores["a"] - out.scores["m"] < NOISE * probe([])[0]  # rule 3 cannot judge it
+    assert kept == ["a"] and "m" in out.refused
+
+
+def test_updates_that_agree_with_none_and_take_off_as_much_all_stay():
+    a, b = weak(1), weak(2)
+    b -= (b @ a - STEP**2 * TARGET @ TARGET) / (a @ a) * a  # (b's noise orthogonal to a's too)
+    b *= a.norm() / b.norm()
+    kept, out = decided([update("a", a), update("b", b)])
+    assert abs(out.scores["a"] - out.scores["b"]) < 1e-6 and kept == ["a", "b"]  # (float32 rounding)

@@ -10,7 +10,7 @@ by the client; the attacks only ever reach the honest peers through the network,
     signflip  its updates are negated
     subtle    its updates are half the honest ones, negated: inside every norm bound
     zero      its updates are zeros, for the tokens it claims to have trained on (a free-rider)
-    noise     its updates are random, of the honest update's norm (per buffer of the payload)
+    noise     its updates are random, of about the honest norm (random codes at its block scales when quantized)
               (these seven also apply to each piece of a reduce-scatter, and to the combined parts it owns)
     copy      it serves, as its own, a copy of another participant's update of the unit (or of its pieces)
     frozenscale the versions and changes it serves for others' frozen copies are multiplied by 1000
@@ -62,12 +62,24 @@ _REWRITES = {
 }
 
 
-def rewrite(payload: bytes, change, **meta: str) -> bytes:
-    """The payload with ``change`` applied to every floating-point buffer, ``meta`` in its metadata, and its
-    checksum made to match: a well-formed payload carrying bad values."""
+# What noise does to the codes of a quantized payload (the int8 and nf4 codecs' uint8 buffers), so that
+# the update decodes to noise, not to the honest codes at random block scales
+_CODES = {"noise": lambda t: torch.randint_like(t, 0, 256)}
+
+
+def rewrite(payload: bytes, change, codes=None, **meta: str) -> bytes:
+    """The payload with ``change`` applied to every floating-point buffer (and ``codes`` to every buffer of
+    quantized codes), ``meta`` in its metadata, and its checksum made to match: a well-formed payload
+    carrying bad values."""
     buffers = load(payload)
-    changed = {k: change(v) if v.is_floating_point() else v for k, v in buffers.items()}
+    changed = {k: _changed(v, change, codes) for k, v in buffers.items()}
     return save(changed, metadata={**metadata_of(payload), **meta, "sha256": buffers_digest(changed)})
+
+
+def _changed(buffer: torch.Tensor, change, codes) -> torch.Tensor:
+    if buffer.is_floating_point():
+        return change(buffer)
+    return codes(buffer) if codes is not None and buffer.dtype == torch.uint8 else buffer
 
 
 class ByzantineTransport(Transport):
@@ -221,7 +233,7 @@ class ByzantineTransport(Transport):
                 return
 
     def _forge(self, honest: bytes) -> bytes:
-        return os.urandom(len(honest)) if self.mode == "garbage" else rewrite(honest, _REWRITES[self.mode])
+        return os.urandom(len(honest)) if self.mode == "garbage" else rewrite(honest, _REWRITES[self.mode], _CODES.get(self.mode))
 
     def _inject_late(self, run_id: str, round_: int, expires_at: float) -> None:
         """Into every unit it did not announce for in ``round_ + 1``: a copy of a holder's update of

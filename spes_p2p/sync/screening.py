@@ -12,7 +12,8 @@ updates and stay bit-identical:
    pointing elsewhere, noise) is refused when some others agree among themselves. When none agree (two
    updates that point apart, or updates of so few steps that their noise hides their common direction),
    the one that lowers the validation loss most is kept alone if it takes clearly more off than the next
-   (by the probe's noise); else, and without a probe, only those pointing against all others are refused;
+   (``TIE``: beyond what holders' measurements differ by); else, and without a probe, only those pointing
+   against all others are refused;
 3. **the loss** (``Probe``: each update applied alone to the unit's start weights, the other units at their
    start weights too, on the round's probe batch of held-out data): where the best update takes more than
    the probe's noise off (``NOISE`` of the loss), one that adds ``HARM_FACTOR`` times more than the best
@@ -36,6 +37,11 @@ from spes_p2p.sync.aggregate import Contribution, norm_of
 
 COPY_COSINE = 0.99  # copies: honest updates of one unit, trained on different data, lie far below
 NOISE = 2e-4  # of the probe loss: what an honest update of a round's end may add or take off on one batch
+# of the probe loss: what holders' measurements of one update may differ by (their frozen copies of other
+# units differ slightly); the best of updates that agree with none is kept alone only when it takes more
+# than this off beyond the next, so that every holder keeps the same (noise takes ~0 off, and honest
+# updates of a round 2e-5 to 4e-4 of the loss: a margin of NOISE kept noise beside them)
+TIE = 2e-5
 HARM_FACTOR = 10.0  # honest updates of a tiny model added up to 8 times what the best of their round took off
 AGREE_MIN = 0.02  # honest co-holders' updates measured 0.24 to 0.65; noise of a million entries ~0.001
 
@@ -67,8 +73,8 @@ def screen(contributions: list[Contribution], start: Tensors, probe: Probe | Non
         return out
     base, *losses = probe([{n: start[n] + c.tensors[n] for n in start} for c in rest])
     out.scores = {c.peer_id: base - loss for c, loss in zip(rest, losses, strict=True)}
+    rest = _agreeing(rest, out, TIE * abs(base))
     noise = NOISE * abs(base)
-    rest = _agreeing(rest, out, noise)
     best = max(out.scores[c.peer_id] for c in rest)
     if not best > noise:  # (NaN too) the probe sees no update help: it cannot judge
         out.kept = rest
