@@ -76,7 +76,6 @@ def test_updates_that_pass_keep_their_token_weights():
     assert {c.peer_id: c.tokens for c in out.kept} == {"a": 100, "b": 300}
 
 
-
 STEP = 5e-5
 
 

@@ -10,7 +10,7 @@ by the client; the attacks only ever reach the honest peers through the network,
     signflip  its updates are negated
     subtle    its updates are half the honest ones, negated: inside every norm bound
     zero      its updates are zeros, for the tokens it claims to have trained on (a free-rider)
-    noise     its updates are random, of about the honest norm (random codes at its block scales when quantized)
+    noise     its updates are random, of about the honest norm (random codes at its scales, when quantized)
               (these seven also apply to each piece of a reduce-scatter, and to the combined parts it owns)
     copy      it serves, as its own, a copy of another participant's update of the unit (or of its pieces)
     frozenscale the versions and changes it serves for others' frozen copies are multiplied by 1000
@@ -233,7 +233,9 @@ class ByzantineTransport(Transport):
                 return
 
     def _forge(self, honest: bytes) -> bytes:
-        return os.urandom(len(honest)) if self.mode == "garbage" else rewrite(honest, _REWRITES[self.mode], _CODES.get(self.mode))
+        if self.mode == "garbage":
+            return os.urandom(len(honest))
+        return rewrite(honest, _REWRITES[self.mode], _CODES.get(self.mode))
 
     def _inject_late(self, run_id: str, round_: int, expires_at: float) -> None:
         """Into every unit it did not announce for in ``round_ + 1``: a copy of a holder's update of
