@@ -33,7 +33,9 @@ NOISE = 0.06
 # What the honest peers must have refused, per mode (the others are not refusals: a token count looks
 # honest, the late updates are not even fetched, a silent or slow peer is only not waited for). A sign flip
 # looks honest as an update, but not as the dense part the attacker combines for its group: that points
-# against the honest members' own pieces.
+# against the honest members' own pieces. overclaim's claims are not refused either: peers that refresh a
+# shard it claims and does not serve stop counting it as a holder (test_versions, test_claims; here one
+# honest peer refreshes such a shard, in a few rounds only).
 REFUSED = {
     "garbage",
     "nan",

@@ -6,6 +6,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from spes_p2p.swarm.claims import choose_units, plan_moves
+from spes_p2p.swarm.member import Delivery
 
 UNITS = [f"experts/{i}" for i in range(4)]
 
@@ -185,3 +186,24 @@ def test_a_peer_of_capacity_zero_holds_no_shard_and_is_never_moved():
     assert (
         choose_units(me="z", held=(), units=sorted(holders), holders=holders, capacity=0, target=2) == set()
     )
+
+
+def test_a_holder_that_claims_more_than_it_serves_is_not_counted_once_it_is_failing():
+    """A peer that declares capacity for every shard and claims them all passes the records' checks; it
+    inflates every shard's coverage, so that a shard with one honest holder looks replicated. Once
+    refreshes report it failing (``sync.refresh``), claims count the shards' other holders alone."""
+    holders = {"experts/0": {"fake", "p0", "p1", "p2", "p4"}, "experts/1": {"fake", "p3"}}
+    delivery = Delivery()
+
+    def choices() -> dict[str, set[str]]:
+        held = {p: {u for u, h in holders.items() if p in h} for p in ("p0", "p1", "p2", "p3", "p4")}
+        view = delivery.delivering(holders)
+        return {
+            p: choose_units(me=p, held=h, units=sorted(holders), holders=view, capacity=1, target=2)
+            for p, h in held.items()
+        }
+
+    assert choices() == {p: {u for u, h in holders.items() if p in h} for p in choices()}  # nobody moves
+    delivery.failing = {u: {"fake"} for u in holders}
+    after = choices()
+    assert sorted(len([p for p, h in after.items() if u in h]) for u in holders) == [2, 3], after

@@ -124,6 +124,53 @@ def test_a_version_of_a_round_far_ahead_is_refused_and_the_next_holder_asked():
     assert [f.round for f in got] == [3] and peer.transport.guard.rejections["liar"] == 1
 
 
+def engines(*names: str) -> list[SyncEngine]:
+    net = MemoryNetwork(seed=0)
+    cfg = SyncConfig(refresh_codec="int8", deadline_min=0.2, deadline_max=2.0, request_timeout=1.0)
+    return [SyncEngine(net.join(p), "t", cfg, SPECS) for p in names]
+
+
+def fetch_version(peer: SyncEngine, round_: int, holders: list[str]) -> list:
+    got = []
+    peer.refresh(
+        round_, {UNIT: holders}, 2.0, want=Want("version", "none"), on_unit=lambda _, f: got.append(f)
+    )
+    return got
+
+
+def test_weights_two_other_holders_agree_against_are_refused_and_an_honest_holders_kept():
+    liar, a, b, peer = engines("liar", "a", "b", "peer")
+    weights = {"w1": torch.randn(64, 128)}
+    liar.advance_version(UNIT, 8, 7, {"w1": weights["w1"] + 0.01})  # of the round asked, and small: only
+    for holder in (a, b):  # the other holders can tell
+        holder.advance_version(UNIT, 8, 7, weights)
+    got = fetch_version(peer, 8, ["liar", "a", "b"])  # (of round 8: "peer" asks the liar first)
+    assert len(got) == 1 and torch.equal(got[0].tensors["w1"], weights["w1"])
+    assert peer.transport.guard.rejections["liar"] == 1
+    # of two holders that disagree, nobody can tell which is right: what came is kept
+    liar, honest, peer = engines("liar", "honest", "peer")
+    liar.advance_version(UNIT, 8, 7, {"w1": weights["w1"] + 0.01})
+    honest.advance_version(UNIT, 8, 7, weights)
+    got = fetch_version(peer, 8, ["liar", "honest"])  # (the liar asked first again)
+    assert torch.equal(got[0].tensors["w1"], weights["w1"] + 0.01) and not peer.transport.guard.rejections
+
+
+def test_a_holder_that_claims_a_unit_it_does_not_serve_is_failing_after_three_asks():
+    fake, honest, late, peer = engines("fake", "honest", "late", "peer")
+    weights = {"w1": torch.randn(64, 128)}
+    for round_ in range(1, 4):
+        honest.advance_version(UNIT, round_, round_ - 1, weights)
+        if round_ > 1:  # a holder one round behind says so, and is not failing
+            late.advance_version(UNIT, round_ - 1, round_ - 2, weights)
+        assert peer.failing() == {}
+        for holders in (["honest", "fake"], ["honest", "late"]):
+            assert fetch_version(peer, round_, holders)
+    assert peer.failing() == {UNIT: {"fake"}}
+    fake.advance_version(UNIT, 4, 3, weights)  # once it serves (or confirms), it counts again
+    honest.advance_version(UNIT, 4, 3, weights)
+    assert fetch_version(peer, 4, ["fake"]) and peer.failing() == {}
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_holders_that_store_frozen_experts_differently_merge_alike(tmp_path, monkeypatch):

@@ -118,6 +118,9 @@ class FrozenCopies:
         for unit, holders in frozen.items():
             if holders:
                 self.member.served(unit, unit in got)
+        failing = self.sync.failing()
+        self.member.failing(failing)
+        job.metrics["failing"] = {u: sorted(p) for u, p in sorted(failing.items())}
 
     def _problem(self, round_: int, wants: dict[str, Want], unit: str, tensors: Tensors) -> str:
         """Why what a holder served for our frozen copy of ``unit`` cannot be kept ('' when it can). (The

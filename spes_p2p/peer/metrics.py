@@ -57,6 +57,7 @@ class RoundMetrics:
                 u: {p: round(s, 5) for p, s in r.scores.items()} for u, r in job.results.items() if r.scores
             },
             "resynced": sorted(u for u, r in job.results.items() if r.resynced),
+            "failing": m.get("failing", {}),  # unit -> holders that neither serve nor confirm it (frozen.py)
             "refreshed": {u: f.want.kind for u, f in sorted(job.refreshed.items())},  # how each came
             "rejected_payloads": rejected,
             "rejected": self.guard.total(),  # everything refused: records, requests, payloads, outliers

@@ -20,6 +20,8 @@ by the client; the attacks only ever reach the honest peers through the network,
     late      it injects updates, as a late participant, into units and rounds it did not train
     resync    it announces a foreign start-weight hash and serves end weights pulled far away
     claimall  it claims every unit, and SYBILS fake peers claim the last expert shard and never serve it
+    overclaim it declares capacity for every expert shard and claims them all (within that capacity), and
+              serves only the ones it trains
     forge     (hivemind) it signs "left" tombstones of every other peer under their ids
     silent    it announces its updates and never serves them (nor anything else)
     slow      it answers every request only after SLOW_SECONDS
@@ -164,6 +166,8 @@ class ByzantineTransport(Transport):
         parts = key.split("/")
         if self.mode == "claimall" and parts[-1] == "peers":
             value = self._claim_all(parts[0], PeerRecord.decode(value), expires_at)
+        if self.mode == "overclaim" and parts[-1] == "peers":
+            value = self._overclaim(PeerRecord.decode(value))
         if self.mode == "forge" and parts[-1] == "peers":
             self._forge_tombstones(parts[0], PeerRecord.decode(value))
         if len(parts) == 5 and parts[1] == "updates":  # <run>/updates/<round>/<unit>: our update is ready
@@ -279,6 +283,13 @@ class ByzantineTransport(Transport):
             )
             sybil.publish(peers_key(run_id), fake.encode(), expires_at)
         return msgspec.structs.replace(record, holds={u: Holding() for u in self.units}).encode()
+
+    def _overclaim(self, record: PeerRecord) -> bytes:
+        if record.state != "active":
+            return record.encode()
+        shards = [u for u in self.units if u.startswith("experts/")]
+        holds = {**{u: Holding() for u in shards}, **record.holds}
+        return msgspec.structs.replace(record, capacity=len(shards), holds=holds).encode()
 
     def _forge_tombstones(self, run_id: str, record: PeerRecord) -> None:
         """For every other peer: a "left" peer record under the victim's id, made with this peer's key.

@@ -26,6 +26,7 @@ BYZANTINE_MODES = (
     "late",
     "resync",
     "claimall",
+    "overclaim",
     "forge",
     "silent",
     "slow",

@@ -137,6 +137,24 @@ def over_capacity(peers: dict[str, PeerRecord], guard) -> set[str]:
     return over
 
 
+@dataclass
+class Delivery:
+    """What this peer saw of the holders of units it does not train: ``unserved``, unit -> refreshes in a
+    row that none of its holders served; ``failing``, unit -> holders that left ``UNCONFIRMED_LIMIT`` asks
+    to serve or confirm it in a row unanswered (``sync.refresh``)."""
+
+    unserved: Counter[str] = field(default_factory=Counter)
+    failing: dict[str, set[str]] = field(default_factory=dict)
+
+    def delivering(self, holders: dict[str, set[str]]) -> dict[str, set[str]]:
+        """Each unit's holders that deliver it: none for a unit none of whose holders served
+        ``UNSERVED_LIMIT`` refreshes in a row, and never one that is failing."""
+        return {
+            u: set() if self.unserved[u] >= UNSERVED_LIMIT else h - self.failing.get(u, set())
+            for u, h in holders.items()
+        }
+
+
 @dataclass(frozen=True)
 class ClaimChoice:
     """Which units a peer holds from a round on: the claim policy (``claims.choose_units``) over a view, for
@@ -153,18 +171,18 @@ class ClaimChoice:
         self,
         view: SwarmView,
         held: set[str],
-        unserved: Counter[str],
+        delivery: Delivery,
         first_round: int,
         epoch: int,
         founding: bool = False,
     ) -> tuple[set[str], int]:
         """The units to hold from ``first_round`` on, and the rotation epoch of those claims (``epoch``:
-        that of ``held``). A unit none of whose holders served ``UNSERVED_LIMIT`` refreshes in a row
-        counts as uncovered. Peers that claimed since ``first_round`` are not moved again, but for
+        that of ``held``). Expert shards count only the holders that deliver them (``Delivery``). Peers
+        that claimed since ``first_round`` are not moved again, but for
         ``founding`` (before the first round, when every claim is that new)."""
         settled = {p for since in view.since.values() for p, s in since.items() if s >= first_round}
         settled = set() if founding else settled
-        delivering = {u: set() if unserved[u] >= UNSERVED_LIMIT else h for u, h in view.holders.items()}
+        delivering = delivery.delivering(view.holders)
         experts = choose_units(
             me=self.me,
             held=held,
@@ -230,7 +248,7 @@ class SwarmMember:
         self.progress = Progress()  # (its traffic and rejections are filled in when published)
         self.reachable = "unknown"
         self.last_view = SwarmView({}, {u: set() for u in self.units})
-        self.unserved: Counter[str] = Counter()  # unit -> refreshes in a row that none of its holders served
+        self.delivery = Delivery()  # of the units this peer does not train
 
     @property
     def me(self) -> str:
@@ -273,7 +291,7 @@ class SwarmMember:
         with self._state:
             first = self.round if first_round is None else first_round
             epoch = self._choose.epoch_of(first)
-            self.held, self.epoch = self._choose(view, self.held, self.unserved, first, epoch)
+            self.held, self.epoch = self._choose(view, self.held, self.delivery, first, epoch)
             self.since = {u: first for u in self.units}
         self.heartbeat()
         return self.view()
@@ -284,7 +302,7 @@ class SwarmMember:
         moves that each of them plans alike from the same view spread them out."""
         view = self.view()
         with self._state:
-            new, _ = self._choose(view, self.held, self.unserved, 0, self.epoch, founding=True)
+            new, _ = self._choose(view, self.held, self.delivery, 0, self.epoch, founding=True)
             if new == self.held:
                 return
             logger.info("claims, settled among the founders: %s -> %s", sorted(self.held), sorted(new))
@@ -339,7 +357,13 @@ class SwarmMember:
         whose holders serves for ``UNSERVED_LIMIT`` refreshes in a row counts as uncovered in claims: holders
         that never deliver (fake ones too) do not keep it from being trained."""
         with self._state:
-            self.unserved[unit] = 0 if ok else self.unserved[unit] + 1
+            self.delivery.unserved[unit] = 0 if ok else self.delivery.unserved[unit] + 1
+
+    def failing(self, holders: dict[str, set[str]]) -> None:
+        """Unit -> its holders that neither serve nor confirm it (``sync.refresh``): claims do not count
+        them (a holder that claims more than it serves, whatever capacity it declares)."""
+        with self._state:
+            self.delivery.failing = holders
 
     def rebalance(self, first_round: int | None = None, count_from: int | None = None) -> set[str]:
         """Re-runs the claim policy (call at sync boundaries); returns the units given up. The claims take
@@ -350,13 +374,13 @@ class SwarmMember:
         with self._state:
             first_round = self.round if first_round is None else first_round
             count_from = first_round if count_from is None else count_from
-            new, self.epoch = self._choose(view, self.held, self.unserved, first_round, self.epoch)
+            new, self.epoch = self._choose(view, self.held, self.delivery, first_round, self.epoch)
             dropped = self.held - new
             if new != self.held:
                 logger.info("claims: %s -> %s", sorted(self.held), sorted(new))
             for unit in new - self.held:
                 self.since[unit] = count_from
-                self.unserved.pop(unit, None)  # (held: no longer refreshed, so no longer judged)
+                self.delivery.unserved.pop(unit, None)  # (held: no longer refreshed, so no longer judged)
                 self.ending.pop(unit, None)
             for unit in dropped:
                 if first_round > self.since.get(unit, 0):  # (a unit never trained here is just dropped)

@@ -131,6 +131,10 @@ class SyncEngine:
         """Fetches each unit in ``holders`` from one of them (``refresh.Refresh.run``); unit -> round got."""
         return self._refresh.run(min_round, holders, seconds, want, on_unit, fallback, verify)
 
+    def failing(self) -> dict[str, set[str]]:
+        """Unit -> its holders that neither serve nor confirm it (``refresh.Refresh.failing``)."""
+        return self._refresh.failing()
+
     @property
     def rejected_payloads(self) -> int:
         return self._fetcher.rejected + self._refresh.rejected

@@ -53,3 +53,5 @@ class WeightsRequest(Message):
     round: Annotated[int, msgspec.Meta(ge=-1)] = -1  # -1: the newest
     any_copy: bool = False  # newcomers: a unit we do not hold is answered from our own copy
     kind: Literal["weights", "version", "change"] = "weights"  # see sync/versions.py
+    # only the SHA-256 of what would be served, of exactly that round (another holder's download confirmed)
+    digest: bool = False

@@ -151,6 +151,13 @@ def _check_metadata(payload: bytes, wanted: dict[str, str]) -> None:
             raise PayloadError(f"payload {key} is {metadata.get(key)!r}, expected {value!r}")
 
 
+def served_digest(payload: bytes) -> str:
+    """What a holder answers when asked only for the digest of ``payload`` (``WeightsRequest.digest``): its
+    buffers' SHA-256, after the version it applies to (a change's)."""
+    meta = metadata_of(payload)
+    return f"{meta.get('since', '')}/{meta['sha256']}"
+
+
 def buffers_digest(buffers: Tensors) -> str:
     """SHA-256 of the buffers' names and bytes, in name order: the payload's ``sha256``."""
     h = hashlib.sha256()

@@ -7,6 +7,17 @@ version, or the change that made that version (``sync/versions.py``), until one 
 passes; holders whose records vanished are skipped. When no holder serves the change our copy needs, the
 exact version is asked for instead. A unit that no holder can serve may come from a ``fallback`` peer's own
 copy (newcomers). Every answer is a checked payload; a bad one is counted and the next holder is asked.
+
+What one holder served is then **confirmed** by another, asked only for the SHA-256 of what it would serve
+for the same request, of the same round (``WeightsRequest.digest``; a change: with the version it applies
+to). Holders of a unit hold the same weights, bit for bit, and answer alike: the first that agrees confirms
+the payload; one that two other holders agree against is refused and counted, and the next holder asked.
+With nobody else to ask, or only one that disagrees (of two holders, nobody can tell which is right), the
+payload is kept and the disagreement logged. A holder that is not of that round yet says so, which confirms
+nothing. Holders are asked to confirm in turn (those that left an ask unanswered first); one that leaves
+``UNCONFIRMED_LIMIT`` asks in a row unanswered, or answers that it does not hold the unit (a fake holder, or
+one that declared more capacity than it has), is reported by ``failing`` (claims then do not count it), and
+asked again only every ``UNCONFIRMED_LIMIT`` rounds.
 """
 
 from __future__ import annotations
@@ -27,12 +38,14 @@ from spes_p2p.net.waiting import MIN_REQUEST_SECONDS, Deadline, poll
 from spes_p2p.sync.codecs import Codecs, PayloadError, TensorSpec
 from spes_p2p.sync.config import SyncConfig
 from spes_p2p.sync.messages import RPC_WEIGHTS, WeightsRequest
-from spes_p2p.sync.payload import decode, metadata_of
+from spes_p2p.sync.payload import decode, metadata_of, served_digest
 from spes_p2p.sync.versions import ELSEWHERE, EXACT_VERSION, NOBODY, Download, Want
 
 logger = logging.getLogger(__name__)
 
 POLL_SECONDS = 0.1
+UNCONFIRMED_LIMIT = 3  # asks in a row a holder leaves unanswered before its claim is not believed
+MAX_DIGEST_BYTES = 256
 ROUNDS_AHEAD = 16  # what a holder serves is of the round asked for, or a few later: not of round 10^9
 
 Tensors = dict[str, torch.Tensor]
@@ -59,7 +72,19 @@ class Refresh:
         self.live_peers = live_peers
         self.rejected = 0
         self.failed: Counter[str] = Counter()  # holder -> fetches in a row it did not serve
+        self.unconfirmed: Counter[tuple[str, str]] = Counter()  # (unit, holder) -> asks in a row unanswered
+        self._asked: dict[tuple[str, str], int] = {}  # (unit, holder) -> when it was last asked to confirm
+        self._asks = 0
         self._lock = threading.Lock()
+
+    def failing(self) -> dict[str, set[str]]:
+        """Unit -> its holders that left ``UNCONFIRMED_LIMIT`` asks to confirm it in a row unanswered."""
+        with self._lock:
+            out: dict[str, set[str]] = {}
+            for (unit, peer), misses in self.unconfirmed.items():
+                if misses >= UNCONFIRMED_LIMIT:
+                    out.setdefault(unit, set()).add(peer)
+            return out
 
     def run(
         self,
@@ -125,7 +150,11 @@ class Refresh:
             for peer in order:
                 found = self._fetch(peer, unit, want, min_round, False, deadline, verify)
                 elsewhere |= found is ELSEWHERE
-                if found is not None and found is not ELSEWHERE:
+                if (
+                    found is not None
+                    and found is not ELSEWHERE
+                    and self._confirmed(unit, found, peer, order, deadline)
+                ):
                     return found
             if want.kind == "change" and (elsewhere or patience.passed()):  # the exact version instead
                 want = EXACT_VERSION
@@ -143,6 +172,70 @@ class Refresh:
         elif found is None:
             logger.info("no holder had %s of round >= %d in time; keeping the old copy", unit, min_round)
         return None if found is NOBODY else found
+
+    def _confirmed(
+        self, unit: str, found: Download, source: str, holders: list[str], deadline: Deadline
+    ) -> bool:
+        """Whether what ``source`` served stands, asked of the other ``holders`` (the module's docstring)."""
+        ours = served_digest(found.payload)
+        request = WeightsRequest(
+            unit=unit, codec=found.want.codec, round=found.round, kind=found.want.kind, digest=True
+        ).encode()
+        against: Counter[str] = Counter()
+        for peer in self._confirmers(unit, source, holders, found.round):
+            if deadline.passed():
+                break
+            answer = self._digest(peer, unit, request, deadline)
+            if answer == ours:
+                return True
+            if answer and answer.split("/")[0] == ours.split("/")[0]:  # (a change: to the same version)
+                against[answer] += 1
+                if against[answer] == 2:
+                    self._refuse(
+                        source, f"{found.want.kind} of {unit}", "two other holders serve other weights"
+                    )
+                    return False
+        if against:
+            logger.warning(
+                "%s: %s and another holder serve different weights; keeping %s's", unit, source, source
+            )
+        return True
+
+    def _confirmers(self, unit: str, source: str, holders: list[str], round_: int) -> list[str]:
+        """The other holders: those that left asks unanswered first (asked again until they are failing,
+        then only every few rounds), then the least recently asked."""
+        with self._lock:
+            misses = {p: self.unconfirmed[(unit, p)] for p in holders if p != source}
+            others = [
+                p for p, n in misses.items() if n < UNCONFIRMED_LIMIT or round_ % UNCONFIRMED_LIMIT == 0
+            ]
+            return sorted(others, key=lambda p: (-misses[p], self._asked.get((unit, p), -1)))
+
+    def _digest(self, peer: str, unit: str, request: bytes, deadline: Deadline) -> str | None:
+        """What ``peer`` says it serves for ``request`` (None: no answer; '': it holds the unit, but not of
+        that round yet)."""
+        with self._lock:
+            self._asks += 1
+            self._asked[(unit, peer)] = self._asks
+        timeout = min(self.cfg.request_timeout, max(deadline.remaining(), MIN_REQUEST_SECONDS))
+        try:
+            answer = self.transport.request(
+                peer, RPC_WEIGHTS, request, timeout=timeout, max_response_bytes=MAX_DIGEST_BYTES
+            )
+        except TransportError as exc:
+            logger.debug("confirming %s with %s: %s", unit, peer, exc)
+            with self._lock:
+                self.unconfirmed[(unit, peer)] += 1
+            return None
+        with self._lock:
+            self.unconfirmed.pop((unit, peer), None)
+        return answer.decode("ascii", "replace")
+
+    def _refuse(self, peer: str, what: str, why: str) -> None:
+        self.transport.guard.reject(peer, what, why)
+        with self._lock:
+            self.rejected += 1
+            self.failed[peer] += 1
 
     def _fetch(
         self,
@@ -187,14 +280,12 @@ class Refresh:
             if problem:
                 raise PayloadError(problem)
         except PayloadError as exc:
-            self.transport.guard.reject(peer, f"{want.kind} of {unit}", str(exc))
-            with self._lock:
-                self.rejected += 1
-                self.failed[peer] += 1
+            self._refuse(peer, f"{want.kind} of {unit}", str(exc))
             return None
         self.transport.guard.accept(peer)
         with self._lock:
             self.failed.pop(peer, None)
+            self.unconfirmed.pop((unit, peer), None)
         if want.kind == "change" and (since != ":".join(map(str, want.since)) or round_ != min_round):
             return ELSEWHERE
         return Download(round_, want, payload, decoder) if round_ >= min_round else None

@@ -35,7 +35,7 @@ from spes_p2p.sync.messages import (
     UpdateRequest,
     WeightsRequest,
 )
-from spes_p2p.sync.payload import encode, payload_meta, tensors_of
+from spes_p2p.sync.payload import encode, metadata_of, payload_meta, served_digest, tensors_of
 from spes_p2p.sync.versions import Versions
 
 KEEP_ROUNDS = 3
@@ -142,6 +142,22 @@ class Outbox:
 
     def rpc_weights(self, caller: str, request: bytes) -> bytes:
         req = self._parse(WeightsRequest, caller, request)
+        return self._digest(req) if req.digest else self._weights_payload(req)
+
+    def _digest(self, req: WeightsRequest) -> bytes:
+        """``payload.served_digest`` of what we serve for ``req``, of exactly its round; empty when we hold
+        the unit, but not of that round (yet)."""
+        with self._lock:
+            held = req.unit in self._weights
+        if not held and self.versions.current(req.unit) is None:
+            raise Unavailable(f"this peer does not hold {req.unit}")
+        try:
+            payload = self._weights_payload(req)
+        except Unavailable:
+            return b""
+        return served_digest(payload).encode() if int(metadata_of(payload)["round"]) == req.round else b""
+
+    def _weights_payload(self, req: WeightsRequest) -> bytes:
         if req.kind == "change":
             change = self.versions.change(req.unit, req.round)
             if change is None:
