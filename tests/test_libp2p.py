@@ -110,6 +110,50 @@ def test_a_request_that_never_arrives_is_dropped():
     )
 
 
+def test_oversized_and_refused_requests_leave_nothing_buffered():
+    """py-libp2p's yamux keeps what a closed stream left unread for 60 s: a server that refused requests
+    without reading them held their bytes (a flood of 8 identities: +260 MiB). It reads and drops them."""
+    python(
+        """
+        import threading
+        from spes_p2p.net.libp2p.host import Libp2pTransport
+        from spes_p2p.net.transport import MAX_STREAMS_PER_PEER, TransportError
+
+        a = Libp2pTransport()
+        b = Libp2pTransport(initial_peers=a.addresses())
+        release = threading.Event()
+        a.serve("small", lambda caller, data: release.wait(30) and b"ok", max_request_bytes=1000)
+
+        def ask(size):
+            try:
+                b.request(a.peer_id, "small", b"x" * size, timeout=30)
+            except TransportError:
+                pass
+
+        held = [threading.Thread(target=ask, args=(10,)) for _ in range(MAX_STREAMS_PER_PEER)]
+        for t in held:
+            t.start()
+        while a.streams.in_progress(b.peer_id) < MAX_STREAMS_PER_PEER:
+            pass
+        for _ in range(10):  # refused: too many in progress
+            ask(100_000)
+        release.set()
+        for t in held:
+            t.join(30)
+        for _ in range(10):  # refused: too large
+            ask(100_000)
+
+        async def buffered():
+            conns = [c for cs in a.host.get_network().connections.values() for c in cs]
+            return sum(len(buf) for c in conns for buf in c.muxed_conn.stream_buffers.values())
+
+        assert a._loop.call(buffered, timeout=30) == 0
+        b.shutdown(); a.shutdown()
+        print("ok")
+        """
+    )
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(200)
 def test_a_libp2p_peer_never_imports_hivemind(tmp_path):

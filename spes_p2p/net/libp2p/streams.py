@@ -3,7 +3,8 @@
 One stream per request, in hivemind's framing: an 8-byte big-endian length, then the payload; an answer
 starts with a status byte (``OK`` or ``FAILED``, then the handler's message). A server checks the caller
 against the guard, gives each remote peer ``MAX_STREAMS_PER_PEER`` requests at once, checks a request's
-length before reading it and reads it within ``REQUEST_READ_TIMEOUT``; handlers run on a pool of
+length before reading it and reads it within ``REQUEST_READ_TIMEOUT`` (one too large, or refused, is read
+and dropped: ``DRAIN_BYTES``); handlers run on a pool of
 ``HANDLER_THREADS`` threads, or on the loop itself when they are quick (``inline``: the records protocol).
 """
 
@@ -33,6 +34,10 @@ logger = logging.getLogger(__name__)
 OK, FAILED = ANSWER_OK, ANSWER_FAILED
 HANDLER_THREADS = 32  # handlers run at once (the rest wait for a thread)
 CLOSE_SECONDS = 1.0  # to close a stream
+# What a request left unread in its stream (at most yamux's window, 256 KiB) is read and dropped before the
+# stream closes: py-libp2p's yamux keeps the unread bytes of a closed stream for 60 s, and a flood of
+# oversized or refused requests piled them up (8 identities: +260 MiB)
+DRAIN_BYTES = 1 << 19
 _HEADER = 8
 
 
@@ -54,6 +59,9 @@ class Requests:
         caller = str(stream.muxed_conn.peer_id)
         with self.slots.slot(caller) as admitted:
             try:
+                if not self.guard.allows(caller) or not admitted:
+                    with trio.move_on_after(CLOSE_SECONDS):
+                        await _discard_frame(stream)
                 if not self.guard.allows(caller):
                     response = FAILED + b"this peer does not serve you"
                 elif not admitted:
@@ -69,6 +77,8 @@ class Requests:
                 self.stats.bytes_sent += len(response) - 1
             except Exception as exc:  # a slow, oversized or broken request is dropped, not answered
                 logger.info("dropped a %s request from %s: %s", name, caller, exc or type(exc).__name__)
+                with trio.move_on_after(CLOSE_SECONDS):
+                    await stream.reset()
             finally:
                 with trio.move_on_after(CLOSE_SECONDS):
                     await _close(stream)
@@ -106,8 +116,16 @@ async def read_frame(stream, limit: int) -> bytes:
     """A length-prefixed message, its length checked against ``limit`` before it is read."""
     size = int.from_bytes(await _read_exactly(stream, _HEADER), "big")
     if size > limit:
+        with trio.move_on_after(CLOSE_SECONDS):
+            await _read_exactly(stream, min(size, DRAIN_BYTES))
         raise MessageTooLarge(f"a {size}-byte message exceeds the {limit}-byte limit")
     return await _read_exactly(stream, size)
+
+
+async def _discard_frame(stream) -> None:
+    """Reads a message we will not use and drops it."""
+    size = int.from_bytes(await _read_exactly(stream, _HEADER), "big")
+    await _read_exactly(stream, min(size, DRAIN_BYTES))
 
 
 async def write_frame(stream, data: bytes) -> None:
