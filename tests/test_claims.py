@@ -197,7 +197,7 @@ def test_a_holder_that_claims_more_than_it_serves_is_not_counted_once_it_is_fail
 
     def choices() -> dict[str, set[str]]:
         held = {p: {u for u, h in holders.items() if p in h} for p in ("p0", "p1", "p2", "p3", "p4")}
-        view = delivery.delivering(holders)
+        view = delivery.delivering(holders, set())
         return {
             p: choose_units(me=p, held=h, units=sorted(holders), holders=view, capacity=1, target=2)
             for p, h in held.items()

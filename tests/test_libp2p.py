@@ -135,13 +135,13 @@ def test_oversized_and_refused_requests_leave_nothing_buffered():
             t.start()
         while a.streams.in_progress(b.peer_id) < MAX_STREAMS_PER_PEER:
             pass
-        for _ in range(10):  # refused: too many in progress
-            ask(100_000)
+        for size in (100_000, 4_000_000):  # refused: too many in progress (more than one window: 4 MB)
+            ask(size)
         release.set()
         for t in held:
             t.join(30)
-        for _ in range(10):  # refused: too large
-            ask(100_000)
+        for size in (100_000, 4_000_000):  # refused: too large
+            ask(size)
 
         async def buffered():
             conns = [c for cs in a.host.get_network().connections.values() for c in cs]

@@ -146,11 +146,14 @@ class Delivery:
     unserved: Counter[str] = field(default_factory=Counter)
     failing: dict[str, set[str]] = field(default_factory=dict)
 
-    def delivering(self, holders: dict[str, set[str]]) -> dict[str, set[str]]:
+    def delivering(self, holders: dict[str, set[str]], held: set[str]) -> dict[str, set[str]]:
         """Each unit's holders that deliver it: none for a unit none of whose holders served
-        ``UNSERVED_LIMIT`` refreshes in a row, and never one that is failing."""
+        ``UNSERVED_LIMIT`` refreshes in a row, and never one that is failing (for a unit we hold: all, as
+        we no longer refresh it)."""
         return {
-            u: set() if self.unserved[u] >= UNSERVED_LIMIT else h - self.failing.get(u, set())
+            u: set()
+            if self.unserved[u] >= UNSERVED_LIMIT
+            else h - (set() if u in held else self.failing.get(u, set()))
             for u, h in holders.items()
         }
 
@@ -182,7 +185,7 @@ class ClaimChoice:
         ``founding`` (before the first round, when every claim is that new)."""
         settled = {p for since in view.since.values() for p, s in since.items() if s >= first_round}
         settled = set() if founding else settled
-        delivering = delivery.delivering(view.holders)
+        delivering = delivery.delivering(view.holders, held)
         experts = choose_units(
             me=self.me,
             held=held,

@@ -25,6 +25,7 @@ from spes_p2p.sync.codecs import CODECS
 RPC_UPDATE = "spes/update"
 RPC_WEIGHTS = "spes/weights"
 MAX_REQUEST_BYTES = 1024
+NOT_HELD = "-"  # the answer to a digest request (WeightsRequest.digest) for a unit the peer does not hold
 
 CodecName = Literal[tuple(CODECS)]  # type: ignore[valid-type]
 

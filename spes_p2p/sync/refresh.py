@@ -10,14 +10,15 @@ copy (newcomers). Every answer is a checked payload; a bad one is counted and th
 
 What one holder served is then **confirmed** by another, asked only for the SHA-256 of what it would serve
 for the same request, of the same round (``WeightsRequest.digest``; a change: with the version it applies
-to). Holders of a unit hold the same weights, bit for bit, and answer alike: the first that agrees confirms
-the payload; one that two other holders agree against is refused and counted, and the next holder asked.
-With nobody else to ask, or only one that disagrees (of two holders, nobody can tell which is right), the
-payload is kept and the disagreement logged. A holder that is not of that round yet says so, which confirms
-nothing. Holders are asked to confirm in turn (those that left an ask unanswered first); one that leaves
-``UNCONFIRMED_LIMIT`` asks in a row unanswered, or answers that it does not hold the unit (a fake holder, or
-one that declared more capacity than it has), is reported by ``failing`` (claims then do not count it), and
-asked again only every ``UNCONFIRMED_LIMIT`` rounds.
+to, the one we asked for). Holders of a unit hold the same weights, bit for bit, and answer alike: the
+first that agrees confirms the payload; one that two other holders agree against is refused (not toward a
+ban: honest holders can differ, one whose version chain split from the others' for instance), and the next
+holder asked. With nobody else to ask, or only one that disagrees (of two holders, nobody can tell which is
+right), the payload is kept and the disagreement logged. A holder that is not of that round yet says so,
+which confirms nothing. Holders are asked to confirm in turn, the least recently asked first; one that says
+``NOT_HELD``, or leaves a whole ``request_timeout`` unanswered, ``UNCONFIRMED_LIMIT`` times in a row (a fake
+holder, or one that declared more capacity than it has) is reported by ``failing`` (claims then do not
+count it), and asked again, last, once every ``UNCONFIRMED_LIMIT`` confirmations of the unit.
 """
 
 from __future__ import annotations
@@ -37,8 +38,8 @@ from spes_p2p.net.transport import Transport, TransportError
 from spes_p2p.net.waiting import MIN_REQUEST_SECONDS, Deadline, poll
 from spes_p2p.sync.codecs import Codecs, PayloadError, TensorSpec
 from spes_p2p.sync.config import SyncConfig
-from spes_p2p.sync.messages import RPC_WEIGHTS, WeightsRequest
-from spes_p2p.sync.payload import decode, metadata_of, served_digest
+from spes_p2p.sync.messages import NOT_HELD, RPC_WEIGHTS, WeightsRequest
+from spes_p2p.sync.payload import decode, metadata_of
 from spes_p2p.sync.versions import ELSEWHERE, EXACT_VERSION, NOBODY, Download, Want
 
 logger = logging.getLogger(__name__)
@@ -46,6 +47,7 @@ logger = logging.getLogger(__name__)
 POLL_SECONDS = 0.1
 UNCONFIRMED_LIMIT = 3  # asks in a row a holder leaves unanswered before its claim is not believed
 MAX_DIGEST_BYTES = 256
+OUTVOTED = "two other holders serve other weights"
 ROUNDS_AHEAD = 16  # what a holder serves is of the round asked for, or a few later: not of round 10^9
 
 Tensors = dict[str, torch.Tensor]
@@ -73,8 +75,8 @@ class Refresh:
         self.rejected = 0
         self.failed: Counter[str] = Counter()  # holder -> fetches in a row it did not serve
         self.unconfirmed: Counter[tuple[str, str]] = Counter()  # (unit, holder) -> asks in a row unanswered
-        self._asked: dict[tuple[str, str], int] = {}  # (unit, holder) -> when it was last asked to confirm
-        self._asks = 0
+        self._asked: dict[tuple[str, str], int] = {}  # (unit, holder) -> the confirmation it was last asked
+        self._confirmations: Counter[str] = Counter()  # unit -> confirmations asked of its holders
         self._lock = threading.Lock()
 
     def failing(self) -> dict[str, set[str]]:
@@ -100,6 +102,7 @@ class Refresh:
         fetched, for the units obtained. ``want``: one for every unit, or unit -> what (default: weights in
         the refresh codec). ``verify``: a check of what a peer served beyond its payload's (a peer that
         fails it is refused and counted, and the next one asked)."""
+        self._forget_gone(holders)
         default = Want("weights", self.cfg.refresh_codec)
         wants = want if isinstance(want, dict) else {u: want or default for u in holders}
         deadline, patience = Deadline(seconds, self.abort), Deadline(seconds / 2, self.abort)
@@ -173,27 +176,34 @@ class Refresh:
             logger.info("no holder had %s of round >= %d in time; keeping the old copy", unit, min_round)
         return None if found is NOBODY else found
 
+    def _forget_gone(self, holders: dict[str, list[str]]) -> None:
+        """Drops what we kept of the holders that no longer hold a unit we refresh."""
+        with self._lock:
+            for key in [k for k in self._asked if k[0] in holders and k[1] not in holders[k[0]]]:
+                self._asked.pop(key)
+                self.unconfirmed.pop(key, None)
+
     def _confirmed(
         self, unit: str, found: Download, source: str, holders: list[str], deadline: Deadline
     ) -> bool:
         """Whether what ``source`` served stands, asked of the other ``holders`` (the module's docstring)."""
-        ours = served_digest(found.payload)
+        since = ":".join(map(str, found.want.since)) if found.want.kind == "change" else ""
+        ours = f"{since}/{metadata_of(found.payload)['sha256']}"  # (the version we asked for, not its say)
         request = WeightsRequest(
             unit=unit, codec=found.want.codec, round=found.round, kind=found.want.kind, digest=True
         ).encode()
         against: Counter[str] = Counter()
-        for peer in self._confirmers(unit, source, holders, found.round):
+        for peer in self._confirmers(unit, source, holders):
             if deadline.passed():
                 break
             answer = self._digest(peer, unit, request, deadline)
             if answer == ours:
                 return True
-            if answer and answer.split("/")[0] == ours.split("/")[0]:  # (a change: to the same version)
+            if answer and answer.split("/")[0] == since:  # (a change: to the same version)
                 against[answer] += 1
                 if against[answer] == 2:
-                    self._refuse(
-                        source, f"{found.want.kind} of {unit}", "two other holders serve other weights"
-                    )
+                    # (not toward a ban: honest holders may differ, e.g. one whose version chain split)
+                    self._refuse(source, f"{found.want.kind} of {unit}", OUTVOTED, ban=False)
                     return False
         if against:
             logger.warning(
@@ -201,38 +211,41 @@ class Refresh:
             )
         return True
 
-    def _confirmers(self, unit: str, source: str, holders: list[str], round_: int) -> list[str]:
-        """The other holders: those that left asks unanswered first (asked again until they are failing,
-        then only every few rounds), then the least recently asked."""
+    def _confirmers(self, unit: str, source: str, holders: list[str]) -> list[str]:
+        """The other holders, the least recently asked first; failing ones last, and only once every
+        ``UNCONFIRMED_LIMIT`` confirmations of the unit."""
         with self._lock:
-            misses = {p: self.unconfirmed[(unit, p)] for p in holders if p != source}
-            others = [
-                p for p, n in misses.items() if n < UNCONFIRMED_LIMIT or round_ % UNCONFIRMED_LIMIT == 0
-            ]
-            return sorted(others, key=lambda p: (-misses[p], self._asked.get((unit, p), -1)))
+            self._confirmations[unit] += 1
+            now = self._confirmations[unit]
+            others = [p for p in holders if p != source]
+            asked = {p: self._asked.get((unit, p), 0) for p in others}
+            failing = {p for p in others if self.unconfirmed[(unit, p)] >= UNCONFIRMED_LIMIT}
+            due = [p for p in failing if now - asked[p] >= UNCONFIRMED_LIMIT]
+            return sorted((p for p in others if p not in failing), key=asked.get) + sorted(due, key=asked.get)
 
     def _digest(self, peer: str, unit: str, request: bytes, deadline: Deadline) -> str | None:
         """What ``peer`` says it serves for ``request`` (None: no answer; '': it holds the unit, but not of
-        that round yet)."""
+        that round yet). It misses an ask when it says it does not hold the unit, or does not answer within
+        a whole ``request_timeout``."""
         with self._lock:
-            self._asks += 1
-            self._asked[(unit, peer)] = self._asks
+            self._asked[(unit, peer)] = self._confirmations[unit]
         timeout = min(self.cfg.request_timeout, max(deadline.remaining(), MIN_REQUEST_SECONDS))
         try:
             answer = self.transport.request(
                 peer, RPC_WEIGHTS, request, timeout=timeout, max_response_bytes=MAX_DIGEST_BYTES
-            )
+            ).decode("ascii", "replace")
         except TransportError as exc:
             logger.debug("confirming %s with %s: %s", unit, peer, exc)
-            with self._lock:
-                self.unconfirmed[(unit, peer)] += 1
-            return None
+            answer = NOT_HELD if timeout >= self.cfg.request_timeout else None
         with self._lock:
-            self.unconfirmed.pop((unit, peer), None)
-        return answer.decode("ascii", "replace")
+            if answer == NOT_HELD:
+                self.unconfirmed[(unit, peer)] += 1
+            elif answer:
+                self.unconfirmed.pop((unit, peer), None)
+        return None if answer == NOT_HELD else answer
 
-    def _refuse(self, peer: str, what: str, why: str) -> None:
-        self.transport.guard.reject(peer, what, why)
+    def _refuse(self, peer: str, what: str, why: str, ban: bool = True) -> None:
+        self.transport.guard.reject(peer, what, why, counts_toward_ban=ban)
         with self._lock:
             self.rejected += 1
             self.failed[peer] += 1

@@ -29,6 +29,7 @@ from spes_p2p.net.wire import BadRequest
 from spes_p2p.sync.codecs import EXACT, Codecs, TensorSpec
 from spes_p2p.sync.messages import (
     MAX_REQUEST_BYTES,
+    NOT_HELD,
     RPC_UPDATE,
     RPC_WEIGHTS,
     Message,
@@ -146,11 +147,11 @@ class Outbox:
 
     def _digest(self, req: WeightsRequest) -> bytes:
         """``payload.served_digest`` of what we serve for ``req``, of exactly its round; empty when we hold
-        the unit, but not of that round (yet)."""
+        the unit, but not of that round (yet); ``NOT_HELD`` when we do not hold it."""
         with self._lock:
             held = req.unit in self._weights
         if not held and self.versions.current(req.unit) is None:
-            raise Unavailable(f"this peer does not hold {req.unit}")
+            return NOT_HELD.encode()
         try:
             payload = self._weights_payload(req)
         except Unavailable:

@@ -34,10 +34,10 @@ logger = logging.getLogger(__name__)
 OK, FAILED = ANSWER_OK, ANSWER_FAILED
 HANDLER_THREADS = 32  # handlers run at once (the rest wait for a thread)
 CLOSE_SECONDS = 1.0  # to close a stream
-# What a request left unread in its stream (at most yamux's window, 256 KiB) is read and dropped before the
-# stream closes: py-libp2p's yamux keeps the unread bytes of a closed stream for 60 s, and a flood of
-# oversized or refused requests piled them up (8 identities: +260 MiB)
-DRAIN_BYTES = 1 << 19
+# What a request left unread in its stream is read and dropped before the stream closes: py-libp2p's yamux
+# keeps the unread bytes of a closed stream for 60 s, and a flood of oversized or refused requests piled
+# them up (8 identities: +260 MiB). A stream holds at most its receive window: 16 MiB once grown.
+DRAIN_BYTES = 17 << 20
 _HEADER = 8
 
 
@@ -117,15 +117,21 @@ async def read_frame(stream, limit: int) -> bytes:
     size = int.from_bytes(await _read_exactly(stream, _HEADER), "big")
     if size > limit:
         with trio.move_on_after(CLOSE_SECONDS):
-            await _read_exactly(stream, min(size, DRAIN_BYTES))
+            await _discard(stream, size)
         raise MessageTooLarge(f"a {size}-byte message exceeds the {limit}-byte limit")
     return await _read_exactly(stream, size)
 
 
 async def _discard_frame(stream) -> None:
     """Reads a message we will not use and drops it."""
-    size = int.from_bytes(await _read_exactly(stream, _HEADER), "big")
-    await _read_exactly(stream, min(size, DRAIN_BYTES))
+    await _discard(stream, int.from_bytes(await _read_exactly(stream, _HEADER), "big"))
+
+
+async def _discard(stream, size: int) -> None:
+    """Reads up to ``size`` bytes (at most ``DRAIN_BYTES``) and keeps none of them."""
+    left = min(size, DRAIN_BYTES)
+    while left > 0:
+        left -= len(await stream.read(min(left, 1 << 16)))  # (raises StreamEOF at the end of the stream)
 
 
 async def write_frame(stream, data: bytes) -> None:
