@@ -151,11 +151,12 @@ def _check_metadata(payload: bytes, wanted: dict[str, str]) -> None:
             raise PayloadError(f"payload {key} is {metadata.get(key)!r}, expected {value!r}")
 
 
-def served_digest(payload: bytes) -> str:
+def served_digest(payload: bytes, since: str | None = None) -> str:
     """What a holder answers when asked only for the digest of ``payload`` (``WeightsRequest.digest``): its
-    buffers' SHA-256, after the version it applies to (a change's)."""
+    buffers' SHA-256, after the version it applies to (a change's; ``since``: the one asked for, rather
+    than what the payload says)."""
     meta = metadata_of(payload)
-    return f"{meta.get('since', '')}/{meta['sha256']}"
+    return f"{meta.get('since', '') if since is None else since}/{meta['sha256']}"
 
 
 def buffers_digest(buffers: Tensors) -> str:

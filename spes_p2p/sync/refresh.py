@@ -39,7 +39,7 @@ from spes_p2p.net.waiting import MIN_REQUEST_SECONDS, Deadline, poll
 from spes_p2p.sync.codecs import Codecs, PayloadError, TensorSpec
 from spes_p2p.sync.config import SyncConfig
 from spes_p2p.sync.messages import NOT_HELD, RPC_WEIGHTS, WeightsRequest
-from spes_p2p.sync.payload import decode, metadata_of
+from spes_p2p.sync.payload import decode, metadata_of, served_digest
 from spes_p2p.sync.versions import ELSEWHERE, EXACT_VERSION, NOBODY, Download, Want
 
 logger = logging.getLogger(__name__)
@@ -188,7 +188,7 @@ class Refresh:
     ) -> bool:
         """Whether what ``source`` served stands, asked of the other ``holders`` (the module's docstring)."""
         since = ":".join(map(str, found.want.since)) if found.want.kind == "change" else ""
-        ours = f"{since}/{metadata_of(found.payload)['sha256']}"  # (the version we asked for, not its say)
+        ours = served_digest(found.payload, since)
         request = WeightsRequest(
             unit=unit, codec=found.want.codec, round=found.round, kind=found.want.kind, digest=True
         ).encode()

@@ -59,10 +59,11 @@ class Requests:
         caller = str(stream.muxed_conn.peer_id)
         with self.slots.slot(caller) as admitted:
             try:
-                if not self.guard.allows(caller) or not admitted:
+                allowed = self.guard.allows(caller)
+                if not allowed or not admitted:
                     with trio.move_on_after(CLOSE_SECONDS):
                         await _discard_frame(stream)
-                if not self.guard.allows(caller):
+                if not allowed:
                     response = FAILED + b"this peer does not serve you"
                 elif not admitted:
                     response = FAILED + b"too many requests in progress from this peer"
