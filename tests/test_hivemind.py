@@ -1,7 +1,9 @@
 """The hivemind backend beyond the Transport contract (``transport_contract.py``): a request that never
-arrives is dropped, and a peer killed with SIGKILL leaves no DHT process nor p2pd behind."""
+arrives is dropped, p2pd runs with a lower GOGC, and a peer killed with SIGKILL leaves no DHT process nor
+p2pd behind."""
 
 import contextlib
+import os
 import subprocess
 import sys
 
@@ -40,6 +42,14 @@ def test_a_request_that_never_arrives_is_dropped(pair, monkeypatch):
             writer.close()
 
     assert b._run(open_and_say_nothing(), timeout=30) == b""
+
+
+def test_p2pd_collects_its_garbage_early_unless_told_otherwise(pair):
+    # (a request flood is mostly garbage in p2pd: at Go's default GOGC=100 it grew by three times as much)
+    daemons = [p for p in psutil.Process().children(recursive=True) if p.name() == "p2pd"]
+    assert len(daemons) == 2
+    for daemon in daemons:
+        assert daemon.environ().get("GOGC") == os.environ.get("GOGC", hivemind_backend.P2PD_GOGC)
 
 
 def test_a_peer_killed_with_sigkill_leaves_no_dht_process_nor_daemon():

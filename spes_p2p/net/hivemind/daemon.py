@@ -91,6 +91,11 @@ STARTUP_TIMEOUT = 20.0  # starting p2pd and reaching the initial peers
 BOOTSTRAP_RETRY_SECONDS = 3.0
 HELLO_TIMEOUT = 10.0  # asking an initial peer which backend it runs
 REFUSED_READ_BYTES = 1 << 16  # the most of a refused request that is read (and dropped) before the refusal
+# p2pd's Go heap may grow by this percentage of what is live before it is collected (Go's default is 100): a
+# request flood is mostly garbage in p2pd (buffers of streams already closed), and at 100 a flood of 16
+# identities grew p2pd by 47 MiB, at 25 by 15 MiB; bulk stream throughput stayed within noise. A GOGC in
+# the environment is kept.
+P2PD_GOGC = "25"
 _OK, _FAILED = ANSWER_OK, ANSWER_FAILED  # (hivemind's P2P.MESSAGE_MARKER and P2P.ERROR_MARKER)
 
 
@@ -424,6 +429,7 @@ class _DHT(hivemind.DHT):
     def run(self) -> None:
         die_with_parent(signal.SIGKILL)  # (no orphaned DHT after a crash)
         relays_without_discovery()
+        os.environ.setdefault("GOGC", P2PD_GOGC)  # (this process's environment is p2pd's, started below)
         # Ctrl-C reaches the terminal's whole process group. Leaving it (with p2pd, started below) lets the
         # parent release its claims through this DHT before shutting it down in order.
         os.setpgrp()
