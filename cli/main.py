@@ -7,6 +7,7 @@ from pathlib import Path
 
 import click
 from spes_cli.common import SpesGroup, console, err_console
+from spes_cli.data import data
 from spes_cli.options import settings_options
 
 from spes_p2p.compat import setup_logging
@@ -21,6 +22,9 @@ TRAIN_DEFAULTS = {"run.out": "runs/train"}
 @click.version_option(package_name="spes-p2p")
 def spes() -> None:
     """Volunteer pretraining of mixture-of-experts language models with sparse expert synchronization."""
+
+
+spes.add_command(data)
 
 
 @spes.command()

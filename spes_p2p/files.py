@@ -1,7 +1,9 @@
-"""Folders the user names (``--out``, the identity's folder), checked before any work is done."""
+"""Files and folders: the folders the user names (``--out``, the identity's folder), checked before any work
+is done, and files written whole or not at all."""
 
 from __future__ import annotations
 
+import os
 import tempfile
 from pathlib import Path
 
@@ -30,3 +32,18 @@ def new_folder(path: Path, what: str) -> Path:
     if path.exists() and (not path.is_dir() or any(path.iterdir())):
         raise ConfigError(f"{path} exists and is not an empty folder: name a new folder for {what}")
     return path
+
+
+def atomic_write_bytes(path: Path, data: bytes) -> None:
+    """Writes ``data`` to a temporary file beside ``path`` and renames it over ``path``."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise

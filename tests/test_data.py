@@ -4,11 +4,11 @@ import sys
 import numpy as np
 import pytest
 
+from spes_p2p.data.corpus import Document, load_documents, split_documents
+from spes_p2p.data.tokenizer import train_tokenizer
 from spes_p2p.errors import DataError
 from spes_p2p.train.config import DataConfig
-from spes_p2p.train.data import Document, load_documents, split_documents
 from spes_p2p.train.dataset import BatchSampler, DataShard, prepare_data
-from spes_p2p.train.tokenizer import train_tokenizer
 
 
 def docs(n: int) -> list[Document]:

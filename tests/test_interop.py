@@ -8,6 +8,8 @@ import torch
 from click.testing import CliRunner
 from spes_cli.main import spes
 
+from spes_p2p.data.corpus import EOS, Document
+from spes_p2p.data.tokenizer import train_tokenizer
 from spes_p2p.errors import CheckpointError, ConfigError
 from spes_p2p.interop.hf_export import export_hf
 from spes_p2p.interop.saved import load_saved
@@ -15,8 +17,6 @@ from spes_p2p.model.config import get_preset
 from spes_p2p.model.sampling import Sampling, generate
 from spes_p2p.model.transformer import MoETransformer
 from spes_p2p.train.checkpoint import save_checkpoint
-from spes_p2p.train.data import EOS, Document
-from spes_p2p.train.tokenizer import train_tokenizer
 
 transformers = pytest.importorskip("transformers")
 

@@ -1,6 +1,6 @@
-"""The layers (docs/architecture.md), checked on the source: model, trainer and interop never import
-networking, an export needs no transformers, the swarm layer knows nothing of optimizers or data, and the
-library never reaches for the command line."""
+"""The layers (docs/architecture.md), checked on the source: model, trainer, interop and datasets never
+import networking, datasets know nothing of models, an export needs no transformers, the swarm layer knows
+nothing of optimizers or data, and the library never reaches for the command line."""
 
 import ast
 from pathlib import Path
@@ -42,10 +42,16 @@ def imports_of(folder: str) -> dict[str, set[str]]:
     return found
 
 
-@pytest.mark.parametrize("folder", ["model", "train", "interop"])
-def test_model_trainer_and_interop_never_import_networking(folder):
+@pytest.mark.parametrize("folder", ["model", "train", "interop", "data"])
+def test_model_trainer_interop_and_data_never_import_networking(folder):
     for path, names in imports_of(folder).items():
         bad = sorted(n for n in names if n.startswith(NETWORKING))
+        assert not bad, f"{path} imports {bad}"
+
+
+def test_datasets_know_nothing_of_models_and_training():
+    for path, names in imports_of("data").items():
+        bad = sorted(n for n in names if n.startswith(("spes_p2p.train", "spes_p2p.model", "torch")))
         assert not bad, f"{path} imports {bad}"
 
 

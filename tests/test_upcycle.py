@@ -14,6 +14,7 @@ from click.testing import CliRunner
 from spes_cli.main import spes
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
+from spes_p2p.data.corpus import EOS
 from spes_p2p.errors import CheckpointError, ConfigError
 from spes_p2p.interop.saved import load_saved
 from spes_p2p.interop.upcycle import read_dense, upcycle, write_upcycled
@@ -26,7 +27,6 @@ from spes_p2p.swarm.member import SwarmMember
 from spes_p2p.sync.codecs import CODECS
 from spes_p2p.sync.messages import RPC_WEIGHTS, WeightsRequest
 from spes_p2p.sync.payload import encode, payload_meta
-from spes_p2p.train.data import EOS
 
 transformers = pytest.importorskip("transformers")
 

@@ -27,11 +27,11 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
+from spes_p2p.data.corpus import EOS
 from spes_p2p.errors import ConfigError
 from spes_p2p.files import new_folder
 from spes_p2p.interop.saved import SavedModel
 from spes_p2p.model.config import ModelConfig
-from spes_p2p.train.data import EOS
 
 QWEN3_MOE = ("Qwen3MoeForCausalLM", "qwen3_moe")  # (architecture, model type): a model with QK-norm
 QWEN2_MOE = ("Qwen2MoeForCausalLM", "qwen2_moe")  # without

@@ -12,11 +12,11 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file
 from tokenizers import Tokenizer
 
+from spes_p2p.data.tokenizer import load_tokenizer
 from spes_p2p.errors import CheckpointError, ConfigError
 from spes_p2p.model.config import ModelConfig
 from spes_p2p.model.transformer import MoETransformer
 from spes_p2p.train.checkpoint import list_checkpoints, load_checkpoint, read_meta
-from spes_p2p.train.tokenizer import load_tokenizer
 
 
 @dataclass

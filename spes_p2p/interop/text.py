@@ -5,9 +5,9 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
+from spes_p2p.data.corpus import EOS
 from spes_p2p.interop.saved import SavedModel
 from spes_p2p.model.sampling import Sampling, generate
-from spes_p2p.train.data import EOS
 
 _PARTIAL = "\ufffd"  # what the byte-level decoder shows for the first bytes of a character cut short
 

@@ -22,12 +22,12 @@ import torch
 from safetensors import SafetensorError, safe_open
 from tokenizers import AddedToken, Tokenizer
 
+from spes_p2p.data.corpus import EOS
 from spes_p2p.errors import ConfigError
 from spes_p2p.files import new_folder
 from spes_p2p.model.config import ModelConfig
 from spes_p2p.model.transformer import MoETransformer
 from spes_p2p.train.checkpoint import list_checkpoints, save_checkpoint
-from spes_p2p.train.data import EOS
 
 FAMILIES = ("llama", "qwen2", "qwen3")  # transformers' model_type of the dense models we read
 # a dense model's parameter name -> ours (the MLP's become the experts', below)

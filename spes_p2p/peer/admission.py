@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 
 from spes_p2p.errors import SpesError
+from spes_p2p.files import atomic_write_bytes
 from spes_p2p.model.units import layout_of
 from spes_p2p.net.transport import Transport
 from spes_p2p.net.waiting import Deadline, poll
@@ -30,7 +31,6 @@ from spes_p2p.swarm import manifest as manifests
 from spes_p2p.swarm.manifest import PROTOCOL, Manifest, ManifestRecord
 from spes_p2p.swarm.member import SwarmMismatch
 from spes_p2p.swarm.records import PeerRecord, decode_entries, peers_key, read_peers
-from spes_p2p.train.tokenizer import atomic_write_bytes
 
 logger = logging.getLogger(__name__)
 

@@ -7,6 +7,7 @@ import threading
 from collections.abc import Callable
 from pathlib import Path
 
+from spes_p2p.files import atomic_write_bytes
 from spes_p2p.net.transport import Transport
 from spes_p2p.net.waiting import Deadline
 from spes_p2p.peer.admission import FETCH_SECONDS, SwarmUnavailable, nobody_alive
@@ -15,7 +16,6 @@ from spes_p2p.swarm import manifest as manifests
 from spes_p2p.swarm.manifest import Manifest, ManifestError
 from spes_p2p.swarm.member import read_view
 from spes_p2p.swarm.records import read_peers
-from spes_p2p.train.tokenizer import atomic_write_bytes
 
 INVITE_SECTIONS = ("swarm", "model", "method", "sync", "merge")
 

@@ -80,7 +80,8 @@ class DataConfig(Section):
     """[data]: where this peer's text comes from, and its tokenizer."""
 
     corpus: str = setting(
-        "stdlib", "stdlib (this machine's Python sources), a text/.jsonl file or folder, or hf:NAME[:SPLIT]."
+        "stdlib",
+        "stdlib (this machine's Python sources), a text/.jsonl/.parquet file or folder, or hf:NAME[:SPLIT].",
     )
     max_corpus_mb: float = setting(0.0, "Read at most this many MB of the corpus; 0: all of it.")
     val_percent: float = setting(2.0, "Share of documents held out for validation, in percent.")

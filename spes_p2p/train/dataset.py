@@ -16,16 +16,16 @@ import numpy as np
 import torch
 from tokenizers import Tokenizer
 
-from spes_p2p.errors import ConfigError, DataError
-from spes_p2p.train.config import DataConfig
-from spes_p2p.train.data import SPLIT_SEED, fingerprint, load_documents, split_documents
-from spes_p2p.train.tokenizer import (
-    atomic_write_bytes,
+from spes_p2p.data.corpus import SPLIT_SEED, fingerprint, load_documents, split_documents
+from spes_p2p.data.tokenizer import (
     encode_documents,
     load_tokenizer,
     tokenizer_hash,
     train_tokenizer,
 )
+from spes_p2p.errors import ConfigError, DataError
+from spes_p2p.files import atomic_write_bytes
+from spes_p2p.train.config import DataConfig
 
 
 @dataclass

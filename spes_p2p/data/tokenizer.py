@@ -3,15 +3,13 @@
 from __future__ import annotations
 
 import hashlib
-import os
-import tempfile
 from pathlib import Path
 
 import numpy as np
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
+from spes_p2p.data.corpus import EOS, Document
 from spes_p2p.errors import ConfigError, DataError
-from spes_p2p.train.data import EOS, Document
 
 
 def train_tokenizer(docs: list[Document], vocab_size: int) -> Tokenizer:
@@ -56,18 +54,3 @@ def encode_documents(tok: Tokenizer, docs: list[Document]) -> np.ndarray:
     for enc in tok.encode_batch([d.text for d in docs]):
         parts.append(np.asarray([*enc.ids, eos], dtype=dtype))
     return np.concatenate(parts)
-
-
-def atomic_write_bytes(path: Path, data: bytes) -> None:
-    """Writes ``data`` to a temporary file beside ``path`` and renames it over ``path``."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise

@@ -1,0 +1,253 @@
+"""Preparing a dataset: a corpus tokenized into fixed-size shards with an index (``shards.py``), resumable.
+
+Documents are read one at a time, tokenized in batches, and sent by a hash of their names to the training or
+the validation stream; each stream is cut into shards of ``shard_tokens`` tokens as it fills. After each
+batch that completed a shard, the preparation writes down how far it got (``.prepare.json``: the documents
+done, the shards written, the recipe; the tokens not yet in a shard are in ``.pending-<documents>``), so a
+re-run of the same recipe resumes there. The index is written last, once everything is in: a folder with an
+``index.json`` is a complete dataset.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+from collections.abc import Callable, Iterator
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import msgspec
+import numpy as np
+from safetensors import SafetensorError
+from safetensors.numpy import load, save
+
+from spes_p2p.data.corpus import EOS, Document, corpus_bytes, first_bytes, held_out, iter_documents
+from spes_p2p.data.shards import (
+    INDEX,
+    SPLITS,
+    TOKENIZER,
+    DatasetIndex,
+    Shard,
+    dtype_for,
+    encode_shard,
+    shard_name,
+)
+from spes_p2p.data.tokenizer import load_tokenizer, tokenizer_hash, train_tokenizer
+from spes_p2p.errors import DataError
+from spes_p2p.files import atomic_write_bytes
+
+STATE = ".prepare.json"
+BATCH_BYTES = 4 << 20  # text tokenized at once (in parallel, by the tokenizers library)
+BATCH_DOCUMENTS = 4096
+
+
+@dataclass(frozen=True)
+class Recipe:
+    """What a dataset is prepared from, and how; a resumed preparation must have the same."""
+
+    source: str
+    tokenizer: str = ""  # a tokenizer.json; empty: a byte-level BPE trained on the corpus's first documents
+    vocab_size: int = 4096  # of the tokenizer trained (a given one's must be at most this)
+    shard_tokens: int = 1 << 20
+    val_percent: float = 2.0
+    tokenizer_sample_mb: float = 64.0  # training text the tokenizer is trained on
+
+    def __post_init__(self) -> None:
+        if self.shard_tokens < 1 or not 0 < self.val_percent < 50 or self.tokenizer_sample_mb <= 0:
+            raise DataError("shard tokens must be at least 1, val percent in (0, 50), the sample above 0 MB")
+
+
+@dataclass(frozen=True)
+class PrepareProgress:
+    """Where a preparation is, for a progress bar."""
+
+    bytes_read: int
+    bytes_total: int | None  # None: the source's size is unknown (a Hugging Face stream)
+    documents: int
+    shards: int
+
+
+class _State(msgspec.Struct, forbid_unknown_fields=True):
+    recipe: dict
+    tokenizer_sha256: str
+    documents: int  # read and tokenized, from the start of the corpus
+    bytes_read: int
+    train: list[Shard]
+    val: list[Shard]
+
+
+def prepare(
+    recipe: Recipe, out: Path, progress: Callable[[PrepareProgress], None] = lambda p: None
+) -> DatasetIndex:
+    """Prepares ``recipe.source`` into ``out`` (a new or empty folder, or one this recipe was being prepared
+    into: then it resumes); a folder that already holds the dataset is returned as it is."""
+    if (out / INDEX).exists():
+        return DatasetIndex.read(out)
+    state = _resume(recipe, out)
+    tok = _tokenizer(recipe, out, state)
+    if state is None:
+        state = _State(asdict(recipe), tokenizer_hash(tok), 0, 0, [], [])
+    dtype = np.dtype(dtype_for(tok.get_vocab_size()))
+    writers = {s: _Writer(out, s, recipe.shard_tokens, getattr(state, s), dtype) for s in SPLITS}
+    _give_back_pending(out, state, writers)
+    total = corpus_bytes(recipe.source)
+    eos = tok.token_to_id(EOS)
+    docs = itertools.islice(iter_documents(recipe.source), state.documents, None)
+    for batch in _batches(docs):
+        for doc, encoding in zip(batch, tok.encode_batch([d.text for d in batch]), strict=True):
+            writers["val" if held_out(doc, recipe.val_percent) else "train"].add([*encoding.ids, eos])
+        state.documents += len(batch)
+        state.bytes_read += sum(len(d.text.encode("utf-8")) for d in batch)
+        if any(w.written for w in writers.values()):
+            _checkpoint(out, state, writers)
+        progress(PrepareProgress(state.bytes_read, total, state.documents, len(state.train) + len(state.val)))
+    return _finish(recipe, out, state, writers, tok.get_vocab_size())
+
+
+class _Writer:
+    """One split's shards: tokens gathered until a shard is full, then written."""
+
+    def __init__(self, out: Path, split: str, size: int, shards: list[Shard], dtype: np.dtype) -> None:
+        self.out, self.split, self.size, self.shards, self.dtype = out, split, size, shards, dtype
+        self.pending: list[np.ndarray] = []
+        self.pending_tokens = 0
+        self.written = False  # since the last checkpoint
+
+    def add(self, ids: list[int]) -> None:
+        self.pending.append(np.asarray(ids, dtype=self.dtype))
+        self.pending_tokens += len(ids)
+        while self.pending_tokens >= self.size:
+            tokens = np.concatenate(self.pending)
+            self._write(tokens[: self.size])
+            self.pending, self.pending_tokens = [tokens[self.size :]], len(tokens) - self.size
+
+    def rest(self) -> np.ndarray:
+        return np.concatenate(self.pending) if self.pending else np.zeros(0, self.dtype)
+
+    def flush(self) -> None:
+        if self.pending_tokens:
+            self._write(self.rest())
+            self.pending, self.pending_tokens = [], 0
+
+    def _write(self, tokens: np.ndarray) -> None:
+        data = encode_shard(tokens)
+        shard = Shard(shard_name(self.split, len(self.shards)), len(tokens), hashlib.sha256(data).hexdigest())
+        atomic_write_bytes(self.out / shard.name, data)
+        self.shards.append(shard)
+        self.written = True
+
+
+def _give_back_pending(out: Path, state: _State, writers: dict[str, _Writer]) -> None:
+    """Gives each writer the tokens a resumed preparation had read and not yet put in a shard."""
+    if not state.documents:
+        return
+    path = out / f".pending-{state.documents}"
+    try:
+        pending = load(path.read_bytes())
+    except (OSError, SafetensorError):
+        raise DataError(f"{path} is missing or damaged; remove {out} and prepare again") from None
+    for split, writer in writers.items():
+        writer.pending, writer.pending_tokens = [pending[split]], len(pending[split])
+
+
+def _batches(docs: Iterator[Document]) -> Iterator[list[Document]]:
+    batch, size = [], 0
+    for doc in docs:
+        batch.append(doc)
+        size += len(doc.text)
+        if size >= BATCH_BYTES or len(batch) >= BATCH_DOCUMENTS:
+            yield batch
+            batch, size = [], 0
+    if batch:
+        yield batch
+
+
+def _checkpoint(out: Path, state: _State, writers: dict[str, _Writer]) -> None:
+    """Writes down how far the preparation got: the unsharded tokens first, then the state that names them."""
+    old = sorted(out.glob(".pending-*"))
+    pending = {split: writer.rest() for split, writer in writers.items()}
+    atomic_write_bytes(out / f".pending-{state.documents}", save(pending))
+    atomic_write_bytes(out / STATE, msgspec.json.encode(state))
+    for path in old:
+        path.unlink(missing_ok=True)
+    for writer in writers.values():
+        writer.written = False
+
+
+def _finish(recipe: Recipe, out: Path, state: _State, writers: dict[str, _Writer], vocab: int):
+    for writer in writers.values():
+        writer.flush()
+    if not state.val or not state.train:
+        _remove_preparation(out)  # (it cannot complete: this recipe splits this corpus so)
+        raise DataError(
+            f"{recipe.source}: of its {state.documents} documents none fell in the "
+            f"{'validation' if not state.val else 'training'} split; use a larger corpus"
+            + (" or a larger --val-percent" if not state.val else " or a smaller --val-percent")
+        )
+    index = DatasetIndex(
+        format="spes-dataset/1",
+        source=recipe.source[:1024],
+        tokenizer_sha256=state.tokenizer_sha256,
+        vocab_size=vocab,
+        dtype=dtype_for(vocab),
+        shard_tokens=recipe.shard_tokens,
+        val_percent=recipe.val_percent,
+        documents=state.documents,
+        train=tuple(state.train),
+        val=tuple(state.val),
+    )
+    atomic_write_bytes(out / INDEX, index.encode())
+    for path in [out / STATE, *out.glob(".pending-*")]:
+        path.unlink(missing_ok=True)
+    return index
+
+
+def _remove_preparation(out: Path) -> None:
+    """Removes what a preparation wrote into ``out`` (and ``out`` itself once empty)."""
+    for path in [out / STATE, out / TOKENIZER, *out.glob(".pending-*"), *out.glob("*/*.safetensors")]:
+        path.unlink(missing_ok=True)
+    for folder in [out / split for split in SPLITS] + [out]:
+        if folder.is_dir() and not any(folder.iterdir()):
+            folder.rmdir()
+
+
+def _resume(recipe: Recipe, out: Path) -> _State | None:
+    """The state of this recipe's preparation in ``out``; None for a new one. A folder with other files, or
+    with another recipe's preparation, is refused: nothing in it is overwritten."""
+    if not out.exists() or not any(out.iterdir()):
+        out.mkdir(parents=True, exist_ok=True)
+        return None
+    path = out / STATE
+    if not path.is_file():
+        raise DataError(f"{out} is not empty and holds no preparation to resume; give a new or empty folder")
+    try:
+        state = msgspec.json.decode(path.read_bytes(), type=_State)
+    except (msgspec.ValidationError, msgspec.DecodeError):
+        raise DataError(f"{path} is damaged; remove {out} and prepare again") from None
+    if state.recipe != asdict(recipe):
+        differ = [
+            f"{k} {state.recipe.get(k)!r}" for k, v in asdict(recipe).items() if state.recipe.get(k) != v
+        ]
+        raise DataError(
+            f"{out} holds a preparation with {', '.join(differ)}; resume it with the same settings, or give "
+            "another folder"
+        )
+    return state
+
+
+def _tokenizer(recipe: Recipe, out: Path, state: _State | None):
+    """The dataset's tokenizer: kept in ``out``; given, or trained on the first training documents."""
+    path = out / TOKENIZER
+    if state is not None:
+        tok = load_tokenizer(path, recipe.vocab_size)
+        if tokenizer_hash(tok) != state.tokenizer_sha256:
+            raise DataError(f"{path} changed since the preparation began; remove {out} and prepare again")
+        return tok
+    if recipe.tokenizer:
+        tok = load_tokenizer(recipe.tokenizer, recipe.vocab_size)
+    else:
+        training = (d for d in iter_documents(recipe.source) if not held_out(d, recipe.val_percent))
+        sample = list(first_bytes(training, int(recipe.tokenizer_sample_mb * 1e6)))
+        tok = train_tokenizer(sample, recipe.vocab_size)
+    atomic_write_bytes(path, tok.to_str().encode())
+    return tok
