@@ -53,7 +53,7 @@ def train(settings) -> None:
     console.print(
         f"[bold]{s.model.preset}[/]: {run.model.num_params() / 1e6:.2f}M parameters, "
         f"training {', '.join(run.trainer.units)} with {s.train.optimizer} on {run.device.type}; "
-        f"{len(run.data.train_ids) / 1e6:.2f}M training tokens"
+        f"{run.data.index.tokens('train') / 1e6:.2f}M training tokens"
     )
     with TrainProgress(console, total=s.train.total_steps, start=run.trainer.step) as progress:
         try:

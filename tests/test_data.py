@@ -1,3 +1,4 @@
+import hashlib
 import json
 import sys
 
@@ -5,10 +6,15 @@ import numpy as np
 import pytest
 
 from spes_p2p.data.corpus import Document, load_documents, split_documents
+from spes_p2p.data.shards import FORMAT, DatasetIndex, Shard, encode_shard, shard_name
 from spes_p2p.data.tokenizer import train_tokenizer
 from spes_p2p.errors import DataError
 from spes_p2p.train.config import DataConfig
-from spes_p2p.train.dataset import BatchSampler, DataShard, prepare_data
+from spes_p2p.train.dataset import BatchSampler, DataShard, PreparedData, prepare_data
+
+
+def sha256(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
 
 
 def docs(n: int) -> list[Document]:
@@ -31,17 +37,27 @@ def test_tokenizer_training_is_deterministic():
     assert train_tokenizer(d, 300).to_str() == train_tokenizer(d, 300).to_str()
 
 
-def test_prepare_data_caches_and_reuses(tmp_path):
+def test_a_corpus_is_prepared_into_the_cache_once_and_a_dataset_read_as_it_is(tmp_path):
     (tmp_path / "corpus").mkdir()
-    for i, doc in enumerate(docs(30)):
+    for i, doc in enumerate(docs(60)):
         (tmp_path / "corpus" / f"{i}.txt").write_text(doc.text)
-    cfg = DataConfig(corpus=str(tmp_path / "corpus"), cache_dir=str(tmp_path / "cache"))
+    cfg = DataConfig(corpus=str(tmp_path / "corpus"), cache_dir=str(tmp_path / "cache"), val_percent=10)
     first = prepare_data(cfg, vocab_size=300)
-    cached = sorted(p.name for p in (tmp_path / "cache").iterdir())
-    assert any(n.startswith("tokenizer-") for n in cached) and any(n.endswith("-train.npy") for n in cached)
+    assert first.folder.parent == tmp_path / "cache" / "datasets" and (first.folder / "index.json").exists()
+    written = {p: p.stat().st_mtime_ns for p in first.folder.rglob("*")}
     second = prepare_data(cfg, vocab_size=300)
-    assert np.array_equal(first.train_ids, second.train_ids) and first.tokenizer_hash == second.tokenizer_hash
+    assert (
+        second.index == first.index and {p: p.stat().st_mtime_ns for p in first.folder.rglob("*")} == written
+    )
     assert first.tokenizer.get_vocab_size() <= 300
+    same = prepare_data(DataConfig(dataset=str(first.folder), corpus="unused"), vocab_size=300)
+    assert same.dataset_hash == first.dataset_hash
+    other = tmp_path / "other.json"
+    other.write_text(train_tokenizer(docs(5), 280).to_str())
+    with pytest.raises(DataError, match="prepared with another tokenizer than"):
+        prepare_data(DataConfig(dataset=str(first.folder), tokenizer=str(other)), vocab_size=300)
+    with pytest.raises(DataError, match="not a prepared dataset"):
+        prepare_data(DataConfig(dataset=str(tmp_path / "corpus")), vocab_size=300)
 
 
 def test_jsonl_and_errors(tmp_path):
@@ -80,8 +96,35 @@ def windows_of(sampler: BatchSampler, n_batches: int) -> list[int]:
     return starts
 
 
-def test_data_shards_are_disjoint_and_resume_exactly():
-    ids = np.arange(10_001, dtype=np.int64)  # token value == position, so a window's first token is its start
+def dataset_of(folder, ids: np.ndarray, shard_tokens: int) -> PreparedData:
+    """A dataset of these tokens in shards (token value == position: a window's first token is its start)."""
+    shards = []
+    for number, start in enumerate(range(0, len(ids), shard_tokens)):
+        data = encode_shard(ids[start : start + shard_tokens].astype(np.uint16))
+        shards.append(
+            Shard(shard_name("train", number), len(ids[start : start + shard_tokens]), sha256(data))
+        )
+        (folder / "train").mkdir(exist_ok=True)
+        (folder / shards[-1].name).write_bytes(data)
+    fields = dict(source="test", tokenizer_sha256="0" * 64, vocab_size=65536, dtype="uint16", val_percent=2.0)
+    val = (Shard(shard_name("val", 0), 1, "0" * 64),)  # (not read here)
+    index = DatasetIndex(
+        FORMAT, **fields, shard_tokens=shard_tokens, documents=1, train=tuple(shards), val=val
+    )
+    return PreparedData(None, folder, index)
+
+
+def test_an_epoch_reads_every_window_once(tmp_path):
+    data = dataset_of(tmp_path, np.arange(10_001), shard_tokens=1000)  # 10 shards of 99 windows, 1 of none
+    sampler = BatchSampler(data, 10, 9, seed=3)
+    starts = windows_of(sampler, 110)
+    assert sorted(starts) == [s * 1000 + w * 10 for s in range(10) for w in range(99)]
+    assert sampler.epoch == 0 and windows_of(sampler, 1) and sampler.epoch == 1
+    assert starts[:99] != sorted(starts[:99])  # (shuffled)
+
+
+def test_data_shards_are_disjoint_and_resume_exactly(tmp_path):
+    ids = dataset_of(tmp_path, np.arange(10_001), shard_tokens=1000)
     shards = [BatchSampler(ids, 10, 5, seed=3, shard=DataShard(index=i, count=3)) for i in range(3)]
     seen = [set(windows_of(s, 60)) for s in shards]  # 300 windows each of 1000: within one epoch
     assert not (seen[0] & seen[1] or seen[0] & seen[2] or seen[1] & seen[2])
@@ -98,8 +141,8 @@ def test_data_shards_are_disjoint_and_resume_exactly():
     assert windows_of(t, 10) == expected
 
 
-def test_targets_are_inputs_shifted():
-    ids = np.arange(1000, dtype=np.int64)
+def test_targets_are_inputs_shifted(tmp_path):
+    ids = dataset_of(tmp_path, np.arange(1000), shard_tokens=500)
     inputs, targets = BatchSampler(ids, 16, 2, seed=0).next_batch()
     assert inputs.shape == targets.shape == (2, 16)
     assert (targets[:, :-1] == inputs[:, 1:]).all()

@@ -5,6 +5,7 @@ shard checked before it is used."""
 import hashlib
 import json
 import random
+import threading
 
 import numpy as np
 import pytest
@@ -216,3 +217,28 @@ def test_the_command_prepares_and_names_a_bad_source(corpus, tmp_path):
     assert f"dataset {index.digest}" in result.output and "training tokens in" in result.output
     bad = CliRunner().invoke(spes, ["data", "prepare", str(tmp_path / "nope"), "--out", str(tmp_path / "x")])
     assert bad.exit_code == 1 and "does not exist" in bad.output and "Traceback" not in bad.output
+
+
+def test_processes_that_ask_for_a_cached_corpus_at_once_prepare_it_once(corpus, tmp_path, monkeypatch):
+    trained = []
+    train = prep.train_tokenizer
+    monkeypatch.setattr(prep, "train_tokenizer", lambda *a: trained.append(1) or train(*a))
+    recipe = Recipe(str(corpus), **RECIPE)
+    stale = prep.prepare_cached(Recipe(str(corpus), **{**RECIPE, "shard_tokens": 999}), tmp_path)
+    (stale / "index.json").unlink()  # a preparation that died before its first shard left files, no state
+    (stale / ".prepare.json").unlink(missing_ok=True)
+    folders = []
+    threads = [
+        threading.Thread(target=lambda: folders.append(prep.prepare_cached(recipe, tmp_path)))
+        for _ in range(3)
+    ]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=60)
+    assert (
+        len(folders) == 3 and len(set(folders)) == 1 and len(trained) == 2
+    )  # (the stale one's, and this one)
+    assert DatasetIndex.read(folders[0]).train == prepare(recipe, tmp_path / "direct").train
+    again = prep.prepare_cached(Recipe(str(corpus), **{**RECIPE, "shard_tokens": 999}), tmp_path)
+    assert again == stale and DatasetIndex.read(again).shard_tokens == 999 and len(trained) == 4

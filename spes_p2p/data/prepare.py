@@ -10,8 +10,11 @@ re-run of the same recipe resumes there. The index is written last, once everyth
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import itertools
+import json
+import shutil
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -23,6 +26,7 @@ from safetensors.numpy import load, save
 
 from spes_p2p.data.corpus import EOS, Document, corpus_bytes, first_bytes, held_out, iter_documents
 from spes_p2p.data.shards import (
+    FORMAT,
     INDEX,
     SPLITS,
     TOKENIZER,
@@ -51,6 +55,14 @@ class Recipe:
     shard_tokens: int = 1 << 20
     val_percent: float = 2.0
     tokenizer_sample_mb: float = 64.0  # training text the tokenizer is trained on
+    max_bytes: int | None = None  # read the corpus's documents up to the first that reaches this much text
+
+    def documents(self) -> Iterator[Document]:
+        return first_bytes(iter_documents(self.source), self.max_bytes)
+
+    def settings(self) -> dict:
+        """What a resumed preparation shares with the first (a given tokenizer: its hash, not its path)."""
+        return {k: v for k, v in asdict(self).items() if k != "tokenizer"}
 
     def __post_init__(self) -> None:
         if self.shard_tokens < 1 or not 0 < self.val_percent < 50 or self.tokenizer_sample_mb <= 0:
@@ -86,13 +98,13 @@ def prepare(
     state = _resume(recipe, out)
     tok = _tokenizer(recipe, out, state)
     if state is None:
-        state = _State(asdict(recipe), tokenizer_hash(tok), 0, 0, [], [])
+        state = _State(recipe.settings(), tokenizer_hash(tok), 0, 0, [], [])
     dtype = np.dtype(dtype_for(tok.get_vocab_size()))
     writers = {s: _Writer(out, s, recipe.shard_tokens, getattr(state, s), dtype) for s in SPLITS}
     _give_back_pending(out, state, writers)
     total = corpus_bytes(recipe.source)
     eos = tok.token_to_id(EOS)
-    docs = itertools.islice(iter_documents(recipe.source), state.documents, None)
+    docs = itertools.islice(recipe.documents(), state.documents, None)
     for batch in _batches(docs):
         for doc, encoding in zip(batch, tok.encode_batch([d.text for d in batch]), strict=True):
             writers["val" if held_out(doc, recipe.val_percent) else "train"].add([*encoding.ids, eos])
@@ -104,6 +116,24 @@ def prepare(
     return _finish(recipe, out, state, writers, tok.get_vocab_size())
 
 
+def prepare_cached(recipe: Recipe, cache: Path) -> Path:
+    """The folder of ``recipe``'s dataset in the cache, prepared on first use. Processes that ask at once
+    (a simulation's peers) wait for one another: one prepares, the others find the dataset complete."""
+    given = tokenizer_hash(load_tokenizer(recipe.tokenizer, recipe.vocab_size)) if recipe.tokenizer else ""
+    key = json.dumps([FORMAT, recipe.settings(), given], sort_keys=True)
+    folder = cache / "datasets" / hashlib.sha256(key.encode()).hexdigest()[:16]
+    if not (folder / INDEX).exists():
+        folder.parent.mkdir(parents=True, exist_ok=True)
+        with open(folder.with_suffix(".lock"), "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            if (folder / INDEX).exists():  # (prepared while we waited)
+                return folder
+            if not (folder / STATE).exists():  # (a preparation that died before its first shard)
+                shutil.rmtree(folder, ignore_errors=True)
+            prepare(recipe, folder)
+    return folder
+
+
 class _Writer:
     """One split's shards: tokens gathered until a shard is full, then written."""
 
@@ -112,14 +142,26 @@ class _Writer:
         self.pending: list[np.ndarray] = []
         self.pending_tokens = 0
         self.written = False  # since the last checkpoint
+        self.last = 0  # tokens of the last document added, while none of them is in a shard
 
     def add(self, ids: list[int]) -> None:
         self.pending.append(np.asarray(ids, dtype=self.dtype))
         self.pending_tokens += len(ids)
+        self.last = len(ids)
         while self.pending_tokens >= self.size:
             tokens = np.concatenate(self.pending)
             self._write(tokens[: self.size])
             self.pending, self.pending_tokens = [tokens[self.size :]], len(tokens) - self.size
+            if self.pending_tokens < self.last:  # (part of it is in a shard now)
+                self.last = 0
+
+    def take_last(self) -> list[int] | None:
+        """The last document's tokens, taken out, while none of them is in a shard yet (else None)."""
+        if not self.last:
+            return None
+        tokens = self.rest()
+        self.pending, self.pending_tokens = [tokens[: -self.last]], len(tokens) - self.last
+        return tokens[-self.last :].tolist()
 
     def rest(self) -> np.ndarray:
         return np.concatenate(self.pending) if self.pending else np.zeros(0, self.dtype)
@@ -175,6 +217,15 @@ def _checkpoint(out: Path, state: _State, writers: dict[str, _Writer]) -> None:
 
 
 def _finish(recipe: Recipe, out: Path, state: _State, writers: dict[str, _Writer], vocab: int):
+    train = writers["train"]
+    if (
+        not state.val
+        and not writers["val"].pending_tokens
+        and (state.train or train.pending_tokens > train.last)
+    ):
+        last = train.take_last()  # (a small corpus: its last document is held out)
+        if last is not None:
+            writers["val"].add(last)
     for writer in writers.values():
         writer.flush()
     if not state.val or not state.train:
@@ -185,7 +236,7 @@ def _finish(recipe: Recipe, out: Path, state: _State, writers: dict[str, _Writer
             + (" or a larger --val-percent" if not state.val else " or a smaller --val-percent")
         )
     index = DatasetIndex(
-        format="spes-dataset/1",
+        format=FORMAT,
         source=recipe.source[:1024],
         tokenizer_sha256=state.tokenizer_sha256,
         vocab_size=vocab,
@@ -224,9 +275,9 @@ def _resume(recipe: Recipe, out: Path) -> _State | None:
         state = msgspec.json.decode(path.read_bytes(), type=_State)
     except (msgspec.ValidationError, msgspec.DecodeError):
         raise DataError(f"{path} is damaged; remove {out} and prepare again") from None
-    if state.recipe != asdict(recipe):
+    if state.recipe != recipe.settings():
         differ = [
-            f"{k} {state.recipe.get(k)!r}" for k, v in asdict(recipe).items() if state.recipe.get(k) != v
+            f"{k} {state.recipe.get(k)!r}" for k, v in recipe.settings().items() if state.recipe.get(k) != v
         ]
         raise DataError(
             f"{out} holds a preparation with {', '.join(differ)}; resume it with the same settings, or give "
@@ -242,11 +293,15 @@ def _tokenizer(recipe: Recipe, out: Path, state: _State | None):
         tok = load_tokenizer(path, recipe.vocab_size)
         if tokenizer_hash(tok) != state.tokenizer_sha256:
             raise DataError(f"{path} changed since the preparation began; remove {out} and prepare again")
+        if recipe.tokenizer and tokenizer_hash(
+            load_tokenizer(recipe.tokenizer, recipe.vocab_size)
+        ) != tokenizer_hash(tok):
+            raise DataError(f"{out} holds a preparation with another tokenizer; give another folder")
         return tok
     if recipe.tokenizer:
         tok = load_tokenizer(recipe.tokenizer, recipe.vocab_size)
     else:
-        training = (d for d in iter_documents(recipe.source) if not held_out(d, recipe.val_percent))
+        training = (d for d in recipe.documents() if not held_out(d, recipe.val_percent))
         sample = list(first_bytes(training, int(recipe.tokenizer_sample_mb * 1e6)))
         tok = train_tokenizer(sample, recipe.vocab_size)
     atomic_write_bytes(path, tok.to_str().encode())

@@ -50,13 +50,13 @@ class Admission:
 
 
 def found(
-    settings: Settings, tokenizer: bytes, corpus_sha256: str, initial_units: dict[str, str]
+    settings: Settings, tokenizer: bytes, dataset_sha256: str, initial_units: dict[str, str]
 ) -> Manifest:
     """The manifest of a swarm this peer founds."""
     data = {
         "corpus": settings.data.corpus,
         "max_corpus_mb": settings.data.max_corpus_mb,
-        "sha256": corpus_sha256,
+        "dataset": dataset_sha256,
     }
     return manifest_for(settings, tokenizer, data, initial_units)
 

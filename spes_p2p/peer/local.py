@@ -98,8 +98,8 @@ class LocalTraining(LocalModel):
         self.data = prepare_data(settings.data, settings.model.architecture().vocab_size)
         t = settings.train
         shard = DataShard.for_peer_id(peer_id)
-        self.sampler = BatchSampler(self.data.train_ids, t.seq_len, t.batch_size, seed=t.seed, shard=shard)
-        self.val_batches = validation_batches(self.data.val_ids, t.seq_len, t.batch_size, t.eval_batches)
+        self.sampler = BatchSampler(self.data, t.seq_len, t.batch_size, seed=t.seed, shard=shard)
+        self.val_batches = validation_batches(self.data, t.seq_len, t.batch_size, t.eval_batches)
         self.trainer: Trainer | None = None
 
     def start(

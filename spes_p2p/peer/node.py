@@ -107,7 +107,7 @@ class Peer:
         if admission is None:
             data = self.local.data  # (a peer with virtual compute reads it for this only)
             tokenizer = data.tokenizer.to_str().encode()
-            self.manifest = found(settings, tokenizer, data.corpus_hash, self.initial_units)
+            self.manifest = found(settings, tokenizer, data.dataset_hash, self.initial_units)
         else:
             self.manifest, tokenizer = admission.manifest, admission.tokenizer
         ManifestServer(transport, self.manifest, tokenizer)

@@ -1,75 +1,71 @@
-"""Token streams ready for training: the prepared corpus, per-peer data shards and the batch sampler.
+"""Token streams ready for training: a prepared dataset (``data/shards.py``) read shard by shard, and the
+batch sampler.
 
-Training windows are ``seq_len + 1`` tokens cut from the token stream every ``seq_len`` tokens. Each epoch
-visits the windows in a fresh permutation seeded by (seed, shard key, epoch). A shard is either
-``index`` of ``count`` (peers with the same key split each permutation into disjoint parts) or a key derived
-from a peer id (each peer gets its own order over all the data).
+Training windows are ``seq_len + 1`` tokens cut from a shard every ``seq_len`` tokens (a window never spans
+two shards). Each epoch visits the shards in a fresh order and each shard's windows in a fresh permutation,
+both seeded by (seed, shard key, epoch). A ``DataShard`` is either ``index`` of ``count`` (peers with the same
+key split that sequence into disjoint parts) or a key derived from a peer id (each peer gets its own order
+over all the data). Only the shard being read is in memory.
 """
 
 from __future__ import annotations
 
 import hashlib
-import io
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 import torch
 from tokenizers import Tokenizer
 
-from spes_p2p.data.corpus import SPLIT_SEED, fingerprint, load_documents, split_documents
-from spes_p2p.data.tokenizer import (
-    encode_documents,
-    load_tokenizer,
-    tokenizer_hash,
-    train_tokenizer,
-)
+from spes_p2p.data.prepare import Recipe, prepare_cached
+from spes_p2p.data.shards import TOKENIZER, DatasetIndex, read_shard
+from spes_p2p.data.tokenizer import load_tokenizer, tokenizer_hash
 from spes_p2p.errors import ConfigError, DataError
-from spes_p2p.files import atomic_write_bytes
 from spes_p2p.train.config import DataConfig
 
 
 @dataclass
 class PreparedData:
+    """A prepared dataset and its tokenizer; shards are read when asked for."""
+
     tokenizer: Tokenizer
-    train_ids: np.ndarray
-    val_ids: np.ndarray
-    corpus_hash: str  # identifies the documents
-    tokenizer_hash: str
+    folder: Path
+    index: DatasetIndex
+
+    @property
+    def dataset_hash(self) -> str:
+        return self.index.digest
+
+    @property
+    def tokenizer_hash(self) -> str:
+        return self.index.tokenizer_sha256
+
+    def shard(self, split: str, number: int) -> np.ndarray:
+        return read_shard(self.folder, getattr(self.index, split)[number], self.index)
 
 
 def prepare_data(cfg: DataConfig, vocab_size: int) -> PreparedData:
-    """Reads, splits and tokenizes the corpus; reuses the cached tokenizer and token ids when present."""
-    docs = load_documents(cfg.corpus, cfg.max_bytes)
-    train_docs, val_docs = split_documents(docs, cfg.val_percent, SPLIT_SEED)
-    corpus_hash = fingerprint(docs)
-    cache = cfg.cache_path
-    if cfg.tokenizer:
-        tok = load_tokenizer(cfg.tokenizer, vocab_size)
+    """The dataset ``cfg`` names: a prepared folder, or its corpus prepared into the cache on first use."""
+    if cfg.dataset:
+        folder = Path(cfg.dataset).expanduser()
     else:
-        tok_path = cache / f"tokenizer-{corpus_hash[:16]}-{SPLIT_SEED}-v{vocab_size}.json"
-        if tok_path.exists():
-            tok = load_tokenizer(tok_path, vocab_size)
-        else:
-            tok = train_tokenizer(train_docs, vocab_size)
-            atomic_write_bytes(tok_path, tok.to_str().encode())
-    tok_hash = tokenizer_hash(tok)
-    key = hashlib.sha256(f"{corpus_hash}:{tok_hash}:{SPLIT_SEED}:{cfg.val_percent}".encode()).hexdigest()[:16]
-    train_ids = _cached_ids(cache / f"ids-{key}-train.npy", tok, train_docs)
-    val_ids = _cached_ids(cache / f"ids-{key}-val.npy", tok, val_docs)
-    return PreparedData(tok, train_ids, val_ids, corpus_hash, tok_hash)
-
-
-def _cached_ids(path, tok: Tokenizer, docs) -> np.ndarray:
-    if path.exists():
-        try:
-            return np.load(path, allow_pickle=False)
-        except (ValueError, OSError):
-            path.unlink()  # a damaged cache entry is rebuilt, never trusted
-    ids = encode_documents(tok, docs)
-    buf = io.BytesIO()
-    np.save(buf, ids, allow_pickle=False)
-    atomic_write_bytes(path, buf.getvalue())
-    return ids
+        recipe = Recipe(
+            cfg.corpus, cfg.tokenizer, vocab_size, val_percent=cfg.val_percent, max_bytes=cfg.max_bytes
+        )
+        folder = prepare_cached(recipe, cfg.cache_path)
+    index = DatasetIndex.read(folder)
+    tok = load_tokenizer(folder / TOKENIZER, vocab_size)
+    if tokenizer_hash(tok) != index.tokenizer_sha256:
+        raise DataError(
+            f"{folder / TOKENIZER} is not the tokenizer its index names; prepare the dataset again"
+        )
+    if cfg.tokenizer and tokenizer_hash(load_tokenizer(cfg.tokenizer, vocab_size)) != index.tokenizer_sha256:
+        raise DataError(
+            f"the dataset {folder} was prepared with another tokenizer than {cfg.tokenizer}; prepare it with "
+            "that one (spes data prepare --tokenizer)"
+        )
+    return PreparedData(tok, folder, index)
 
 
 @dataclass(frozen=True)
@@ -93,52 +89,76 @@ class BatchSampler:
     """Yields (inputs_BS, targets_BS) batches; its position can be saved and restored exactly."""
 
     def __init__(
-        self, ids: np.ndarray, seq_len: int, batch_size: int, seed: int, shard: DataShard = DataShard()
+        self, data: PreparedData, seq_len: int, batch_size: int, seed: int, shard: DataShard = DataShard()
     ):
-        self.ids, self.seq_len, self.batch_size, self.seed, self.shard = ids, seq_len, batch_size, seed, shard
-        self.n_windows = (len(ids) - 1) // seq_len
-        if self.n_windows // shard.count < batch_size:
+        self.data, self.seq_len, self.batch_size, self.seed, self.shard = (
+            data,
+            seq_len,
+            batch_size,
+            seed,
+            shard,
+        )
+        self.windows = [(s.tokens - 1) // seq_len for s in data.index.train]  # per shard
+        if sum(self.windows) // shard.count < batch_size:
             raise DataError(
-                f"the training split has {self.n_windows} windows of {seq_len} tokens, too few for batches "
-                f"of {batch_size} across {shard.count} shard(s); use a larger corpus or smaller batches"
+                f"the training split has {sum(self.windows)} windows of {seq_len} tokens, too few for "
+                f"batches of {batch_size} in {shard.count} part(s); use a larger corpus or smaller batches"
             )
         self.epoch, self.cursor = 0, 0
-        self._order = self._epoch_order()
+        self._plan()
 
-    def _epoch_order(self) -> np.ndarray:
-        rng = np.random.default_rng([self.seed, self.shard.key, self.epoch])
-        return rng.permutation(self.n_windows)[self.shard.index :: self.shard.count]
+    def _plan(self) -> None:
+        """This epoch's order of shards, and where each one's windows end in it."""
+        self._order = np.random.default_rng([self.seed, self.shard.key, self.epoch]).permutation(
+            len(self.windows)
+        )
+        self._ends = np.cumsum([self.windows[n] for n in self._order])
+        self._length = (int(self._ends[-1]) - self.shard.index + self.shard.count - 1) // self.shard.count
+        self._read: tuple[int, np.ndarray, np.ndarray] | None = None  # (shard, tokens, its windows' order)
+
+    def _window(self, position: int) -> np.ndarray:
+        """The window at ``position`` of this epoch's sequence."""
+        place = int(np.searchsorted(self._ends, position, side="right"))
+        number = int(self._order[place])
+        if self._read is None or self._read[0] != number:
+            rng = np.random.default_rng([self.seed, self.shard.key, self.epoch, number])
+            self._read = (number, self.data.shard("train", number), rng.permutation(self.windows[number]))
+        _, tokens, order = self._read
+        start = int(order[position - (int(self._ends[place - 1]) if place else 0)]) * self.seq_len
+        return tokens[start : start + self.seq_len + 1]
 
     def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
-        starts = []
-        while len(starts) < self.batch_size:
-            if self.cursor >= len(self._order):
+        rows = []
+        while len(rows) < self.batch_size:
+            if self.cursor >= self._length:
                 self.epoch, self.cursor = self.epoch + 1, 0
-                self._order = self._epoch_order()
-            starts.append(int(self._order[self.cursor]) * self.seq_len)
+                self._plan()
+            rows.append(self._window(self.shard.index + self.cursor * self.shard.count))
             self.cursor += 1
-        return windows_to_batch(self.ids, starts, self.seq_len)
+        return rows_to_batch(rows)
 
     def state_dict(self) -> dict:
         return {"epoch": self.epoch, "cursor": self.cursor}
 
     def load_state_dict(self, state: dict) -> None:
         self.epoch, self.cursor = int(state["epoch"]), int(state["cursor"])
-        self._order = self._epoch_order()
+        self._plan()
 
 
-def windows_to_batch(ids: np.ndarray, starts: list[int], seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
-    rows = np.stack([ids[s : s + seq_len + 1] for s in starts]).astype(np.int64)
-    batch = torch.from_numpy(rows)
+def rows_to_batch(rows: list[np.ndarray]) -> tuple[torch.Tensor, torch.Tensor]:
+    batch = torch.from_numpy(np.stack(rows).astype(np.int64))
     return batch[:, :-1], batch[:, 1:]
 
 
-def validation_batches(ids: np.ndarray, seq_len: int, batch_size: int, max_batches: int):
-    """The same validation batches every time: the first windows of the validation split, in order."""
-    n_windows = (len(ids) - 1) // seq_len
-    if n_windows < 1:
+def validation_batches(data: PreparedData, seq_len: int, batch_size: int, max_batches: int):
+    """The same validation batches every time: the first windows of the validation shards, in order."""
+    rows = []
+    for number, shard in enumerate(data.index.val):
+        if len(rows) >= batch_size * max_batches:
+            break
+        tokens = data.shard("val", number)
+        rows += [tokens[s : s + seq_len + 1] for s in range(0, shard.tokens - seq_len, seq_len)]
+    rows = rows[: batch_size * max_batches]
+    if not rows:
         raise DataError(f"the validation split has fewer than {seq_len + 1} tokens; use a larger corpus")
-    starts = [w * seq_len for w in range(min(n_windows, batch_size * max_batches))]
-    return [
-        windows_to_batch(ids, starts[i : i + batch_size], seq_len) for i in range(0, len(starts), batch_size)
-    ]
+    return [rows_to_batch(rows[i : i + batch_size]) for i in range(0, len(rows), batch_size)]

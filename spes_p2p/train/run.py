@@ -81,11 +81,9 @@ class TrainingRun:
         self.model = place(MoETransformer(model_cfg), self.device)  # built on the CPU: same seed, same model
         self.trainer = Trainer(self.model, layout, units, train)
         self.sampler = BatchSampler(
-            self.data.train_ids, train.seq_len, train.batch_size, train.seed, data_shard or DataShard()
+            self.data, train.seq_len, train.batch_size, train.seed, data_shard or DataShard()
         )
-        self.val_batches = validation_batches(
-            self.data.val_ids, train.seq_len, train.batch_size, train.eval_batches
-        )
+        self.val_batches = validation_batches(self.data, train.seq_len, train.batch_size, train.eval_batches)
         self.out_dir.mkdir(parents=True, exist_ok=True)
         if resume:
             self._restore()
@@ -103,7 +101,7 @@ class TrainingRun:
             "units": self.trainer.units,
             "tokens": self.trainer.tokens,
             "data_position": self.sampler.state_dict(),
-            "corpus_hash": self.data.corpus_hash,
+            "dataset_hash": self.data.dataset_hash,
             "tokenizer_hash": self.data.tokenizer_hash,
         }
 
@@ -121,7 +119,7 @@ class TrainingRun:
     def _restore(self) -> None:
         ckpt = load_checkpoint(self.out_dir)
         expected = self.meta()
-        for key in ("model_settings", "model_config", "units", "corpus_hash", "tokenizer_hash"):
+        for key in ("model_settings", "model_config", "units", "dataset_hash", "tokenizer_hash"):
             if ckpt.meta.get(key) != expected[key]:
                 raise CheckpointError(
                     f"cannot resume from {ckpt.path}: its {key} differs from this run's settings"
@@ -221,7 +219,7 @@ def evaluate_checkpoint(path: Path, corpus: str | None = None, eval_batches: int
     ckpt = load_checkpoint(path)
     meta = ckpt.meta
     model_cfg = ModelConfig.from_dict(meta["model_config"])
-    data_cfg = DataConfig(**{**meta["data_config"], **({"corpus": corpus} if corpus else {})})
+    data_cfg = DataConfig(**{**meta["data_config"], **({"corpus": corpus, "dataset": ""} if corpus else {})})
     train_cfg = TrainConfig(
         **{**meta["train_config"], **({"eval_batches": eval_batches} if eval_batches else {})}
     )
@@ -229,9 +227,7 @@ def evaluate_checkpoint(path: Path, corpus: str | None = None, eval_batches: int
     data = prepare_data(dataclasses.replace(data_cfg, tokenizer=str(tok_file)), model_cfg.vocab_size)
     model = place(MoETransformer(model_cfg), resolve_device("auto"))
     model.load_state_dict(ckpt.model)
-    batches = validation_batches(
-        data.val_ids, train_cfg.seq_len, train_cfg.batch_size, train_cfg.eval_batches
-    )
+    batches = validation_batches(data, train_cfg.seq_len, train_cfg.batch_size, train_cfg.eval_batches)
     val_loss = evaluate(model, batches)
     return {
         "checkpoint": str(ckpt.path),
