@@ -8,7 +8,7 @@ import click
 from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn
 from spes_cli.common import console
 
-from spes_p2p.data.prepare import Recipe, prepare
+from spes_p2p.data.recipe import Recipe
 
 DEFAULTS = Recipe(source="")
 
@@ -57,6 +57,8 @@ def data() -> None:
 def prepare_(source, out, tokenizer, vocab_size, shard_tokens, val_percent, tokenizer_sample_mb) -> None:
     """Tokenize SOURCE (a text/.md/.py/.jsonl/.parquet file or folder, stdlib, or hf:NAME[:SPLIT]) into
     fixed-size token shards in OUT, with an index; a re-run of an interrupted preparation resumes it."""
+    from spes_p2p.data.prepare import prepare
+
     recipe = Recipe(source, tokenizer, vocab_size, shard_tokens, val_percent, tokenizer_sample_mb)
     columns = [
         TextColumn("[bold]prepare"),

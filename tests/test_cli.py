@@ -23,6 +23,7 @@ def test_help_does_not_import_the_heavy_stack():
         "from spes_cli.main import spes\n"
         "from spes_cli.join import spes_join\n"
         "commands = [(spes, []), (spes_join, [])] + [(spes, [c]) for c in ('status', 'dashboard', 'train')]\n"
+        "commands += [(spes, ['data']), (spes, ['data', 'prepare'])]\n"
         "for cmd, args in commands:\n"
         "    assert CliRunner().invoke(cmd, [*args, '--help']).exit_code == 0\n"
         f"print([m for m in {HEAVY!r} if m in sys.modules])\n"

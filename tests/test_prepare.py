@@ -14,7 +14,8 @@ from safetensors.numpy import save
 
 from spes_p2p.data import prepare as prep
 from spes_p2p.data.corpus import EOS, held_out, iter_documents
-from spes_p2p.data.prepare import Recipe, prepare
+from spes_p2p.data.prepare import prepare
+from spes_p2p.data.recipe import Recipe
 from spes_p2p.data.shards import DatasetIndex, decode_shard, read_shard
 from spes_p2p.data.tokenizer import load_tokenizer
 from spes_p2p.errors import DataError

@@ -18,7 +18,8 @@ import numpy as np
 import torch
 from tokenizers import Tokenizer
 
-from spes_p2p.data.prepare import Recipe, prepare_cached
+from spes_p2p.data.prepare import prepare_cached
+from spes_p2p.data.recipe import Recipe
 from spes_p2p.data.shards import TOKENIZER, DatasetIndex, read_shard
 from spes_p2p.data.tokenizer import load_tokenizer, tokenizer_hash
 from spes_p2p.errors import ConfigError, DataError
