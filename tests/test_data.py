@@ -5,7 +5,7 @@ import sys
 import numpy as np
 import pytest
 
-from spes_p2p.data.corpus import Document, load_documents, split_documents
+from spes_p2p.data.corpus import Document, first_bytes, held_out, iter_documents
 from spes_p2p.data.shards import FORMAT, DatasetIndex, Shard, encode_shard, shard_name
 from spes_p2p.data.tokenizer import train_tokenizer
 from spes_p2p.errors import DataError
@@ -17,19 +17,20 @@ def sha256(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
+def documents(corpus: str, max_bytes: int | None = None) -> list[Document]:
+    return list(first_bytes(iter_documents(corpus), max_bytes))
+
+
 def docs(n: int) -> list[Document]:
     return [Document(f"doc{i}.txt", f"def f{i}(x):\n    return x * {i}\n" * 20) for i in range(n)]
 
 
-def test_split_is_deterministic_and_disjoint():
+def test_the_validation_split_is_by_name_whatever_the_text_or_order():
     d = docs(200)
-    train, val = split_documents(d, 10.0, seed=0)
-    _train2, val2 = split_documents(list(reversed(d)), 10.0, seed=0)
-    assert {x.name for x in val} == {x.name for x in val2}
-    assert {x.name for x in train} | {x.name for x in val} == {x.name for x in d}
-    assert not {x.name for x in train} & {x.name for x in val}
+    val = {x.name for x in d if held_out(x, 10.0)}
+    assert val == {x.name for x in reversed(d) if held_out(Document(x.name, "other text"), 10.0)}
     assert 5 <= len(val) <= 40
-    assert {x.name for x in split_documents(d, 10.0, seed=1)[1]} != {x.name for x in val}
+    assert {x.name for x in d if held_out(x, 10.0, seed=1)} != val
 
 
 def test_tokenizer_training_is_deterministic():
@@ -63,21 +64,21 @@ def test_a_corpus_is_prepared_into_the_cache_once_and_a_dataset_read_as_it_is(tm
 def test_jsonl_and_errors(tmp_path):
     good = tmp_path / "good.jsonl"
     good.write_text(json.dumps({"text": "hello"}) + "\n\n" + json.dumps({"text": "world"}) + "\n")
-    assert [d.text for d in load_documents(str(good))] == ["hello", "world"]
+    assert [d.text for d in documents(str(good))] == ["hello", "world"]
     bad = tmp_path / "bad.jsonl"
     bad.write_text(json.dumps({"text": "ok"}) + "\n{not json\n")
     with pytest.raises(DataError, match=r"bad.jsonl:2: not valid JSON"):
-        load_documents(str(bad))
+        documents(str(bad))
     with pytest.raises(DataError, match="does not exist"):
-        load_documents(str(tmp_path / "nope"))
+        documents(str(tmp_path / "nope"))
     (tmp_path / "empty").mkdir()
     (tmp_path / "empty" / "blank.txt").write_text("   \n")
     with pytest.raises(DataError, match="has no text"):
-        load_documents(str(tmp_path / "empty"))
+        documents(str(tmp_path / "empty"))
 
 
 def test_stdlib_corpus_excludes_site_packages():
-    names = [d.name for d in load_documents("stdlib", max_bytes=3_000_000)]
+    names = [d.name for d in documents("stdlib", max_bytes=3_000_000)]
     assert names and not any("site-packages" in n for n in names)
     assert names == sorted(names)
 
@@ -85,7 +86,7 @@ def test_stdlib_corpus_excludes_site_packages():
 def test_hf_without_the_extra_says_how_to_install(monkeypatch):
     monkeypatch.setitem(sys.modules, "datasets", None)  # makes `import datasets` fail
     with pytest.raises(DataError, match=r"spes-p2p\[hf\]"):
-        load_documents("hf:some/dataset")
+        documents("hf:some/dataset")
 
 
 def windows_of(sampler: BatchSampler, n_batches: int) -> list[int]:

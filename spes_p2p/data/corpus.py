@@ -49,11 +49,6 @@ def iter_documents(corpus: str) -> Iterator[Document]:
         )
 
 
-def load_documents(corpus: str, max_bytes: int | None = None) -> list[Document]:
-    """The corpus's documents in memory, up to the first to reach ``max_bytes`` of text in all."""
-    return list(first_bytes(iter_documents(corpus), max_bytes))
-
-
 def corpus_files(corpus: str) -> tuple[list[Path], Path]:
     """The files of a local corpus, in reading order, and the folder their names are relative to."""
     if corpus == "stdlib":
@@ -159,26 +154,3 @@ def held_out(doc: Document, val_percent: float, seed: int = SPLIT_SEED) -> bool:
     """Whether a document is in the validation split: a hash of its name, so every machine agrees."""
     digest = hashlib.sha256(f"{seed}:{doc.name}".encode()).digest()
     return int.from_bytes(digest[:8], "big") / 2**64 * 100 < val_percent
-
-
-def split_documents(
-    docs: list[Document], val_percent: float, seed: int
-) -> tuple[list[Document], list[Document]]:
-    """A deterministic split by document: the same document always lands on the same side."""
-    train = [d for d in docs if not held_out(d, val_percent, seed)]
-    val = [d for d in docs if held_out(d, val_percent, seed)]
-    if not val:  # tiny corpora: hold out the last document rather than nothing
-        train, val = train[:-1], train[-1:]
-    if not train:
-        raise DataError("corpus too small: it needs at least two documents (one for validation)")
-    return train, val
-
-
-def fingerprint(docs: list[Document]) -> str:
-    h = hashlib.sha256()
-    for doc in docs:
-        h.update(doc.name.encode())
-        h.update(b"\0")
-        h.update(doc.text.encode("utf-8", errors="replace"))
-        h.update(b"\0")
-    return h.hexdigest()

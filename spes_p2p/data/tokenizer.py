@@ -5,7 +5,6 @@ from __future__ import annotations
 import hashlib
 from pathlib import Path
 
-import numpy as np
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from spes_p2p.data.corpus import EOS, Document
@@ -44,13 +43,3 @@ def load_tokenizer(path: str | Path, max_vocab: int) -> Tokenizer:
 
 def tokenizer_hash(tok: Tokenizer) -> str:
     return hashlib.sha256(tok.to_str().encode()).hexdigest()
-
-
-def encode_documents(tok: Tokenizer, docs: list[Document]) -> np.ndarray:
-    """One stream of token ids, each document followed by EOS."""
-    eos = tok.token_to_id(EOS)
-    dtype = np.uint16 if tok.get_vocab_size() <= 2**16 else np.int32
-    parts = []
-    for enc in tok.encode_batch([d.text for d in docs]):
-        parts.append(np.asarray([*enc.ids, eos], dtype=dtype))
-    return np.concatenate(parts)

@@ -92,13 +92,8 @@ class BatchSampler:
     def __init__(
         self, data: PreparedData, seq_len: int, batch_size: int, seed: int, shard: DataShard = DataShard()
     ):
-        self.data, self.seq_len, self.batch_size, self.seed, self.shard = (
-            data,
-            seq_len,
-            batch_size,
-            seed,
-            shard,
-        )
+        self.data, self.seq_len, self.batch_size = data, seq_len, batch_size
+        self.seed, self.shard = seed, shard
         self.windows = [(s.tokens - 1) // seq_len for s in data.index.train]  # per shard
         if sum(self.windows) // shard.count < batch_size:
             raise DataError(
