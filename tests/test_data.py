@@ -7,6 +7,7 @@ import pytest
 
 from spes_p2p.data.corpus import Document, first_bytes, held_out, iter_documents
 from spes_p2p.data.shards import FORMAT, DatasetIndex, Shard, encode_shard, shard_name
+from spes_p2p.data.sources import ShardStore
 from spes_p2p.data.tokenizer import train_tokenizer
 from spes_p2p.errors import DataError
 from spes_p2p.train.config import DataConfig
@@ -44,19 +45,23 @@ def test_a_corpus_is_prepared_into_the_cache_once_and_a_dataset_read_as_it_is(tm
         (tmp_path / "corpus" / f"{i}.txt").write_text(doc.text)
     cfg = DataConfig(corpus=str(tmp_path / "corpus"), cache_dir=str(tmp_path / "cache"), val_percent=10)
     first = prepare_data(cfg, vocab_size=300)
-    assert first.folder.parent == tmp_path / "cache" / "datasets" and (first.folder / "index.json").exists()
-    written = {p: p.stat().st_mtime_ns for p in first.folder.rglob("*")}
+    assert (
+        first.store.folder.parent == tmp_path / "cache" / "datasets"
+        and (first.store.folder / "index.json").exists()
+    )
+    written = {p: p.stat().st_mtime_ns for p in first.store.folder.rglob("*")}
     second = prepare_data(cfg, vocab_size=300)
     assert (
-        second.index == first.index and {p: p.stat().st_mtime_ns for p in first.folder.rglob("*")} == written
+        second.index == first.index
+        and {p: p.stat().st_mtime_ns for p in first.store.folder.rglob("*")} == written
     )
     assert first.tokenizer.get_vocab_size() <= 300
-    same = prepare_data(DataConfig(dataset=str(first.folder), corpus="unused"), vocab_size=300)
+    same = prepare_data(DataConfig(dataset=str(first.store.folder), corpus="unused"), vocab_size=300)
     assert same.dataset_hash == first.dataset_hash
     other = tmp_path / "other.json"
     other.write_text(train_tokenizer(docs(5), 280).to_str())
     with pytest.raises(DataError, match="prepared with another tokenizer than"):
-        prepare_data(DataConfig(dataset=str(first.folder), tokenizer=str(other)), vocab_size=300)
+        prepare_data(DataConfig(dataset=str(first.store.folder), tokenizer=str(other)), vocab_size=300)
     with pytest.raises(DataError, match="not a prepared dataset"):
         prepare_data(DataConfig(dataset=str(tmp_path / "corpus")), vocab_size=300)
 
@@ -112,7 +117,7 @@ def dataset_of(folder, ids: np.ndarray, shard_tokens: int) -> PreparedData:
     index = DatasetIndex(
         FORMAT, **fields, shard_tokens=shard_tokens, documents=1, train=tuple(shards), val=val
     )
-    return PreparedData(None, folder, index)
+    return PreparedData(None, ShardStore(index, folder, [], cached=False, max_bytes=0))
 
 
 def test_an_epoch_reads_every_window_once(tmp_path):

@@ -208,7 +208,7 @@ def _finish(recipe: Recipe, out: Path, state: _State, writers: dict[str, _Writer
         vocab_size=vocab,
         dtype=dtype_for(vocab),
         shard_tokens=recipe.shard_tokens,
-        val_percent=recipe.val_percent,
+        val_percent=float(recipe.val_percent),  # (an int would encode as another digest once read back)
         documents=state.documents,
         train=tuple(state.train),
         val=tuple(state.val),

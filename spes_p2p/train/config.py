@@ -84,16 +84,20 @@ class DataConfig(Section):
         "stdlib (this machine's Python sources), a text/.jsonl/.parquet file or folder, or hf:NAME[:SPLIT].",
     )
     dataset: str = setting(
-        "", "A prepared dataset's folder (spes data prepare); empty: the corpus, prepared into the cache."
+        "",
+        "A prepared dataset (spes data prepare): its folder, or the http(s) URL it is served under; empty: "
+        "the corpus, prepared into the cache.",
     )
     max_corpus_mb: float = setting(0.0, "Read at most this many MB of the corpus; 0: all of it.")
     val_percent: float = setting(2.0, "Share of documents held out for validation, in percent.")
     tokenizer: str = setting("", "A tokenizer.json to use; empty: train a byte-level BPE on the corpus.")
     cache_dir: str = setting("", "Prepared corpora's cache; empty: $SPES_CACHE_DIR or ~/.cache/spes-p2p.")
+    cache_mb: float = setting(4096.0, "Shards of a dataset fetched from a URL kept here at most, in MB.")
 
     def validate(self) -> None:
         check(self.max_corpus_mb >= 0, "max_corpus_mb", "must be at least 0 (0: all of it)")
         check(0 < self.val_percent < 50, "val_percent", "must be in (0, 50)")
+        check(self.cache_mb > 0, "cache_mb", "must be above 0")
 
     @property
     def max_bytes(self) -> int | None:

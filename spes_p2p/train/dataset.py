@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass
-from pathlib import Path
 
 import numpy as np
 import torch
@@ -20,7 +19,8 @@ from tokenizers import Tokenizer
 
 from spes_p2p.data.prepare import prepare_cached
 from spes_p2p.data.recipe import Recipe
-from spes_p2p.data.shards import TOKENIZER, DatasetIndex, read_shard
+from spes_p2p.data.shards import TOKENIZER, DatasetIndex
+from spes_p2p.data.sources import ShardStore, open_dataset
 from spes_p2p.data.tokenizer import load_tokenizer, tokenizer_hash
 from spes_p2p.errors import ConfigError, DataError
 from spes_p2p.train.config import DataConfig
@@ -28,11 +28,14 @@ from spes_p2p.train.config import DataConfig
 
 @dataclass
 class PreparedData:
-    """A prepared dataset and its tokenizer; shards are read when asked for."""
+    """A prepared dataset and its tokenizer; shards are read (or fetched) when asked for."""
 
     tokenizer: Tokenizer
-    folder: Path
-    index: DatasetIndex
+    store: ShardStore
+
+    @property
+    def index(self) -> DatasetIndex:
+        return self.store.index
 
     @property
     def dataset_hash(self) -> str:
@@ -43,30 +46,34 @@ class PreparedData:
         return self.index.tokenizer_sha256
 
     def shard(self, split: str, number: int) -> np.ndarray:
-        return read_shard(self.folder, getattr(self.index, split)[number], self.index)
+        return self.store.tokens(split, number)
 
 
 def prepare_data(cfg: DataConfig, vocab_size: int) -> PreparedData:
-    """The dataset ``cfg`` names: a prepared folder, or its corpus prepared into the cache on first use."""
+    """The dataset ``cfg`` names (a prepared folder or a URL), or its corpus prepared into the cache on first
+    use."""
     if cfg.dataset:
-        folder = Path(cfg.dataset).expanduser()
+        store = open_dataset(cfg.dataset, cfg.cache_path, int(cfg.cache_mb * 1e6))
     else:
         recipe = Recipe(
             cfg.corpus, cfg.tokenizer, vocab_size, val_percent=cfg.val_percent, max_bytes=cfg.max_bytes
         )
         folder = prepare_cached(recipe, cfg.cache_path)
-    index = DatasetIndex.read(folder)
-    tok = load_tokenizer(folder / TOKENIZER, vocab_size)
-    if tokenizer_hash(tok) != index.tokenizer_sha256:
+        store = ShardStore(DatasetIndex.read(folder), folder, [], cached=False, max_bytes=0)
+    tok = load_tokenizer(store.folder / TOKENIZER, vocab_size)
+    if tokenizer_hash(tok) != store.index.tokenizer_sha256:
         raise DataError(
-            f"{folder / TOKENIZER} is not the tokenizer its index names; prepare the dataset again"
+            f"{store.folder / TOKENIZER} is not the tokenizer its index names; prepare the dataset again"
         )
-    if cfg.tokenizer and tokenizer_hash(load_tokenizer(cfg.tokenizer, vocab_size)) != index.tokenizer_sha256:
+    if (
+        cfg.tokenizer
+        and tokenizer_hash(load_tokenizer(cfg.tokenizer, vocab_size)) != store.index.tokenizer_sha256
+    ):
         raise DataError(
-            f"the dataset {folder} was prepared with another tokenizer than {cfg.tokenizer}; prepare it with "
-            "that one (spes data prepare --tokenizer)"
+            f"the dataset {cfg.dataset} was prepared with another tokenizer than {cfg.tokenizer}; prepare it "
+            "with that one (spes data prepare --tokenizer)"
         )
-    return PreparedData(tok, folder, index)
+    return PreparedData(tok, store)
 
 
 @dataclass(frozen=True)

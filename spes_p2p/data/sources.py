@@ -1,0 +1,159 @@
+"""Where a dataset's files come from, and the local copy of its shards that training reads.
+
+A source serves a dataset's files by their names in the dataset's folder (``index.json``,
+``tokenizer.json``, ``train/000000.safetensors``, ...):
+    a folder        a prepared dataset on this machine (or a mounted share)
+    http(s)://...   a base URL under which the folder is served as it is (any static web server)
+
+``ShardStore`` keeps the shards a peer reads in a local folder, bounded in size: a shard it lacks is fetched
+from the sources in turn, and one whose bytes are not the index's (hash, schema, length, token range) is
+refused, counted against that source, and fetched from the next. Nothing is trained from an unchecked shard.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import logging
+import os
+import urllib.error
+import urllib.request
+from collections import Counter
+from pathlib import Path
+
+import numpy as np
+
+from spes_p2p.data.shards import INDEX, MAX_INDEX_BYTES, TOKENIZER, DatasetIndex, decode_shard, read_shard
+from spes_p2p.errors import DataError
+from spes_p2p.files import atomic_write_bytes
+
+logger = logging.getLogger(__name__)
+
+TIMEOUT = 30.0  # seconds for one HTTP request to answer (and for each read of its body)
+MAX_TOKENIZER_BYTES = 64 << 20
+
+
+class Unavailable(Exception):
+    """A source that does not have a file, or cannot be reached (the next source is tried)."""
+
+
+class FolderSource:
+    def __init__(self, root: Path) -> None:
+        self.root, self.name = root, str(root)
+
+    def read(self, name: str, max_bytes: int) -> bytes:
+        path = self.root / name
+        try:
+            if path.stat().st_size > max_bytes:
+                raise Unavailable(f"{path} is larger than {max_bytes} bytes")
+            return path.read_bytes()
+        except OSError as exc:
+            raise Unavailable(f"{path}: {exc.strerror}") from None
+
+
+class HttpSource:
+    def __init__(self, base: str) -> None:
+        self.base, self.name = base.rstrip("/") + "/", base
+
+    def read(self, name: str, max_bytes: int) -> bytes:
+        url = self.base + name
+        try:
+            with urllib.request.urlopen(url, timeout=TIMEOUT) as answer:
+                data = answer.read(max_bytes + 1)
+        except (urllib.error.URLError, OSError, ValueError) as exc:  # (HTTPError is a URLError)
+            raise Unavailable(f"{url}: {getattr(exc, 'reason', None) or exc}") from None
+        if len(data) > max_bytes:
+            raise Unavailable(f"{url} is larger than {max_bytes} bytes")
+        return data
+
+
+def source_of(spec: str) -> FolderSource | HttpSource:
+    if spec.startswith(("http://", "https://")):
+        return HttpSource(spec)
+    return FolderSource(Path(spec).expanduser())
+
+
+def fetch(sources: list, name: str, max_bytes: int, check, refused: Counter | None = None) -> bytes:
+    """The first source's copy of ``name`` that ``check`` accepts (it raises DataError for one it refuses,
+    counted in ``refused`` by source); DataError naming every source tried when none has it."""
+    tried = []
+    for source in sources:
+        try:
+            data = source.read(name, max_bytes)
+        except Unavailable as exc:
+            tried.append(f"{source.name} ({exc})")
+            continue
+        try:
+            check(data)
+            return data
+        except DataError as exc:
+            logger.warning("refused %s from %s: %s", name, source.name, exc)
+            tried.append(f"{source.name} (refused: {exc})")
+            if refused is not None:
+                refused[source.name] += 1
+    raise DataError(f"cannot get {name} from any source; tried {'; '.join(tried) or 'none'}")
+
+
+class ShardStore:
+    """A dataset's shards in ``folder``. A prepared folder of this machine is read in place (a damaged shard
+    there is an error: it is the user's); a cache folder (``cached``) is filled from the sources, a shard at
+    a time when first read, checked, and kept within ``max_bytes`` (the least recently read go first)."""
+
+    def __init__(
+        self, index: DatasetIndex, folder: Path, sources: list, cached: bool, max_bytes: int
+    ) -> None:
+        self.index, self.folder, self.sources = index, folder, sources
+        self.cached, self.max_bytes = cached, max_bytes
+        self.refused: Counter[str] = Counter()  # shards refused, by source
+        self.fetched = 0
+
+    def tokens(self, split: str, number: int) -> np.ndarray:
+        shard = getattr(self.index, split)[number]
+        path = self.folder / shard.name
+        if not self.cached:
+            return read_shard(self.folder, shard, self.index)
+        if path.exists():
+            try:
+                tokens = decode_shard(path.read_bytes(), shard, self.index)
+                os.utime(path)  # (recently read: kept longest)
+                return tokens
+            except DataError:
+                path.unlink()  # a damaged copy in the cache is fetched again, never trusted
+        limit = shard.tokens * np.dtype(self.index.dtype).itemsize + (1 << 16)
+        check = functools.partial(decode_shard, shard=shard, index=self.index)
+        data = fetch(self.sources, shard.name, limit, check, self.refused)
+        self._make_room(len(data))
+        atomic_write_bytes(path, data)
+        self.fetched += 1
+        return decode_shard(data, shard, self.index)
+
+    def _make_room(self, size: int) -> None:
+        kept = sorted(self.folder.glob("*/*.safetensors"), key=lambda p: p.stat().st_mtime_ns)
+        total = sum(p.stat().st_size for p in kept)
+        while kept and total + size > self.max_bytes:
+            oldest = kept.pop(0)
+            total -= oldest.stat().st_size
+            oldest.unlink()
+
+
+def open_dataset(spec: str, cache: Path, max_bytes: int) -> ShardStore:
+    """The shards of the dataset ``spec`` names: a prepared folder, read in place; or a URL, whose index and
+    tokenizer are fetched into the cache (under the index's digest) at once, and its shards when read."""
+    sources = [source_of(spec)]
+    if isinstance(sources[0], FolderSource):
+        return ShardStore(DatasetIndex.read(sources[0].root), sources[0].root, sources, False, 0)
+    raw = fetch(sources, INDEX, MAX_INDEX_BYTES, lambda data: DatasetIndex.decode(data, INDEX))
+    index = DatasetIndex.decode(raw, f"{spec}{INDEX}")
+    folder = cache / "datasets" / index.digest[:16]
+    if not (folder / TOKENIZER).exists():
+        tokenizer = fetch(
+            sources, TOKENIZER, MAX_TOKENIZER_BYTES, lambda data: _same_hash(data, index.tokenizer_sha256)
+        )
+        atomic_write_bytes(folder / TOKENIZER, tokenizer)
+    atomic_write_bytes(folder / INDEX, raw)
+    return ShardStore(index, folder, sources, True, max_bytes)
+
+
+def _same_hash(data: bytes, sha256: str) -> None:
+    if hashlib.sha256(data).hexdigest() != sha256:
+        raise DataError("its SHA-256 is not the index's")
