@@ -68,7 +68,7 @@ def prepare(
     dtype = np.dtype(dtype_for(tok.get_vocab_size()))
     writers = {s: _Writer(out, s, recipe.shard_tokens, getattr(state, s), dtype) for s in SPLITS}
     _give_back_pending(out, state, writers)
-    total = corpus_bytes(recipe.source)
+    total = min(filter(None, (corpus_bytes(recipe.source), recipe.max_bytes)), default=None)
     eos = tok.token_to_id(EOS)
     docs = itertools.islice(recipe.documents(), state.documents, None)
     for batch in _batches(docs):
