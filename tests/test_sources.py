@@ -16,7 +16,7 @@ from spes_p2p.data.shards import read_shard
 from spes_p2p.data.sources import FolderSource, HttpSource, ShardStore, open_dataset
 from spes_p2p.errors import DataError
 from spes_p2p.train.config import DataConfig
-from spes_p2p.train.dataset import prepare_data
+from spes_p2p.train.dataset import BatchSampler, prepare_data
 
 
 class Quiet(SimpleHTTPRequestHandler):
@@ -100,3 +100,16 @@ def test_the_cache_keeps_at_most_its_bound(dataset, served, tmp_path):
 def test_a_url_that_serves_no_dataset_is_one_line(served, tmp_path):
     with pytest.raises(DataError, match=r"cannot get index\.json from any source"):
         open_dataset(served + "nothing/", tmp_path, 10**9)
+
+
+def test_the_next_shard_is_fetched_while_the_current_one_trains(dataset, served, tmp_path):
+    _, index = dataset
+    data = prepare_data(DataConfig(dataset=served, cache_dir=str(tmp_path)), vocab_size=300)
+    sampler = BatchSampler(data, seq_len=16, batch_size=2, seed=0)
+    sampler.next_batch()  # reads the epoch's first shard, and sets the second on its way
+    data.store.wait()
+    first, second = (int(n) for n in sampler._order[:2])
+    names = {p.relative_to(data.store.folder).as_posix() for p in data.store.folder.glob("*/*.safetensors")}
+    assert names == {index.train[first].name, index.train[second].name} and data.store.fetched == 2
+    data.shard("train", second)
+    assert data.store.fetched == 2  # (read from the copy fetched ahead)

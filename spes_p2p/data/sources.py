@@ -16,6 +16,7 @@ import functools
 import hashlib
 import logging
 import os
+import threading
 import urllib.error
 import urllib.request
 from collections import Counter
@@ -23,7 +24,15 @@ from pathlib import Path
 
 import numpy as np
 
-from spes_p2p.data.shards import INDEX, MAX_INDEX_BYTES, TOKENIZER, DatasetIndex, decode_shard, read_shard
+from spes_p2p.data.shards import (
+    INDEX,
+    MAX_INDEX_BYTES,
+    TOKENIZER,
+    DatasetIndex,
+    Shard,
+    decode_shard,
+    read_shard,
+)
 from spes_p2p.errors import DataError
 from spes_p2p.files import atomic_write_bytes
 
@@ -97,7 +106,8 @@ def fetch(sources: list, name: str, max_bytes: int, check, refused: Counter | No
 class ShardStore:
     """A dataset's shards in ``folder``. A prepared folder of this machine is read in place (a damaged shard
     there is an error: it is the user's); a cache folder (``cached``) is filled from the sources, a shard at
-    a time when first read, checked, and kept within ``max_bytes`` (the least recently read go first)."""
+    a time when first read (or ahead of it, ``prefetch``), checked, and kept within ``max_bytes`` (the least
+    recently read go first)."""
 
     def __init__(
         self, index: DatasetIndex, folder: Path, sources: list, cached: bool, max_bytes: int
@@ -106,26 +116,63 @@ class ShardStore:
         self.cached, self.max_bytes = cached, max_bytes
         self.refused: Counter[str] = Counter()  # shards refused, by source
         self.fetched = 0
+        self._lock = threading.Lock()  # (the cache's files and the fetches in flight)
+        self._fetching: dict[str, threading.Thread] = {}
 
     def tokens(self, split: str, number: int) -> np.ndarray:
         shard = getattr(self.index, split)[number]
-        path = self.folder / shard.name
         if not self.cached:
             return read_shard(self.folder, shard, self.index)
+        with self._lock:
+            ahead = self._fetching.get(shard.name)
+        if ahead is not None:
+            ahead.join()
+        path = self.folder / shard.name
         if path.exists():
             try:
                 tokens = decode_shard(path.read_bytes(), shard, self.index)
                 os.utime(path)  # (recently read: kept longest)
                 return tokens
-            except DataError:
-                path.unlink()  # a damaged copy in the cache is fetched again, never trusted
+            except (OSError, DataError):
+                path.unlink(missing_ok=True)  # a damaged copy in the cache is fetched again, never trusted
+        return decode_shard(self._fetch(shard), shard, self.index)
+
+    def prefetch(self, split: str, number: int) -> None:
+        """Starts fetching a shard in the background unless it is here or on its way (a failure is left to
+        ``tokens``, which tries again)."""
+        shard = getattr(self.index, split)[number]
+        with self._lock:
+            if not self.cached or shard.name in self._fetching or (self.folder / shard.name).exists():
+                return
+            thread = threading.Thread(target=self._fetch_quietly, args=(shard,), daemon=True)
+            self._fetching[shard.name] = thread
+        thread.start()
+
+    def wait(self) -> None:
+        """Waits for the fetches in flight."""
+        with self._lock:
+            threads = list(self._fetching.values())
+        for thread in threads:
+            thread.join()
+
+    def _fetch_quietly(self, shard: Shard) -> None:
+        try:
+            self._fetch(shard)
+        except DataError as exc:
+            logger.info("prefetching %s: %s", shard.name, exc)
+        finally:
+            with self._lock:
+                self._fetching.pop(shard.name, None)
+
+    def _fetch(self, shard: Shard) -> bytes:
         limit = shard.tokens * np.dtype(self.index.dtype).itemsize + (1 << 16)
         check = functools.partial(decode_shard, shard=shard, index=self.index)
         data = fetch(self.sources, shard.name, limit, check, self.refused)
-        self._make_room(len(data))
-        atomic_write_bytes(path, data)
-        self.fetched += 1
-        return decode_shard(data, shard, self.index)
+        with self._lock:
+            self._make_room(len(data))
+            atomic_write_bytes(self.folder / shard.name, data)
+            self.fetched += 1
+        return data
 
     def _make_room(self, size: int) -> None:
         kept = sorted(self.folder.glob("*/*.safetensors"), key=lambda p: p.stat().st_mtime_ns)

@@ -126,6 +126,8 @@ class BatchSampler:
         if self._read is None or self._read[0] != number:
             rng = np.random.default_rng([self.seed, self.shard.key, self.epoch, number])
             self._read = (number, self.data.shard("train", number), rng.permutation(self.windows[number]))
+            if place + 1 < len(self._order):
+                self.data.store.prefetch("train", int(self._order[place + 1]))  # (the next one, on its way)
         _, tokens, order = self._read
         start = int(order[position - (int(self._ends[place - 1]) if place else 0)]) * self.seq_len
         return tokens[start : start + self.seq_len + 1]
