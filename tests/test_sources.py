@@ -3,6 +3,7 @@ and a shard when it first reads it; a shard that is not the index's is refused, 
 next source; an unreachable source is passed over; the cache keeps at most its bound."""
 
 import functools
+import hashlib
 import shutil
 import threading
 from http.server import SimpleHTTPRequestHandler, ThreadingHTTPServer
@@ -13,7 +14,7 @@ import pytest
 from spes_p2p.data.prepare import prepare
 from spes_p2p.data.recipe import Recipe
 from spes_p2p.data.shards import read_shard
-from spes_p2p.data.sources import FolderSource, HttpSource, ShardStore, open_dataset
+from spes_p2p.data.sources import FolderSource, HttpSource, HubSource, ShardStore, open_dataset
 from spes_p2p.errors import DataError
 from spes_p2p.train.config import DataConfig
 from spes_p2p.train.dataset import BatchSampler, prepare_data
@@ -113,3 +114,42 @@ def test_the_next_shard_is_fetched_while_the_current_one_trains(dataset, served,
     assert names == {index.train[first].name, index.train[second].name} and data.store.fetched == 2
     data.shard("train", second)
     assert data.store.fetched == 2  # (read from the copy fetched ahead)
+
+
+class FakeHub(SimpleHTTPRequestHandler):
+    """The Hub's file endpoint, /datasets/OWNER/NAME/resolve/REVISION/PATH, for one repository at one
+    revision, whose files are ``directory``'s under the folder ``data``."""
+
+    def translate_path(self, path: str) -> str:
+        prefix = "/datasets/volunteers/corpus/resolve/v1/data/"
+        return super().translate_path("/" + path[len(prefix) :] if path.startswith(prefix) else "/nothing")
+
+    def end_headers(self) -> None:
+        self.send_header("X-Repo-Commit", "0" * 40)
+        self.send_header("ETag", f'"{hashlib.sha256(self.path.encode()).hexdigest()}"')
+        super().end_headers()
+
+    def log_message(self, *args) -> None:
+        pass
+
+
+def test_a_dataset_in_a_hugging_face_repository_is_read_through_its_client(dataset, tmp_path):
+    folder, index = dataset
+    hub = ThreadingHTTPServer(("127.0.0.1", 0), functools.partial(FakeHub, directory=str(folder)))
+    thread = threading.Thread(target=hub.serve_forever, daemon=True)
+    thread.start()
+    try:
+        endpoint = f"http://127.0.0.1:{hub.server_address[1]}"
+        source = HubSource("hf://datasets/volunteers/corpus@v1/data", endpoint=endpoint)
+        assert (source.repo, source.revision, source.folder) == ("volunteers/corpus", "v1", "data")
+        store = ShardStore(index, tmp_path / "cache", [source], True, 10**9)
+        assert np.array_equal(store.tokens("train", 2), read_shard(folder, index.train[2], index))
+        elsewhere = HubSource("hf://datasets/volunteers/corpus@v2/data", endpoint=endpoint)
+        with pytest.raises(DataError, match=r"tried hf://datasets/volunteers/corpus@v2/data \("):
+            ShardStore(index, tmp_path / "lost", [elsewhere], True, 10**9).tokens("train", 2)
+    finally:
+        hub.shutdown()
+        hub.server_close()
+        thread.join(timeout=10)
+    with pytest.raises(DataError, match="hf://datasets/OWNER/NAME"):
+        HubSource("hf://models/x")

@@ -4,6 +4,7 @@ A source serves a dataset's files by their names in the dataset's folder (``inde
 ``tokenizer.json``, ``train/000000.safetensors``, ...):
     a folder        a prepared dataset on this machine (or a mounted share)
     http(s)://...   a base URL under which the folder is served as it is (any static web server)
+    hf://datasets/OWNER/NAME[@REVISION][/FOLDER]   a Hugging Face dataset repository holding the folder
 
 ``ShardStore`` keeps the shards a peer reads in a local folder, bounded in size: a shard it lacks is fetched
 from the sources in turn, and one whose bytes are not the index's (hash, schema, length, token range) is
@@ -16,6 +17,8 @@ import functools
 import hashlib
 import logging
 import os
+import re
+import tempfile
 import threading
 import urllib.error
 import urllib.request
@@ -76,9 +79,53 @@ class HttpSource:
         return data
 
 
-def source_of(spec: str) -> FolderSource | HttpSource:
+class HubSource:
+    """A Hugging Face dataset repository at a revision, read through huggingface_hub (which uses the token
+    of ``huggingface-cli login`` for a private one): ``hf://datasets/OWNER/NAME[@REVISION][/FOLDER]``."""
+
+    SPEC = re.compile(r"hf://datasets/([\w.-]+/[\w.-]+)(?:@([\w.-]+))?(/.*)?")
+
+    def __init__(self, spec: str, endpoint: str | None = None) -> None:
+        found = self.SPEC.fullmatch(spec.rstrip("/"))
+        if found is None:
+            raise DataError(f"{spec}: a Hugging Face dataset is hf://datasets/OWNER/NAME[@REVISION][/FOLDER]")
+        self.repo, self.revision = found[1], found[2] or "main"
+        self.folder, self.name, self.endpoint = (found[3] or "").strip("/"), spec, endpoint
+
+    def read(self, name: str, max_bytes: int) -> bytes:
+        try:
+            from huggingface_hub import hf_hub_download
+        except ImportError:
+            raise Unavailable(
+                "a Hugging Face source needs the optional extra: pip install 'spes-p2p[hf]'"
+            ) from None
+        with tempfile.TemporaryDirectory() as folder:
+            try:
+                path = Path(
+                    hf_hub_download(
+                        self.repo,
+                        f"{self.folder}/{name}".lstrip("/"),
+                        repo_type="dataset",
+                        revision=self.revision,
+                        local_dir=folder,
+                        endpoint=self.endpoint,
+                        etag_timeout=TIMEOUT,
+                    )
+                )
+            except Exception as exc:  # the hub's errors: no such repository, revision or file, or no network
+                raise Unavailable(
+                    f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+                ) from None
+            if path.stat().st_size > max_bytes:
+                raise Unavailable(f"{name} is larger than {max_bytes} bytes")
+            return path.read_bytes()
+
+
+def source_of(spec: str) -> FolderSource | HttpSource | HubSource:
     if spec.startswith(("http://", "https://")):
         return HttpSource(spec)
+    if spec.startswith("hf://"):
+        return HubSource(spec)
     return FolderSource(Path(spec).expanduser())
 
 

@@ -85,8 +85,8 @@ class DataConfig(Section):
     )
     dataset: str = setting(
         "",
-        "A prepared dataset (spes data prepare): its folder, or the http(s) URL it is served under; empty: "
-        "the corpus, prepared into the cache.",
+        "A prepared dataset (spes data prepare): its folder, the http(s) URL it is served under, or "
+        "hf://datasets/OWNER/NAME[@REVISION][/FOLDER]; empty: the corpus, prepared into the cache.",
     )
     max_corpus_mb: float = setting(0.0, "Read at most this many MB of the corpus; 0: all of it.")
     val_percent: float = setting(2.0, "Share of documents held out for validation, in percent.")
