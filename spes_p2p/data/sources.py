@@ -45,7 +45,7 @@ TIMEOUT = 30.0  # seconds for one HTTP request to answer (and for each read of i
 MAX_TOKENIZER_BYTES = 64 << 20
 
 
-class Unavailable(Exception):
+class SourceUnavailable(Exception):
     """A source that does not have a file, or cannot be reached (the next source is tried)."""
 
 
@@ -57,10 +57,10 @@ class FolderSource:
         path = self.root / name
         try:
             if path.stat().st_size > max_bytes:
-                raise Unavailable(f"{path} is larger than {max_bytes} bytes")
+                raise SourceUnavailable(f"{path} is larger than {max_bytes} bytes")
             return path.read_bytes()
         except OSError as exc:
-            raise Unavailable(f"{path}: {exc.strerror}") from None
+            raise SourceUnavailable(f"{path}: {exc.strerror}") from None
 
 
 class HttpSource:
@@ -73,9 +73,9 @@ class HttpSource:
             with urllib.request.urlopen(url, timeout=TIMEOUT) as answer:
                 data = answer.read(max_bytes + 1)
         except (urllib.error.URLError, OSError, ValueError) as exc:  # (HTTPError is a URLError)
-            raise Unavailable(f"{url}: {getattr(exc, 'reason', None) or exc}") from None
+            raise SourceUnavailable(f"{url}: {getattr(exc, 'reason', None) or exc}") from None
         if len(data) > max_bytes:
-            raise Unavailable(f"{url} is larger than {max_bytes} bytes")
+            raise SourceUnavailable(f"{url} is larger than {max_bytes} bytes")
         return data
 
 
@@ -96,7 +96,7 @@ class HubSource:
         try:
             from huggingface_hub import hf_hub_download
         except ImportError:
-            raise Unavailable(
+            raise SourceUnavailable(
                 "a Hugging Face source needs the optional extra: pip install 'spes-p2p[hf]'"
             ) from None
         with tempfile.TemporaryDirectory() as folder:
@@ -113,11 +113,11 @@ class HubSource:
                     )
                 )
             except Exception as exc:  # the hub's errors: no such repository, revision or file, or no network
-                raise Unavailable(
+                raise SourceUnavailable(
                     f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
                 ) from None
             if path.stat().st_size > max_bytes:
-                raise Unavailable(f"{name} is larger than {max_bytes} bytes")
+                raise SourceUnavailable(f"{name} is larger than {max_bytes} bytes")
             return path.read_bytes()
 
 
@@ -136,7 +136,7 @@ def fetch(sources: list, name: str, max_bytes: int, check, refused: Counter | No
     for source in sources:
         try:
             data = source.read(name, max_bytes)
-        except Unavailable as exc:
+        except SourceUnavailable as exc:
             tried.append(f"{source.name} ({exc})")
             continue
         try:
