@@ -55,19 +55,19 @@ def data() -> None:
     help="Training text the tokenizer is trained on (the first documents).",
 )
 @click.option(
-    "--max-mb",
+    "--max-corpus-mb",
     type=click.FloatRange(min=0),
     default=0.0,
     help="Read the source up to the first document that reaches this many MB of text; 0: all of it.",
 )
 def prepare_(
-    source, out, tokenizer, vocab_size, shard_tokens, val_percent, tokenizer_sample_mb, max_mb
+    source, out, tokenizer, vocab_size, shard_tokens, val_percent, tokenizer_sample_mb, max_corpus_mb
 ) -> None:
     """Tokenize SOURCE (a text/.md/.py/.jsonl/.parquet file or folder, stdlib, or hf:NAME[:SPLIT]) into
     fixed-size token shards in OUT, with an index; a re-run of an interrupted preparation resumes it."""
     from spes_p2p.data.prepare import prepare
 
-    limit = int(max_mb * 1e6) or None
+    limit = int(max_corpus_mb * 1e6) or None
     recipe = Recipe(source, tokenizer, vocab_size, shard_tokens, val_percent, tokenizer_sample_mb, limit)
     columns = [
         TextColumn("[bold]prepare"),

@@ -217,7 +217,7 @@ def test_the_command_prepares_and_names_a_bad_source(corpus, tmp_path):
     index = DatasetIndex.read(tmp_path / "ds")
     assert f"dataset {index.digest}" in result.output and "training tokens in" in result.output
     limited = [*args[:4], str(tmp_path / "part"), "--vocab-size", "300", "--shard-tokens", "1024"]
-    assert CliRunner().invoke(spes, [*limited, "--max-mb", "0.02"]).exit_code == 0
+    assert CliRunner().invoke(spes, [*limited, "--max-corpus-mb", "0.02"]).exit_code == 0
     assert 0 < DatasetIndex.read(tmp_path / "part").documents < index.documents
     bad = CliRunner().invoke(spes, ["data", "prepare", str(tmp_path / "nope"), "--out", str(tmp_path / "x")])
     assert bad.exit_code == 1 and "does not exist" in bad.output and "Traceback" not in bad.output

@@ -24,6 +24,7 @@ import urllib.error
 import urllib.request
 from collections import Counter
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -129,9 +130,12 @@ def source_of(spec: str) -> FolderSource | HttpSource | HubSource:
     return FolderSource(Path(spec).expanduser())
 
 
-def fetch(sources: list, name: str, max_bytes: int, check, refused: Counter | None = None) -> bytes:
-    """The first source's copy of ``name`` that ``check`` accepts (it raises DataError for one it refuses,
-    counted in ``refused`` by source); DataError naming every source tried when none has it."""
+def fetch(
+    sources: list, name: str, max_bytes: int, check, refused: Counter | None = None
+) -> tuple[bytes, Any]:
+    """The first source's copy of ``name`` that ``check`` accepts, and what ``check`` made of it (it raises
+    DataError for a copy it refuses, counted in ``refused`` by source); DataError naming every source tried
+    when none has it."""
     tried = []
     for source in sources:
         try:
@@ -140,8 +144,7 @@ def fetch(sources: list, name: str, max_bytes: int, check, refused: Counter | No
             tried.append(f"{source.name} ({exc})")
             continue
         try:
-            check(data)
-            return data
+            return data, check(data)
         except DataError as exc:
             logger.warning("refused %s from %s: %s", name, source.name, exc)
             tried.append(f"{source.name} (refused: {exc})")
@@ -182,7 +185,7 @@ class ShardStore:
                 return tokens
             except (OSError, DataError):
                 path.unlink(missing_ok=True)  # a damaged copy in the cache is fetched again, never trusted
-        return decode_shard(self._fetch(shard), shard, self.index)
+        return self._fetch(shard)
 
     def prefetch(self, split: str, number: int) -> None:
         """Starts fetching a shard in the background unless it is here or on its way (a failure is left to
@@ -211,15 +214,15 @@ class ShardStore:
             with self._lock:
                 self._fetching.pop(shard.name, None)
 
-    def _fetch(self, shard: Shard) -> bytes:
+    def _fetch(self, shard: Shard) -> np.ndarray:
         limit = shard.tokens * np.dtype(self.index.dtype).itemsize + (1 << 16)
         check = functools.partial(decode_shard, shard=shard, index=self.index)
-        data = fetch(self.sources, shard.name, limit, check, self.refused)
+        data, tokens = fetch(self.sources, shard.name, limit, check, self.refused)
         with self._lock:
             self._make_room(len(data))
             atomic_write_bytes(self.folder / shard.name, data)
             self.fetched += 1
-        return data
+        return tokens
 
     def _make_room(self, size: int) -> None:
         kept = sorted(self.folder.glob("*/*.safetensors"), key=lambda p: p.stat().st_mtime_ns)
@@ -236,11 +239,10 @@ def open_dataset(spec: str, cache: Path, max_bytes: int) -> ShardStore:
     sources = [source_of(spec)]
     if isinstance(sources[0], FolderSource):
         return ShardStore(DatasetIndex.read(sources[0].root), sources[0].root, sources, False, 0)
-    raw = fetch(sources, INDEX, MAX_INDEX_BYTES, lambda data: DatasetIndex.decode(data, INDEX))
-    index = DatasetIndex.decode(raw, f"{spec}{INDEX}")
+    raw, index = fetch(sources, INDEX, MAX_INDEX_BYTES, lambda data: DatasetIndex.decode(data, INDEX))
     folder = cache / "datasets" / index.digest[:16]
     if not (folder / TOKENIZER).exists():
-        tokenizer = fetch(
+        tokenizer, _ = fetch(
             sources, TOKENIZER, MAX_TOKENIZER_BYTES, lambda data: _same_hash(data, index.tokenizer_sha256)
         )
         atomic_write_bytes(folder / TOKENIZER, tokenizer)

@@ -66,7 +66,8 @@ def prepare_data(cfg: DataConfig, vocab_size: int) -> PreparedData:
             f"{store.folder / TOKENIZER} is not the tokenizer its index names; prepare the dataset again"
         )
     if (
-        cfg.tokenizer
+        cfg.dataset  # (a corpus prepared here was encoded with the given tokenizer)
+        and cfg.tokenizer
         and tokenizer_hash(load_tokenizer(cfg.tokenizer, vocab_size)) != store.index.tokenizer_sha256
     ):
         raise DataError(
