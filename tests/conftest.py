@@ -28,8 +28,9 @@ def manifest_of():
     """A manifest for settings alone, for membership tests that build no model (its hashes are placeholders,
     the same for every peer of the same settings)."""
     from spes_p2p.peer.admission import manifest_for
+    from spes_p2p.swarm.manifest import DatasetPin
 
     def build(settings):
-        return manifest_for(settings, TOKENIZER, {}, {})
+        return manifest_for(settings, TOKENIZER, DatasetPin(), {})
 
     return build

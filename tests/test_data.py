@@ -6,12 +6,13 @@ import numpy as np
 import pytest
 
 from spes_p2p.data.corpus import Document, first_bytes, held_out, iter_documents
+from spes_p2p.data.plan import LocalPlan, Work
 from spes_p2p.data.shards import FORMAT, DatasetIndex, Shard, encode_shard, shard_name
 from spes_p2p.data.sources import ShardStore
 from spes_p2p.data.tokenizer import train_tokenizer
 from spes_p2p.errors import DataError
 from spes_p2p.train.config import DataConfig
-from spes_p2p.train.dataset import BatchSampler, DataShard, PreparedData, prepare_data
+from spes_p2p.train.dataset import PreparedData, ShardSampler, prepare_data
 
 
 def sha256(data: bytes) -> str:
@@ -94,7 +95,7 @@ def test_hf_without_the_extra_says_how_to_install(monkeypatch):
         documents("hf:some/dataset")
 
 
-def windows_of(sampler: BatchSampler, n_batches: int) -> list[int]:
+def windows_of(sampler: ShardSampler, n_batches: int) -> list[int]:
     starts = []
     for _ in range(n_batches):
         inputs, _ = sampler.next_batch()
@@ -120,35 +121,63 @@ def dataset_of(folder, ids: np.ndarray, shard_tokens: int) -> PreparedData:
     return PreparedData(None, ShardStore(index, folder, [], cached=False, max_bytes=0))
 
 
+def sampler_of(data: PreparedData, seq_len: int, batch_size: int, seed: int = 0, plan=None) -> ShardSampler:
+    plan = plan or LocalPlan(len(data.index.train), seed)
+    return ShardSampler(data, seq_len, batch_size, seed, plan)
+
+
 def test_an_epoch_reads_every_window_once(tmp_path):
     data = dataset_of(tmp_path, np.arange(10_001), shard_tokens=1000)  # 10 shards of 99 windows, 1 of none
-    sampler = BatchSampler(data, 10, 9, seed=3)
+    sampler = sampler_of(data, 10, 9, seed=3)
     starts = windows_of(sampler, 110)
     assert sorted(starts) == [s * 1000 + w * 10 for s in range(10) for w in range(99)]
     assert sampler.epoch == 0 and windows_of(sampler, 1) and sampler.epoch == 1
     assert starts[:99] != sorted(starts[:99])  # (shuffled)
 
 
-def test_data_shards_are_disjoint_and_resume_exactly(tmp_path):
-    ids = dataset_of(tmp_path, np.arange(10_001), shard_tokens=1000)
-    shards = [BatchSampler(ids, 10, 5, seed=3, shard=DataShard(index=i, count=3)) for i in range(3)]
-    seen = [set(windows_of(s, 60)) for s in shards]  # 300 windows each of 1000: within one epoch
-    assert not (seen[0] & seen[1] or seen[0] & seen[2] or seen[1] & seen[2])
-    a = BatchSampler(ids, 10, 5, seed=3, shard=DataShard.for_peer_id("peer-a"))
-    b = BatchSampler(ids, 10, 5, seed=3, shard=DataShard.for_peer_id("peer-b"))
-    assert windows_of(a, 4) != windows_of(b, 4)
-    # position round trip, across an epoch boundary
-    s = BatchSampler(ids, 10, 7, seed=1)
+class SharedPlan(LocalPlan):
+    """Two readers taking from one plan (as peers take from the swarm's records); the second takes over
+    the first's shard where it stopped."""
+
+    def __init__(self, shards: int) -> None:
+        super().__init__(shards, seed=0)
+        self.given_back: list[Work] = []
+        self.recorded: dict[tuple[int, int], int] = {}
+
+    def take(self) -> Work:
+        return self.given_back.pop() if self.given_back else super().take()
+
+    def record(self, work: Work, position: int, done: bool) -> None:
+        self.recorded[work[:2]] = position
+
+
+def test_readers_of_one_plan_read_disjoint_windows_and_continue_each_others_shards(tmp_path):
+    data = dataset_of(tmp_path, np.arange(10_001), shard_tokens=1000)
+    plan = SharedPlan(11)
+    a, b = sampler_of(data, 10, 5, plan=plan), sampler_of(data, 10, 5, plan=plan)
+    seen_a, seen_b = windows_of(a, 30), windows_of(b, 30)
+    assert not set(seen_a) & set(seen_b)
+    # a stops mid-shard: its shard goes back to the plan at its recorded position, and c continues it
+    stopped = a.work
+    plan.given_back.append(stopped._replace(position=plan.recorded[stopped[:2]]))
+    seen_c = windows_of(sampler_of(data, 10, 5, plan=plan), 30)
+    assert not set(seen_c) & (set(seen_a) | set(seen_b))
+    assert {s // 1000 for s in seen_c[:5]} == {stopped.shard}
+
+
+def test_a_position_resumes_exactly_across_an_epoch(tmp_path):
+    data = dataset_of(tmp_path, np.arange(10_001), shard_tokens=1000)
+    s = sampler_of(data, 10, 7, seed=1)
     windows_of(s, 140)
     state = s.state_dict()
     expected = windows_of(s, 10)
-    t = BatchSampler(ids, 10, 7, seed=1)
+    t = sampler_of(data, 10, 7, seed=1)
     t.load_state_dict(state)
     assert windows_of(t, 10) == expected
 
 
 def test_targets_are_inputs_shifted(tmp_path):
     ids = dataset_of(tmp_path, np.arange(1000), shard_tokens=500)
-    inputs, targets = BatchSampler(ids, 16, 2, seed=0).next_batch()
+    inputs, targets = sampler_of(ids, 16, 2).next_batch()
     assert inputs.shape == targets.shape == (2, 16)
     assert (targets[:, :-1] == inputs[:, 1:]).all()

@@ -11,13 +11,14 @@ from http.server import SimpleHTTPRequestHandler, ThreadingHTTPServer
 import numpy as np
 import pytest
 
+from spes_p2p.data.plan import LocalPlan
 from spes_p2p.data.prepare import prepare
 from spes_p2p.data.recipe import Recipe
 from spes_p2p.data.shards import read_shard
 from spes_p2p.data.sources import FolderSource, HttpSource, HubSource, ShardStore, open_dataset
 from spes_p2p.errors import DataError
 from spes_p2p.train.config import DataConfig
-from spes_p2p.train.dataset import BatchSampler, prepare_data
+from spes_p2p.train.dataset import ShardSampler, prepare_data
 
 
 class Quiet(SimpleHTTPRequestHandler):
@@ -106,10 +107,11 @@ def test_a_url_that_serves_no_dataset_is_one_line(served, tmp_path):
 def test_the_next_shard_is_fetched_while_the_current_one_trains(dataset, served, tmp_path):
     _, index = dataset
     data = prepare_data(DataConfig(dataset=served, cache_dir=str(tmp_path)), vocab_size=300)
-    sampler = BatchSampler(data, seq_len=16, batch_size=2, seed=0)
-    sampler.next_batch()  # reads the epoch's first shard, and sets the second on its way
+    sampler = ShardSampler(data, 16, 2, 0, LocalPlan(len(data.index.train), 0))
+    while sampler.ahead is None:  # half way through the first shard, the second is taken and on its way
+        sampler.next_batch()
     data.store.wait()
-    first, second = (int(n) for n in sampler._order[:2])
+    first, second = sampler.work.shard, sampler.ahead.shard
     names = {p.relative_to(data.store.folder).as_posix() for p in data.store.folder.glob("*/*.safetensors")}
     assert names == {index.train[first].name, index.train[second].name} and data.store.fetched == 2
     data.shard("train", second)

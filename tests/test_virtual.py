@@ -153,7 +153,9 @@ def test_a_virtual_peer_checkpoints_and_resumes(tmp_path, virtual_peers):
     again.close()
     assert [r["round"] for r in read_rows(tmp_path)] == [0, 1, 2]
 
-    real = local.LocalTraining(s.override({"sim.compute": "real"}), layout_of(s.model), 0, "p0")
+    real = local.LocalTraining(
+        s.override({"sim.compute": "real"}), layout_of(s.model), 0, "p0", peer.local.data
+    )
     with pytest.raises(CheckpointError, match="virtual compute"):
         real.start(["experts/0"], 2, checkpoint)
 

@@ -86,8 +86,15 @@ def prepare_cached(recipe: Recipe, cache: Path) -> Path:
     """The folder of ``recipe``'s dataset in the cache, prepared on first use. Processes that ask at once
     (a simulation's peers) wait for one another: one prepares, the others find the dataset complete."""
     given = tokenizer_hash(load_tokenizer(recipe.tokenizer, recipe.vocab_size)) if recipe.tokenizer else ""
-    key = json.dumps([FORMAT, recipe.settings(), given], sort_keys=True)
-    folder = cache / "datasets" / hashlib.sha256(key.encode()).hexdigest()[:16]
+
+    def folder_of(tokenizer: str) -> Path:
+        key = json.dumps([FORMAT, recipe.settings(), tokenizer], sort_keys=True)
+        return cache / "datasets" / hashlib.sha256(key.encode()).hexdigest()[:16]
+
+    folder, trained = folder_of(given), folder_of("")
+    if given and not (folder / INDEX).exists() and (trained / INDEX).exists():
+        if DatasetIndex.read(trained).tokenizer_sha256 == given:  # (the tokenizer trained here: a swarm's)
+            return trained
     if not (folder / INDEX).exists():
         folder.parent.mkdir(parents=True, exist_ok=True)
         with open(folder.with_suffix(".lock"), "w") as lock:

@@ -23,6 +23,7 @@ import threading
 import urllib.error
 import urllib.request
 from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -150,17 +151,25 @@ def fetch(
             tried.append(f"{source.name} (refused: {exc})")
             if refused is not None:
                 refused[source.name] += 1
+            if hasattr(source, "refused"):  # (a peer: its guard counts it too)
+                source.refused(f"{name}: {exc}")
     raise DataError(f"cannot get {name} from any source; tried {'; '.join(tried) or 'none'}")
 
 
 class ShardStore:
     """A dataset's shards in ``folder``. A prepared folder of this machine is read in place (a damaged shard
-    there is an error: it is the user's); a cache folder (``cached``) is filled from the sources, a shard at
-    a time when first read (or ahead of it, ``prefetch``), checked, and kept within ``max_bytes`` (the least
-    recently read go first)."""
+    there is an error: it is the user's); a cache folder (``cached``) is filled from the sources (a list, or
+    a function that lists them when a shard is fetched: the swarm's peers), a shard at a time when first read
+    (or ahead of it, ``prefetch``), checked, and kept within ``max_bytes`` (the least recently read go
+    first)."""
 
     def __init__(
-        self, index: DatasetIndex, folder: Path, sources: list, cached: bool, max_bytes: int
+        self,
+        index: DatasetIndex,
+        folder: Path,
+        sources: list | Callable[[], list],
+        cached: bool,
+        max_bytes: int,
     ) -> None:
         self.index, self.folder, self.sources = index, folder, sources
         self.cached, self.max_bytes = cached, max_bytes
@@ -217,12 +226,25 @@ class ShardStore:
     def _fetch(self, shard: Shard) -> np.ndarray:
         limit = shard.tokens * np.dtype(self.index.dtype).itemsize + (1 << 16)
         check = functools.partial(decode_shard, shard=shard, index=self.index)
-        data, tokens = fetch(self.sources, shard.name, limit, check, self.refused)
+        sources = self.sources() if callable(self.sources) else self.sources
+        data, tokens = fetch(sources, shard.name, limit, check, self.refused)
         with self._lock:
             self._make_room(len(data))
             atomic_write_bytes(self.folder / shard.name, data)
             self.fetched += 1
         return tokens
+
+    def file(self, name: str) -> bytes | None:
+        """The bytes of one of the dataset's files this machine has (to serve them to others), or None: the
+        index, the tokenizer, or a shard the index names (a name it does not is never a path)."""
+        names = {INDEX, TOKENIZER} | {s.name for split in (self.index.train, self.index.val) for s in split}
+        if name not in names:
+            return None
+        with self._lock:
+            try:
+                return (self.folder / name).read_bytes()
+            except OSError:
+                return None
 
     def _make_room(self, size: int) -> None:
         kept = sorted(self.folder.glob("*/*.safetensors"), key=lambda p: p.stat().st_mtime_ns)
@@ -236,18 +258,47 @@ class ShardStore:
 def open_dataset(spec: str, cache: Path, max_bytes: int) -> ShardStore:
     """The shards of the dataset ``spec`` names: a prepared folder, read in place; or a URL, whose index and
     tokenizer are fetched into the cache (under the index's digest) at once, and its shards when read."""
-    sources = [source_of(spec)]
-    if isinstance(sources[0], FolderSource):
-        return ShardStore(DatasetIndex.read(sources[0].root), sources[0].root, sources, False, 0)
-    raw, index = fetch(sources, INDEX, MAX_INDEX_BYTES, lambda data: DatasetIndex.decode(data, INDEX))
+    source = source_of(spec)
+    if isinstance(source, FolderSource):
+        return ShardStore(DatasetIndex.read(source.root), source.root, [source], False, 0)
+    return fetch_dataset([source], cache, max_bytes)
+
+
+def fetch_dataset(
+    sources: list | Callable[[], list], cache: Path, max_bytes: int, digest: str | None = None
+) -> ShardStore:
+    """A dataset whose index and tokenizer are fetched from ``sources`` into the cache at once (the index's
+    digest must be ``digest``, when given), and its shards when read."""
+
+    def index_of(data: bytes) -> DatasetIndex:
+        index = DatasetIndex.decode(data, INDEX)
+        if digest and index.digest != digest:
+            raise DataError(f"it is dataset {index.digest[:16]}, not {digest[:16]}")
+        return index
+
+    listed = sources() if callable(sources) else sources
+    raw, index = fetch(listed, INDEX, MAX_INDEX_BYTES, index_of)
     folder = cache / "datasets" / index.digest[:16]
     if not (folder / TOKENIZER).exists():
         tokenizer, _ = fetch(
-            sources, TOKENIZER, MAX_TOKENIZER_BYTES, lambda data: _same_hash(data, index.tokenizer_sha256)
+            listed, TOKENIZER, MAX_TOKENIZER_BYTES, lambda data: _same_hash(data, index.tokenizer_sha256)
         )
         atomic_write_bytes(folder / TOKENIZER, tokenizer)
     atomic_write_bytes(folder / INDEX, raw)
     return ShardStore(index, folder, sources, True, max_bytes)
+
+
+def cached_copy(cache: Path, digest: str) -> Path | None:
+    """A whole dataset with this digest in the cache (a corpus prepared there), if there is one."""
+    for path in sorted((cache / "datasets").glob("*/" + INDEX)):
+        try:
+            index = DatasetIndex.decode(path.read_bytes(), str(path))
+        except (OSError, DataError):
+            continue
+        shards = (s.name for split in (index.train, index.val) for s in split)
+        if index.digest == digest and all((path.parent / name).exists() for name in shards):
+            return path.parent
+    return None
 
 
 def _same_hash(data: bytes, sha256: str) -> None:

@@ -28,7 +28,7 @@ from spes_p2p.net.transport import Transport
 from spes_p2p.net.waiting import Deadline, poll
 from spes_p2p.settings import Settings
 from spes_p2p.swarm import manifest as manifests
-from spes_p2p.swarm.manifest import PROTOCOL, Manifest, ManifestRecord
+from spes_p2p.swarm.manifest import PROTOCOL, DatasetPin, Manifest, ManifestRecord
 from spes_p2p.swarm.member import SwarmMismatch
 from spes_p2p.swarm.records import PeerRecord, decode_entries, peers_key, read_peers
 
@@ -49,19 +49,10 @@ class Admission:
     tokenizer: bytes
 
 
-def found(
-    settings: Settings, tokenizer: bytes, dataset_sha256: str, initial_units: dict[str, str]
+def manifest_for(
+    settings: Settings, tokenizer: bytes, data: DatasetPin, initial_units: dict[str, str]
 ) -> Manifest:
     """The manifest of a swarm this peer founds."""
-    data = {
-        "corpus": settings.data.corpus,
-        "max_corpus_mb": settings.data.max_corpus_mb,
-        "dataset": dataset_sha256,
-    }
-    return manifest_for(settings, tokenizer, data, initial_units)
-
-
-def manifest_for(settings: Settings, tokenizer: bytes, data: dict, initial_units: dict[str, str]) -> Manifest:
     return Manifest(
         protocol=PROTOCOL,
         run_id=settings.swarm.run_id,

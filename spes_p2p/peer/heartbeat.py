@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import Callable, Sequence
 
 from spes_p2p.swarm.member import SwarmMember
 
@@ -12,9 +13,10 @@ logger = logging.getLogger(__name__)
 
 
 class Heartbeat:
-    """Refreshes the records every ``seconds``, after running ``also`` (a check that may change them)."""
+    """Refreshes the records every ``seconds``, after running each of ``also`` (checks that may change
+    them, other records)."""
 
-    def __init__(self, member: SwarmMember, seconds: float, also=lambda: None) -> None:
+    def __init__(self, member: SwarmMember, seconds: float, also: Sequence[Callable[[], None]] = ()) -> None:
         self.member, self.seconds, self.also = member, seconds, also
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._beat, name="spes-heartbeat", daemon=True)
@@ -27,8 +29,8 @@ class Heartbeat:
 
     def _beat(self) -> None:
         while not self._stop.wait(self.seconds):
-            try:
-                self.also()
-                self.member.heartbeat()
-            except Exception:  # a network hiccup must not kill the peer; the next heartbeat retries
-                logger.exception("heartbeat failed")
+            for beat in (*self.also, self.member.heartbeat):
+                try:
+                    beat()
+                except Exception:  # a network hiccup must not kill the peer; the next heartbeat retries
+                    logger.exception("heartbeat failed")

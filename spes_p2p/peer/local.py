@@ -25,12 +25,13 @@ from pathlib import Path
 
 import torch
 
+from spes_p2p.data.plan import DataPlan
 from spes_p2p.errors import CheckpointError
 from spes_p2p.model import MoETransformer, read_unit, write_unit
 from spes_p2p.model.units import UnitLayout
 from spes_p2p.settings import Settings
 from spes_p2p.train.checkpoint import Checkpoint, load_checkpoint
-from spes_p2p.train.dataset import BatchSampler, DataShard, prepare_data, validation_batches
+from spes_p2p.train.dataset import PreparedData, ShardSampler, validation_batches
 from spes_p2p.train.device import place, resolve_device
 from spes_p2p.train.trainer import Trainer, evaluate
 
@@ -53,8 +54,11 @@ class LocalModel:
 
     compute = "real"  # what a metrics row says ran the steps
 
-    def __init__(self, settings: Settings, layout: UnitLayout, seed: int, device: torch.device) -> None:
-        self.settings, self.layout, self.device = settings, layout, device
+    def __init__(
+        self, settings: Settings, layout: UnitLayout, seed: int, device: torch.device, data: PreparedData
+    ) -> None:
+        self.settings, self.layout, self.device, self.data = settings, layout, device, data
+        self.sampler: ShardSampler | None = None  # (plan_with)
         with _SEEDING:  # every peer of a swarm starts from one model: the seed derives from the swarm
             torch.manual_seed(seed)
             model = MoETransformer(settings.model.architecture())  # on the CPU: the seed gives it anywhere
@@ -76,6 +80,25 @@ class LocalModel:
     def restore(self, checkpoint: Checkpoint) -> None:
         with self._lock:
             self.model.load_state_dict(checkpoint.model)
+            if checkpoint.meta.get("data_position"):
+                self.sampler.load_state_dict(checkpoint.meta["data_position"])
+
+    def plan_with(self, plan: DataPlan) -> None:
+        """Trains on the shards ``plan`` hands out (in a window order every peer of the swarm draws alike);
+        a peer with virtual compute only moves through them."""
+        t = self.settings.train
+        self.sampler = ShardSampler(
+            self.data, t.seq_len, t.batch_size, self.settings.swarm.run_id, plan, self.compute == "real"
+        )
+
+    def data_position(self) -> dict:
+        """Where it is in the dataset: the epoch, and the shard it reads and how far."""
+        work = self.sampler.work
+        return {
+            "epoch": self.sampler.epoch,
+            "shard": work.shard if work else None,
+            "window": work.position if work else 0,
+        }
 
     def probing_seconds(self) -> float:
         """Seconds the probes of screening took (training paused) since the last call."""
@@ -93,12 +116,11 @@ class LocalModel:
 
 
 class LocalTraining(LocalModel):
-    def __init__(self, settings: Settings, layout: UnitLayout, seed: int, peer_id: str) -> None:
-        super().__init__(settings, layout, seed, resolve_device(settings.train.device))
-        self.data = prepare_data(settings.data, settings.model.architecture().vocab_size)
+    def __init__(
+        self, settings: Settings, layout: UnitLayout, seed: int, peer_id: str, data: PreparedData
+    ) -> None:
+        super().__init__(settings, layout, seed, resolve_device(settings.train.device), data)
         t = settings.train
-        shard = DataShard.for_peer_id(peer_id)
-        self.sampler = BatchSampler(self.data, t.seq_len, t.batch_size, seed=t.seed, shard=shard)
         self.val_batches = validation_batches(self.data, t.seq_len, t.batch_size, t.eval_batches)
         self.trainer: Trainer | None = None
 
@@ -148,11 +170,6 @@ class LocalTraining(LocalModel):
 
     def lr(self) -> float:
         return self.trainer.lr()
-
-    def restore(self, checkpoint: Checkpoint) -> None:
-        with self._lock:
-            super().restore(checkpoint)
-            self.sampler.load_state_dict(checkpoint.meta["data_position"])
 
     def retarget(self, units: list[str]) -> None:
         with self._lock:

@@ -72,4 +72,6 @@ def progress(row: dict, last: Progress) -> Progress:
         loss=row["loss"],
         val_loss=row.get("val_loss", last.val_loss),
         tokens=row["tokens"],
+        data_epoch=row["data"]["epoch"],
+        shards=row["data"]["shards_done"],
     )

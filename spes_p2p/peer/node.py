@@ -30,7 +30,7 @@ from spes_p2p.net.reachability import SelfCheck
 from spes_p2p.net.transport import Transport
 from spes_p2p.net.waiting import Deadline, poll
 from spes_p2p.peer import joining
-from spes_p2p.peer.admission import Admission, fingerprint, found
+from spes_p2p.peer.admission import Admission, fingerprint, manifest_for
 from spes_p2p.peer.footprint import Footprint
 from spes_p2p.peer.heartbeat import Heartbeat
 from spes_p2p.peer.job import RoundJob
@@ -39,12 +39,15 @@ from spes_p2p.peer.metrics import RoundMetrics, crossed, progress
 from spes_p2p.peer.outputs import RunOutputs
 from spes_p2p.peer.rounds import Pipeline, RoundSync
 from spes_p2p.peer.setup import initial_seed, local_training, member_config, sync_engine
+from spes_p2p.peer.swarmdata import pin, serve_data, swarm_data
 from spes_p2p.settings import Settings
+from spes_p2p.swarm.datawork import DataClaims
 from spes_p2p.swarm.manifest import ManifestServer
 from spes_p2p.swarm.member import SwarmMember, SwarmView
 from spes_p2p.swarm.records import Progress
 from spes_p2p.sync.payload import specs_of
 from spes_p2p.train.checkpoint import Checkpoint
+from spes_p2p.train.dataset import prepare_data
 
 logger = logging.getLogger(__name__)
 
@@ -101,17 +104,32 @@ class Peer:
         self.settings, self.transport, self.me = settings, transport, transport.peer_id
         transport.guard.allow_only(settings.swarm.allowlist)
         self.layout = layout_of(settings.model)
-        self.local = local_training(settings, self.layout, initial_seed(settings), self.me)
+        vocab = settings.model.architecture().vocab_size
+        data = (
+            prepare_data(settings.data, vocab)
+            if admission is None
+            else swarm_data(settings, transport, admission.manifest)
+        )
+        self.local = local_training(settings, self.layout, initial_seed(settings), self.me, data)
         self.admission = admission
         self.initial_units = {u: fingerprint(self.local.read(u)) for u in self.layout.units}
         if admission is None:
-            data = self.local.data  # (a peer with virtual compute reads it for this only)
             tokenizer = data.tokenizer.to_str().encode()
-            self.manifest = found(settings, tokenizer, data.dataset_hash, self.initial_units)
+            self.manifest = manifest_for(settings, tokenizer, pin(settings, data), self.initial_units)
         else:
             self.manifest, tokenizer = admission.manifest, admission.tokenizer
         ManifestServer(transport, self.manifest, tokenizer)
+        serve_data(transport, data.store.file)
         self.member = SwarmMember(transport, self.manifest, member_config(settings))
+        self.data = DataClaims(
+            transport,
+            settings.swarm.run_id,
+            data.dataset_hash,
+            len(data.index.train),
+            self.member.live_peers,
+            lease=settings.swarm.record_ttl_seconds,
+        )
+        self.local.plan_with(self.data)
         specs = {u: specs_of(self.local.read(u)) for u in self.layout.units}
         self.sync = sync_engine(settings, transport, specs, self.local.read, self.member)
         overlap = settings.method.overlap
@@ -127,7 +145,9 @@ class Peer:
             transport, settings.network, self.member.live_peers, self.member.set_reachable
         )
         self.heartbeat = Heartbeat(
-            self.member, settings.swarm.heartbeat_seconds, also=self.reachability.recheck
+            self.member,
+            settings.swarm.heartbeat_seconds,
+            also=(self.reachability.recheck, self.data.heartbeat),
         )
         self.outputs = (
             RunOutputs(Path(out_dir), tokenizer, settings.train.keep_checkpoints) if out_dir else None
@@ -146,6 +166,9 @@ class Peer:
         checkpoint = self._restore() if resume else None
         view = joining.at_round_boundary(self.member, self.sync.longest_wait())
         training = joining.is_training(view, self.me)
+        if not checkpoint:  # (a newcomer starts in the oldest epoch the swarm still trains)
+            others = [p.progress.data_epoch for p in view.peers.values() if p.peer_id != self.me]
+            self.data.load_state_dict({"epoch": min(others, default=0)})
         if training:
             self._catch_up(view)
         elif not checkpoint and self.initial_units != self.manifest.initial_units:
@@ -261,6 +284,7 @@ class Peer:
         row = self.metrics.row(job, self.local.step, self.local.tokens, self.sync.rejected_payloads)
         row.update(self.footprint.take())
         row["probe_seconds"] = self.local.probing_seconds()  # (screening; training paused meanwhile)
+        row["data"] = {**self.local.data_position(), "shards_done": self.data.done}
         every = self.settings.train.eval_every
         if crossed(self.round, self.settings.method.steps_per_round, every) and self.local.compute == "real":
             row["val_loss"] = self.local.evaluate()
@@ -331,6 +355,6 @@ class Peer:
             state = {"peer_id": self.me, "round": self.round, "step": self.local.step}
             self.outputs.finish(self.local.model, {**state, **self.local.position()})
         if self.joined:
-            self.member.leave_within(timeout)
+            self.member.leave_within(timeout, first=self.data.release)
         self.sync.close()
         self.transport.shutdown(timeout)

@@ -18,6 +18,7 @@ from spes_p2p.settings import Settings
 from spes_p2p.swarm.member import MemberConfig
 from spes_p2p.sync.engine import SyncEngine
 from spes_p2p.train.checkpoint import list_checkpoints, read_meta
+from spes_p2p.train.dataset import PreparedData
 
 
 def founded_from(settings: Settings) -> Settings:
@@ -52,11 +53,13 @@ def initial_seed(settings: Settings) -> int:
     return int(hashlib.sha256(json.dumps(swarm, sort_keys=True).encode()).hexdigest()[:8], 16)
 
 
-def local_training(settings: Settings, layout: UnitLayout, seed: int, peer_id: str) -> LocalModel:
+def local_training(
+    settings: Settings, layout: UnitLayout, seed: int, peer_id: str, data: PreparedData
+) -> LocalModel:
     """The peer's training: real, or virtual when ``sim.compute`` says so."""
     if settings.sim.virtual:
-        return VirtualTraining(settings, layout, seed, peer_id)
-    return LocalTraining(settings, layout, seed, peer_id)
+        return VirtualTraining(settings, layout, seed, peer_id, data)
+    return LocalTraining(settings, layout, seed, peer_id, data)
 
 
 def member_config(settings: Settings) -> MemberConfig:

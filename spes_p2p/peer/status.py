@@ -13,6 +13,8 @@ from spes_p2p.net.waiting import Deadline
 from spes_p2p.peer.admission import FETCH_SECONDS, SwarmUnavailable, nobody_alive
 from spes_p2p.settings import Settings
 from spes_p2p.swarm import manifest as manifests
+from spes_p2p.swarm.config import SwarmConfig
+from spes_p2p.swarm.datawork import epoch_progress
 from spes_p2p.swarm.manifest import Manifest, ManifestError
 from spes_p2p.swarm.member import read_view
 from spes_p2p.swarm.records import read_peers
@@ -98,10 +100,21 @@ def swarm_summary(transport: Transport, run_id: str, manifest: Manifest) -> dict
             for p in sorted(view.peers.values(), key=lambda p: p.peer_id)
         ],
         "units": {u: sorted(h) for u, h in view.holders.items()},
+        "data": data_summary(transport, run_id, manifest, view),
         "target_replication": target,
         "uncovered": view.uncovered(),
         "under_replicated": [u for u in experts if 0 < len(view.holders.get(u, ())) < target],
     }
+
+
+def data_summary(transport: Transport, run_id: str, manifest: Manifest, view) -> dict:
+    """The swarm's way through its dataset: tokens trained (by the live peers), the oldest epoch a live peer
+    trains, and that epoch's shards done, being trained and stalled."""
+    pin, peers = manifest.data, view.peers.values()
+    epoch = min((p.progress.data_epoch for p in peers), default=0)
+    lease = SwarmConfig().record_ttl_seconds  # (a claim is live while its peer's record is, too)
+    counts = epoch_progress(transport, run_id, pin.dataset, pin.train_shards, epoch, set(view.peers), lease)
+    return {"dataset": pin.dataset, "tokens": sum(p.progress.tokens for p in peers), **counts}
 
 
 def _median_score(peer_id: str, peers) -> float | None:

@@ -2,8 +2,9 @@
 
 It holds what a training peer holds of the model: the swarm's seeded initial model, its trained units in full
 precision and every other unit as ``train.frozen_experts`` / ``frozen_dense`` say, so the sync reads and
-writes the same tensors. What it does not have is a trainer: no data batches, no forward or backward pass,
-no gradients, no optimizer state. A step sleeps ``step_seconds`` instead (interrupted by a stop), and at the
+writes the same tensors. What it does not have is a trainer: no batches read (it moves through its data
+shards as a real peer would, so the swarm splits its dataset alike), no forward or backward pass, no
+gradients, no optimizer state. A step sleeps ``step_seconds`` instead (interrupted by a stop), and at the
 end of a round's H steps each trained unit takes a synthetic change, seeded by the unit, the tensor and the
 step (a part every holder draws alike, as holders' real updates share a direction) and by this peer (its own
 part), with the size of H Adam steps at the scheduled learning rate in random directions. Its update then
@@ -31,7 +32,7 @@ from spes_p2p.model.units import UnitLayout, hold_frozen, unit_parameters
 from spes_p2p.peer.local import LocalModel, Steps
 from spes_p2p.settings import Settings
 from spes_p2p.train.checkpoint import Checkpoint
-from spes_p2p.train.dataset import PreparedData, prepare_data
+from spes_p2p.train.dataset import PreparedData
 from spes_p2p.train.optim import scheduled_lr
 
 
@@ -49,8 +50,12 @@ class VirtualTraining(LocalModel):
 
     compute = "virtual"
 
-    def __init__(self, settings: Settings, layout: UnitLayout, seed: int, peer_id: str) -> None:
-        super().__init__(settings, layout, seed, torch.device("cpu"))  # nothing to compute: no accelerator
+    def __init__(
+        self, settings: Settings, layout: UnitLayout, seed: int, peer_id: str, data: PreparedData
+    ) -> None:
+        super().__init__(
+            settings, layout, seed, torch.device("cpu"), data
+        )  # nothing to compute: no accelerator
         self.model.requires_grad_(False)
         self.peer_id = peer_id
         self.step_seconds = step_seconds(settings)
@@ -60,11 +65,6 @@ class VirtualTraining(LocalModel):
         self.optimizer = None
         self.sample: Callable[[], None] = lambda: None
         self.slept = 0  # steps slept through, for tests and the curious
-
-    @property
-    def data(self) -> PreparedData:
-        """The corpus and tokenizer, read when asked (a founder's manifest names them), and not kept."""
-        return prepare_data(self.settings.data, self.settings.model.architecture().vocab_size)
 
     def start(
         self,
@@ -105,6 +105,7 @@ class VirtualTraining(LocalModel):
         for _ in range(self.settings.method.steps_per_round):
             if stop.wait(self.step_seconds):
                 return None
+            self.sampler.skip_batch()  # (the data it stands for: its shards are split as a real peer's)
             self.slept += 1
             self.step += 1
             self.tokens += per_step
@@ -136,11 +137,12 @@ class VirtualTraining(LocalModel):
         return {"weights": trained, "frozen": [list(self.model.parameters()), quantized_tensors(self.model)]}
 
     def position(self) -> dict:
-        """What a checkpoint records: the units, tokens, and that the compute was virtual (no data read)."""
+        """What a checkpoint records: the units, tokens, the data position, and that the compute was
+        virtual."""
         return {
             "units": self.units,
             "tokens": self.tokens,
-            "data_position": None,
+            "data_position": self.sampler.state_dict(),
             "model_config": self.model.cfg.to_dict(),
             "compute": self.compute,
         }

@@ -1,7 +1,7 @@
 """A swarm's manifest: what every peer of the swarm shares, fixed when the swarm is founded.
 
 It holds the protocol version, the run id, every swarm-wide setting, the model's architecture and units, the
-tokenizer (by SHA-256 of its ``tokenizer.json``), the founder's data description and the initial model's
+tokenizer (by SHA-256 of its ``tokenizer.json``), the dataset (``DatasetPin``) and the initial model's
 SHA-256. The DHT carries only a small ``ManifestRecord`` per peer (its hash, protocol and size, under
 ``<run>/manifest``); every peer serves the manifest in full (``spes/manifest``) and the tokenizer's bytes
 (``spes/tokenizer``). Whoever fetches them checks both against their hashes.
@@ -23,7 +23,7 @@ from spes_p2p.swarm.records import Hex, Record, Unit, decode_entries
 
 logger = logging.getLogger(__name__)
 
-PROTOCOL = 8  # bumped when peers of different versions can no longer work together
+PROTOCOL = 9  # bumped when peers of different versions can no longer work together
 RPC_MANIFEST = "spes/manifest"
 RPC_TOKENIZER = "spes/tokenizer"
 MAX_MANIFEST_BYTES = 256 * 1024
@@ -34,6 +34,19 @@ RETRY_SECONDS = 1.0  # between rounds of asking the peers that failed to answer
 
 class ManifestError(RecordError):
     """A manifest (or tokenizer) that does not match its hash, or does not decode."""
+
+
+class DatasetPin(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """The swarm's dataset: the SHA-256 of its index (which covers every shard's), its training shards'
+    count, the places it can be fetched from besides the peers, and what it was prepared from (for
+    people)."""
+
+    dataset: Hex = "0" * 64
+    train_shards: Annotated[int, msgspec.Meta(ge=1, le=1 << 20)] = 1
+    sources: Annotated[list[Annotated[str, msgspec.Meta(max_length=1024)]], msgspec.Meta(max_length=16)] = (
+        msgspec.field(default_factory=list)
+    )
+    corpus: Annotated[str, msgspec.Meta(max_length=1024)] = ""
 
 
 class Manifest(Strict):
@@ -47,7 +60,7 @@ class Manifest(Strict):
     units: Annotated[list[Unit], msgspec.Meta(max_length=4096)]
     tokenizer_sha256: Hex
     tokenizer_bytes: Annotated[int, msgspec.Meta(ge=1, le=MAX_TOKENIZER_BYTES)]
-    data: dict[str, Any]  # the founder's corpus: a description; each peer brings its own data
+    data: DatasetPin
     initial_units: Annotated[dict[Unit, Hex], msgspec.Meta(max_length=4096)]  # unit -> its fingerprint
 
     @property

@@ -17,6 +17,7 @@ import logging
 import threading
 import time
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import msgspec
@@ -423,11 +424,13 @@ class SwarmMember:
                 [(peers_key(self.cfg.swarm.run_id), record)], self.cfg.swarm.record_ttl_seconds + 1.0
             )
 
-    def leave_within(self, seconds: float) -> None:
-        """``leave`` on a thread given at most ``seconds``; it never fails (records expire by themselves)."""
+    def leave_within(self, seconds: float, first: Callable[[], None] = lambda: None) -> None:
+        """``first`` (other records given back), then ``leave``, on a thread given at most ``seconds``; it
+        never fails (records expire by themselves)."""
 
         def release() -> None:
             try:
+                first()
                 self.leave()
             except Exception:
                 logger.exception("could not release claims; they expire by themselves")

@@ -92,7 +92,16 @@ class DataConfig(Section):
     val_percent: float = setting(2.0, "Share of documents held out for validation, in percent.")
     tokenizer: str = setting("", "A tokenizer.json to use; empty: train a byte-level BPE on the corpus.")
     cache_dir: str = setting("", "Prepared corpora's cache; empty: $SPES_CACHE_DIR or ~/.cache/spes-p2p.")
-    cache_mb: float = setting(4096.0, "Shards of a dataset fetched from a URL kept here at most, in MB.")
+    mirrors: tuple[str, ...] = setting(
+        (),
+        "More places a new swarm's dataset is served from (folders, http(s) URLs, hf://datasets/...), "
+        "written into its manifest for newcomers (repeatable); the swarm's peers serve it too.",
+        flag="--mirror",
+        metavar="PLACE",
+    )
+    cache_mb: float = setting(
+        4096.0, "Shards of a dataset fetched from elsewhere (a URL, the peers) kept here at most, in MB."
+    )
 
     def validate(self) -> None:
         check(self.max_corpus_mb >= 0, "max_corpus_mb", "must be at least 0 (0: all of it)")

@@ -2,10 +2,11 @@
 batch sampler.
 
 Training windows are ``seq_len + 1`` tokens cut from a shard every ``seq_len`` tokens (a window never spans
-two shards). Each epoch visits the shards in a fresh order and each shard's windows in a fresh permutation,
-both seeded by (seed, shard key, epoch). A ``DataShard`` is either ``index`` of ``count`` (peers with the same
-key split that sequence into disjoint parts) or a key derived from a peer id (each peer gets its own order
-over all the data). Only the shard being read is in memory.
+two shards). The sampler reads one shard at a time, the one its plan (``data/plan.py``) hands out: the next
+in a seeded order in one process, one nobody else trains in a swarm. A shard's windows are read in a
+permutation seeded by (seed, epoch, shard), the same for every reader, so a shard left half-trained by one
+peer is continued by another from the same place. Only the shard being read (and the next, fetched ahead)
+is in memory.
 """
 
 from __future__ import annotations
@@ -17,12 +18,13 @@ import numpy as np
 import torch
 from tokenizers import Tokenizer
 
+from spes_p2p.data.plan import DataPlan, Work
 from spes_p2p.data.prepare import prepare_cached
 from spes_p2p.data.recipe import Recipe
 from spes_p2p.data.shards import TOKENIZER, DatasetIndex
 from spes_p2p.data.sources import ShardStore, open_dataset
 from spes_p2p.data.tokenizer import load_tokenizer, tokenizer_hash
-from spes_p2p.errors import ConfigError, DataError
+from spes_p2p.errors import DataError
 from spes_p2p.train.config import DataConfig
 
 
@@ -60,11 +62,7 @@ def prepare_data(cfg: DataConfig, vocab_size: int) -> PreparedData:
         )
         folder = prepare_cached(recipe, cfg.cache_path)
         store = ShardStore(DatasetIndex.read(folder), folder, [], cached=False, max_bytes=0)
-    tok = load_tokenizer(store.folder / TOKENIZER, vocab_size)
-    if tokenizer_hash(tok) != store.index.tokenizer_sha256:
-        raise DataError(
-            f"{store.folder / TOKENIZER} is not the tokenizer its index names; prepare the dataset again"
-        )
+    data = open_prepared(store, vocab_size)
     if (
         cfg.dataset  # (a corpus prepared here was encoded with the given tokenizer)
         and cfg.tokenizer
@@ -74,81 +72,99 @@ def prepare_data(cfg: DataConfig, vocab_size: int) -> PreparedData:
             f"the dataset {cfg.dataset} was prepared with another tokenizer than {cfg.tokenizer}; prepare it "
             "with that one (spes data prepare --tokenizer)"
         )
+    return data
+
+
+def open_prepared(store: ShardStore, vocab_size: int) -> PreparedData:
+    """The dataset of ``store`` with its tokenizer (which must be the one its index names)."""
+    tok = load_tokenizer(store.folder / TOKENIZER, vocab_size)
+    if tokenizer_hash(tok) != store.index.tokenizer_sha256:
+        raise DataError(
+            f"{store.folder / TOKENIZER} is not the tokenizer its index names; prepare the dataset again"
+        )
     return PreparedData(tok, store)
 
 
-@dataclass(frozen=True)
-class DataShard:
-    """Which part of the training windows a peer reads."""
-
-    key: int = 0
-    index: int = 0
-    count: int = 1
-
-    def __post_init__(self) -> None:
-        if not 0 <= self.index < self.count:
-            raise ConfigError(f"data shard index must be in 0..{self.count - 1}, got {self.index}")
-
-    @classmethod
-    def for_peer_id(cls, peer_id: str) -> DataShard:
-        return cls(key=int.from_bytes(hashlib.sha256(peer_id.encode()).digest()[:8], "big"))
-
-
-class BatchSampler:
-    """Yields (inputs_BS, targets_BS) batches; its position can be saved and restored exactly."""
+class ShardSampler:
+    """Yields (inputs_BS, targets_BS) batches from the shards its plan hands out; its position can be saved
+    and restored exactly. Half way through a shard it takes the next one from the plan and fetches it
+    meanwhile. Without ``read_tokens`` (virtual compute) it only moves through the windows."""
 
     def __init__(
-        self, data: PreparedData, seq_len: int, batch_size: int, seed: int, shard: DataShard = DataShard()
-    ):
-        self.data, self.seq_len, self.batch_size = data, seq_len, batch_size
-        self.seed, self.shard = seed, shard
+        self,
+        data: PreparedData,
+        seq_len: int,
+        batch_size: int,
+        seed: int | str,
+        plan: DataPlan,
+        read_tokens: bool = True,
+    ) -> None:
+        self.data, self.seq_len, self.batch_size, self.seed = data, seq_len, batch_size, seed
+        self.plan, self.read_tokens = plan, read_tokens
         self.windows = [(s.tokens - 1) // seq_len for s in data.index.train]  # per shard
-        if sum(self.windows) // shard.count < batch_size:
+        if sum(self.windows) < batch_size:
             raise DataError(
                 f"the training split has {sum(self.windows)} windows of {seq_len} tokens, too few for "
-                f"batches of {batch_size} in {shard.count} part(s); use a larger corpus or smaller batches"
+                f"batches of {batch_size}; use a larger corpus or smaller batches"
             )
-        self.epoch, self.cursor = 0, 0
-        self._plan()
+        self.work: Work | None = None  # the shard being read, and how far
+        self.ahead: Work | None = None  # the next one, taken half way through this one
+        self._read: tuple[Work, np.ndarray | None, np.ndarray] | None = None  # (its tokens, windows' order)
 
-    def _plan(self) -> None:
-        """This epoch's order of shards, and where each one's windows end in it."""
-        self._order = np.random.default_rng([self.seed, self.shard.key, self.epoch]).permutation(
-            len(self.windows)
-        )
-        self._ends = np.cumsum([self.windows[n] for n in self._order])
-        self._length = (int(self._ends[-1]) - self.shard.index + self.shard.count - 1) // self.shard.count
-        self._read: tuple[int, np.ndarray, np.ndarray] | None = None  # (shard, tokens, its windows' order)
+    @property
+    def epoch(self) -> int:
+        return self.work.epoch if self.work else 0
 
-    def _window(self, position: int) -> np.ndarray:
-        """The window at ``position`` of this epoch's sequence."""
-        place = int(np.searchsorted(self._ends, position, side="right"))
-        number = int(self._order[place])
-        if self._read is None or self._read[0] != number:
-            rng = np.random.default_rng([self.seed, self.shard.key, self.epoch, number])
-            self._read = (number, self.data.shard("train", number), rng.permutation(self.windows[number]))
-            if place + 1 < len(self._order):
-                self.data.store.prefetch("train", int(self._order[place + 1]))  # (the next one, on its way)
+    def _next_work(self) -> None:
+        if self.work is not None:
+            self.plan.record(self.work, self.work.position, done=True)
+        self.work, self.ahead = self.ahead or self.plan.take(), None
+
+    def _window(self) -> np.ndarray | None:
+        """The next window of the current shard (None without ``read_tokens``); moves on to the next shard
+        when this one is done or another peer took it."""
+        while self.work is None or self.work.position >= self.windows[self.work.shard]:
+            self._next_work()
+        if self.plan.lost(self.work):  # (not done: another peer trains it)
+            self.work = None
+            return self._window()
+        work = self.work
+        if self._read is None or self._read[0][:2] != work[:2]:
+            key = hashlib.sha256(f"{self.seed}/{work.epoch}/{work.shard}".encode()).digest()
+            rng = np.random.default_rng(int.from_bytes(key[:8], "big"))
+            tokens = self.data.shard("train", work.shard) if self.read_tokens else None
+            self._read = (work, tokens, rng.permutation(self.windows[work.shard]))
+        if self.ahead is None and work.position >= self.windows[work.shard] // 2:
+            self.ahead = self.plan.take()
+            if self.read_tokens:
+                self.data.store.prefetch("train", self.ahead.shard)  # (on its way while this one trains)
         _, tokens, order = self._read
-        start = int(order[position - (int(self._ends[place - 1]) if place else 0)]) * self.seq_len
+        self.work = work._replace(position=work.position + 1)
+        if tokens is None:
+            return None
+        start = int(order[work.position]) * self.seq_len
         return tokens[start : start + self.seq_len + 1]
 
     def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
-        rows = []
-        while len(rows) < self.batch_size:
-            if self.cursor >= self._length:
-                self.epoch, self.cursor = self.epoch + 1, 0
-                self._plan()
-            rows.append(self._window(self.shard.index + self.cursor * self.shard.count))
-            self.cursor += 1
+        rows = [self._window() for _ in range(self.batch_size)]
+        self.plan.record(self.work, self.work.position, done=False)
         return rows_to_batch(rows)
 
+    def skip_batch(self) -> None:
+        """Moves through one batch's windows without reading them (virtual compute)."""
+        for _ in range(self.batch_size):
+            self._window()
+        self.plan.record(self.work, self.work.position, done=False)
+
     def state_dict(self) -> dict:
-        return {"epoch": self.epoch, "cursor": self.cursor}
+        works = [w for w in (self.work, self.ahead) if w is not None]
+        return {"works": [list(w) for w in works], "plan": self.plan.state_dict()}
 
     def load_state_dict(self, state: dict) -> None:
-        self.epoch, self.cursor = int(state["epoch"]), int(state["cursor"])
-        self._plan()
+        self.plan.load_state_dict(state["plan"])
+        works = self.plan.resume([Work(*map(int, w)) for w in state["works"]])
+        self.work, self.ahead = [*works, None, None][:2]
+        self._read = None
 
 
 def rows_to_batch(rows: list[np.ndarray]) -> tuple[torch.Tensor, torch.Tensor]:

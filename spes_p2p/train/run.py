@@ -14,6 +14,7 @@ from pathlib import Path
 
 import torch
 
+from spes_p2p.data.plan import LocalPlan
 from spes_p2p.errors import CheckpointError, ConfigError
 from spes_p2p.files import writable_folder
 from spes_p2p.model import ModelConfig, MoETransformer
@@ -21,7 +22,7 @@ from spes_p2p.model.config import ModelSettings
 from spes_p2p.model.units import layout_of
 from spes_p2p.train.checkpoint import list_checkpoints, load_checkpoint, recover, save_checkpoint
 from spes_p2p.train.config import DataConfig, TrainConfig
-from spes_p2p.train.dataset import BatchSampler, DataShard, prepare_data, validation_batches
+from spes_p2p.train.dataset import ShardSampler, prepare_data, validation_batches
 from spes_p2p.train.device import place, resolve_device
 from spes_p2p.train.fit import Plan, check_fits
 from spes_p2p.train.trainer import StepResult, Trainer, evaluate
@@ -42,7 +43,6 @@ class TrainingRun:
         *,
         owned_shards: tuple[int, ...] | None = None,
         resume: bool = False,
-        data_shard: DataShard | None = None,
     ) -> None:
         self.model_settings, self.train_cfg, self.data_cfg = model, train, data
         self.out_dir = Path(out_dir)
@@ -80,9 +80,8 @@ class TrainingRun:
         torch.manual_seed(train.seed)
         self.model = place(MoETransformer(model_cfg), self.device)  # built on the CPU: same seed, same model
         self.trainer = Trainer(self.model, layout, units, train)
-        self.sampler = BatchSampler(
-            self.data, train.seq_len, train.batch_size, train.seed, data_shard or DataShard()
-        )
+        plan = LocalPlan(len(self.data.index.train), train.seed)
+        self.sampler = ShardSampler(self.data, train.seq_len, train.batch_size, train.seed, plan)
         self.val_batches = validation_batches(self.data, train.seq_len, train.batch_size, train.eval_batches)
         self.out_dir.mkdir(parents=True, exist_ok=True)
         if resume:
