@@ -6,6 +6,7 @@ from types import SimpleNamespace
 
 import msgspec
 import pytest
+import torch
 from conftest import TOKENIZER
 
 from spes_p2p.net.guard import BAN_AFTER
@@ -20,6 +21,7 @@ from spes_p2p.settings import Settings, load_settings
 from spes_p2p.swarm import manifest as manifests
 from spes_p2p.swarm.manifest import ManifestServer
 from spes_p2p.swarm.member import SwarmMember, SwarmMismatch
+from spes_p2p.train.trainer import evaluate
 
 pytestmark = pytest.mark.timeout(120)
 ADDRESS = "/ip4/127.0.0.1/tcp/1/p2p/QmTJxrrywQ2EdDBm8kDofL3hoo4x2TB2JY9fh5BJVN1Yon"
@@ -187,3 +189,42 @@ def test_a_peer_that_serves_a_wrong_manifest_is_not_asked_again(swarm):
 def test_the_swarm_round_is_what_most_peers_report_not_the_furthest():
     peers = [SimpleNamespace(round=r) for r in (4, 5, 5, 10**6)]
     assert swarm_round(peers) == 5 and swarm_round(peers[:2]) == 4 and swarm_round([]) == 0
+
+
+def test_a_newcomer_with_no_copy_and_no_url_trains_on_the_shards_its_peers_serve(swarm, tmp_path):
+    net, founder = swarm
+    mine = Settings().override({"data.max_corpus_mb": 1.0, "data.cache_dir": str(tmp_path)})  # (empty)
+    transport = net.join("newcomer")
+    admission = admit(mine, transport, threading.Event())
+    assert admission.manifest.data.dataset == founder.local.data.dataset_hash
+    assert admission.manifest.data.sources == []  # (the founder's corpus is in its own cache: peers only)
+    newcomer = Peer(admission.settings, transport, admission=admission)
+    try:
+        store = newcomer.local.data.store
+        assert store.cached and store.folder.is_relative_to(tmp_path)
+        newcomer.local.sampler.next_batch()
+        shard = newcomer.local.sampler.work.shard
+        assert store.fetched >= 1
+        served = (store.folder / store.index.train[shard].name).read_bytes()
+        assert served == (founder.local.data.store.folder / store.index.train[shard].name).read_bytes()
+        # one validation set: the same text, so on the same weights the same loss
+        ours, theirs = newcomer.local.val_batches, founder.local.val_batches
+        assert len(ours) == len(theirs) and all(
+            torch.equal(a[0], b[0]) for a, b in zip(ours, theirs, strict=True)
+        )
+        assert evaluate(founder.local.model, ours) == founder.local.evaluate()
+    finally:
+        newcomer.close()
+
+
+def test_a_newcomer_given_another_dataset_is_refused_naming_both(swarm, tmp_path):
+    net, founder = swarm
+    (tmp_path / "mine").mkdir()
+    for i in range(40):
+        (tmp_path / "mine" / f"{i}.txt").write_text(f"def own{i}(text):\n    return text\n" * 200)
+    given = Settings().override({"data.corpus": str(tmp_path / "mine"), "data.cache_dir": str(tmp_path)})
+    transport = net.join("stranger")
+    admission = admit(given, transport, threading.Event())
+    wanted = founder.local.data.dataset_hash[:16]
+    with pytest.raises(SwarmMismatch, match=rf"is not swarm .*'s \({wanted}, prepared from stdlib"):
+        Peer(admission.settings, transport, admission=admission)
