@@ -277,9 +277,14 @@ def swarm_table(run_id: str, status) -> Table:
 
 
 def status_tables(summary: dict) -> list[Table]:
+    d = summary["data"]
     peers = Table(
         title=f"swarm {summary['run_id']}: {len(summary['peers'])} peers, round {summary['round']}",
-        caption=f"manifest {summary['manifest'][:16]}, protocol {summary['protocol']}",
+        caption=(
+            f"manifest {summary['manifest'][:16]}, protocol {summary['protocol']}; "
+            f"dataset {d['dataset'][:16]}: epoch {d['epoch']}, {d['done']} of {d['shards']} shards done, "
+            f"{d['training']} training, {d['stalled']} stalled; {d['tokens']:,} tokens trained by live peers"
+        ),
     )
     peers.add_column("peer", overflow="fold")
     columns = ("units", "round", "tokens/s", "loss", "val loss", "sent / received", "reachable", "version")
@@ -325,7 +330,9 @@ class StatusLive(LiveView):
 
     def line(self, summary: dict) -> str:
         cover = " ".join(f"{u}={len(h)}" for u, h in summary["units"].items())
-        return f"round {summary['round']}: {len(summary['peers'])} peers; coverage {cover}"
+        d = summary["data"]
+        data = f"epoch {d['epoch']}, {d['done']}/{d['shards']} shards done"
+        return f"round {summary['round']}: {len(summary['peers'])} peers; coverage {cover}; {data}"
 
 
 # -------------------------------------------------------------------------------------------- simulation

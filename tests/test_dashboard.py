@@ -119,6 +119,8 @@ def joined():
     founder.transport.stats.bytes_sent = 12345
     founder.member.report(2, Progress(tokens_per_s=100.0, loss=3.5, val_loss=3.25, tokens=8192))
     founder.member.heartbeat()
+    work = founder.data.take()
+    founder.data.record(work, 3, done=True)  # its dataset's one training shard, done in epoch 0
     yield net, founder
     other.close()
     founder.close()
@@ -163,6 +165,11 @@ def test_the_api_serves_the_status_the_page_and_prometheus_metrics(joined):
             assert sent == founder_entry["bytes_sent"]
             holders = {dict(k[1])["unit"]: v for k, v in metrics.items() if k[0] == "spes_unit_holders"}
             assert holders == {u: len(h) for u, h in served["units"].items()}
+            data = {
+                k: served["data"][k] for k in ("epoch", "shards", "done", "training", "stalled", "tokens")
+            }
+            assert data == {"epoch": 0, "shards": 1, "done": 1, "training": 0, "stalled": 0, "tokens": 8192}
+            assert all(metrics[f"spes_data_{k}", ()] == v for k, v in data.items())
 
             assert b'id="peers"' in get(board.url)[2] and get(board.url + "static/page.js")[0] == 200
             assert get(board.url + "static/..%2fserver.py")[0] == 404

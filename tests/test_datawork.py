@@ -9,7 +9,7 @@ from spes_p2p.data.plan import Work
 from spes_p2p.data.shards import FORMAT, DatasetIndex, Shard
 from spes_p2p.data.sources import ShardStore
 from spes_p2p.net.memory import FakeClock, MemoryNetwork
-from spes_p2p.swarm.datawork import BUCKET_SHARDS, DataClaims, epoch_progress
+from spes_p2p.swarm.datawork import BUCKET_SHARDS, BucketRecord, Claim, DataClaims, bucket_key, epoch_progress
 from spes_p2p.train.dataset import PreparedData, ShardSampler
 
 DIGEST = "d" * 64
@@ -135,3 +135,26 @@ def test_a_restarted_peer_takes_its_shard_back_unless_another_continued_it(two):
     b.record(Work(0, 0, 2), 3, done=False)
     b.heartbeat()
     assert again.resume([work._replace(position=2)]) == []
+
+
+def stranger(shards: int, claims: dict) -> tuple[Swarm, DataClaims]:
+    """A swarm whose bucket 0 holds a live stranger's entry with ``claims``, and an honest peer."""
+    swarm = Swarm(shards)
+    honest, liar = swarm.join("honest"), swarm.net.join("liar")
+    swarm.beats["liar"] = swarm.clock()  # (its own record is live)
+    record = BucketRecord(claims={i: [Claim("liar", 0.0, swarm.clock() + c, 0)] for i, c in claims.items()})
+    liar.publish(bucket_key("run", DIGEST, 0, 0), record.encode(), swarm.clock() + 60)
+    return swarm, honest
+
+
+def test_claims_a_stranger_writes_to_hoard_shards_hold_none_and_garbage_is_counted():
+    _, honest = stranger(BUCKET_SHARDS, dict.fromkeys(range(BUCKET_SHARDS), 0.0))  # the oldest claims on all
+    assert honest.take().epoch == 0  # (not pushed to the next epoch: the hoard holds nothing)
+    _, honest = stranger(1, {0: 1e6})  # refreshed a million seconds from now: a lie
+    assert honest.take() == (0, 0, 0)
+    swarm, honest = stranger(1, {})
+    swarm.net.join("vandal").publish(
+        bucket_key("run", DIGEST, 0, 0), b"\x81\xa4done\xa3bad", swarm.clock() + 60
+    )
+    rejected = honest.transport.guard.total()
+    assert honest.take() == (0, 0, 0) and honest.transport.guard.total() > rejected

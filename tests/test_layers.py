@@ -1,6 +1,7 @@
 """The layers (docs/architecture.md), checked on the source: model, trainer, interop and datasets never
 import networking, datasets know nothing of models, an export needs no transformers, the swarm layer knows
-nothing of optimizers or data, and the library never reaches for the command line."""
+nothing of optimizers or models (of data, only the plan's value types), and the library never reaches for
+the command line."""
 
 import ast
 from pathlib import Path

@@ -88,6 +88,8 @@ function draw(data) {
     document.getElementById("peer-count").textContent = status.peers.length;
     document.getElementById("uncovered-count").textContent = status.uncovered.length;
     document.getElementById("under-count").textContent = status.under_replicated.length;
+    document.getElementById("data-epoch").textContent = status.data.epoch;
+    document.getElementById("shards-done").textContent = `${status.data.done} / ${status.data.shards}`;
     drawUnits(status);
     drawPeers(status);
   }

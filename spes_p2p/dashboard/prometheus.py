@@ -56,6 +56,16 @@ class SwarmCollector(Collector):
                 yield _gauge(
                     f"spes_swarm_{name}", f"{key} per hour while the dashboard watched.", history[name]
                 )
+        data = summary["data"]
+        for key, text in (
+            ("epoch", "The oldest epoch of the dataset a live peer trains."),
+            ("shards", "Training shards in the swarm's dataset."),
+            ("done", "Shards of that epoch trained to their end."),
+            ("training", "Shards of that epoch live peers are training."),
+            ("stalled", "Shards of that epoch begun and left (continued by the next peer to take one)."),
+            ("tokens", "Tokens the live peers trained since they started."),
+        ):
+            yield _gauge(f"spes_data_{key}", text, data[key])
         holders = GaugeMetricFamily("spes_unit_holders", "Live peers training the unit.", labels=["unit"])
         for unit, peers in sorted(summary["units"].items()):
             holders.add_metric([unit], len(peers))

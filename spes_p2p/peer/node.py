@@ -262,6 +262,7 @@ class Peer:
                 "lr": self.local.lr(),
                 "compute": self.local.compute,
                 "sync_started": time.perf_counter(),
+                "data_trained": self.local.sampler.trained(),  # the windows this update was trained on
             },
             experts=self.frozen.merge_inputs(self.round, lambda: self.local.frozen_experts(units)),
         )
@@ -284,7 +285,11 @@ class Peer:
         row = self.metrics.row(job, self.local.step, self.local.tokens, self.sync.rejected_payloads)
         row.update(self.footprint.take())
         row["probe_seconds"] = self.local.probing_seconds()  # (screening; training paused meanwhile)
-        row["data"] = {**self.local.data_position(), "shards_done": self.data.done}
+        row["data"] = {
+            **self.local.data_position(),
+            "shards_done": self.data.done,
+            "trained": job.metrics["data_trained"],
+        }
         every = self.settings.train.eval_every
         if crossed(self.round, self.settings.method.steps_per_round, every) and self.local.compute == "real":
             row["val_loss"] = self.local.evaluate()

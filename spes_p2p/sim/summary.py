@@ -48,6 +48,7 @@ def summarize(
         **_coverage(settings, rows, completed, peers_dir, killed),
         "newcomers": newcomers(rows, events, {n: _startup(peers_dir / n) for n in names}),
         "churn": churn(rows, events),
+        "data": data_split(rows),
         "leftovers": list(leftovers),
         "bytes": {
             n: {"sent": sum(r["bytes_sent"] for r in rs), "received": sum(r["bytes_received"] for r in rs)}
@@ -65,6 +66,32 @@ def summarize(
     summary["failures"] = _failures(settings, rows, failures, summary["churn"], leftovers)
     (Path(settings.run.out) / "summary.json").write_text(json.dumps(summary, indent=1))
     return summary
+
+
+def data_split(rows: dict[str, list[dict]]) -> dict:
+    """How the swarm went through its dataset (the windows each round trained, ``row["data"]["trained"]``):
+    tokens trained, the last epoch reached, per epoch the shards trained and those of which some windows
+    were trained more than once (by two peers, or again by one that continued a crashed peer's shard
+    from its last recorded position)."""
+    ranges: dict[tuple[int, int], list[tuple[int, int]]] = {}
+    for r in (r for rs in rows.values() for r in rs if "data" in r):
+        for epoch, shard, first, end in r["data"]["trained"]:
+            ranges.setdefault((epoch, shard), []).append((first, end))
+    epochs: dict[int, dict] = {}
+    for (epoch, _), spans in sorted(ranges.items()):
+        again, covered = 0, 0  # windows read again; the end of those read so far
+        for first, end in sorted(spans):
+            again += max(0, min(end, covered) - first)
+            covered = max(covered, end)
+        count = epochs.setdefault(epoch, {"shards_trained": 0, "shards_trained_twice": 0, "windows_twice": 0})
+        count["shards_trained"] += 1
+        count["shards_trained_twice"] += again > 0
+        count["windows_twice"] += again
+    return {
+        "tokens": sum(r["round_tokens"] for rs in rows.values() for r in rs),
+        "epoch": max(epochs, default=0),
+        "epochs": {str(e): c for e, c in sorted(epochs.items())},
+    }
 
 
 def _peer(name: str, rows: list[dict], peers_dir: Path, killed: set[str], events: list[dict]) -> dict:

@@ -30,6 +30,7 @@ import logging
 import math
 import random
 import threading
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Annotated
@@ -46,6 +47,7 @@ logger = logging.getLogger(__name__)
 BUCKET_SHARDS = 32  # (an entry of a full bucket stays well under the DHT's record size)
 KEEPERS = 2  # peers that keep each bucket's record alive
 CLAIMS_KEPT = 2  # claims per shard a writer carries (the most recently refreshed)
+MAX_HELD = 2  # shards one peer claims live in one bucket: the one it trains and the next
 BUSY_READS = 4  # buckets whose shards others were training, re-read per shard taken (one may stall)
 Offset = Annotated[int, msgspec.Meta(ge=0, lt=BUCKET_SHARDS)]
 
@@ -100,8 +102,12 @@ class Bucket:
             del kept[old]
 
     def owner(self, offset: int, live: Callable[[Claim], bool]) -> Claim | None:
-        """The live claim that holds the shard (the oldest), if any."""
-        holding = [c for c in self.claims.get(offset, {}).values() if live(c)]
+        """The live claim that holds the shard (the oldest), if any. A peer with more than ``MAX_HELD``
+        shards claimed live in the bucket holds none of them (an honest one holds its shard and the next)."""
+        counts = Counter(
+            peer for kept in self.claims.values() for peer in {c.peer for c in kept.values() if live(c)}
+        )
+        holding = [c for c in self.claims.get(offset, {}).values() if live(c) and counts[c.peer] <= MAX_HELD]
         return min(holding, key=lambda c: (c.since, c.peer)) if holding else None
 
     def position(self, offset: int) -> int:
@@ -302,7 +308,7 @@ class DataClaims:
         def holds(claim: Claim) -> bool:
             return (
                 not claim.released
-                and now - claim.seen < lease
+                and abs(now - claim.seen) < lease  # (refreshed lately; a date in the future is a lie)
                 and (claim.peer in live or claim.peer == self.me)
             )
 
@@ -327,7 +333,9 @@ class DataClaims:
                 offset = shard % BUCKET_SHARDS
                 owner = state.owner(offset, live)
                 if offset in state.done or (
-                    owner is not None and (owner.since, owner.peer) < (claim.since, claim.peer)
+                    owner is not None
+                    and owner.peer != self.me
+                    and (owner.since, owner.peer) < (claim.since, claim.peer)
                 ):
                     logger.info("data shard %d of epoch %d: another peer has it; taking another", shard, e)
                     del self._mine[(e, shard)]
@@ -362,7 +370,9 @@ def epoch_progress(
             bucket.add(record)
         done += len(bucket.done)
         for offset in bucket.claims:
-            held = bucket.owner(offset, lambda c: not c.released and now - c.seen < lease and c.peer in live)
+            held = bucket.owner(
+                offset, lambda c: not c.released and abs(now - c.seen) < lease and c.peer in live
+            )
             training += held is not None
             stalled += held is None
     return {"epoch": epoch, "shards": shards, "done": done, "training": training, "stalled": stalled}

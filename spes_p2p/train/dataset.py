@@ -110,6 +110,7 @@ class ShardSampler:
         self.work: Work | None = None  # the shard being read, and how far
         self.ahead: Work | None = None  # the next one, taken half way through this one
         self._read: tuple[Work, np.ndarray | None, np.ndarray] | None = None  # (its tokens, windows' order)
+        self._trained: list[list[int]] = []  # [epoch, shard, first window, last + 1] read since ``trained``
 
     @property
     def epoch(self) -> int:
@@ -140,6 +141,11 @@ class ShardSampler:
                 self.data.store.prefetch("train", self.ahead.shard)  # (on its way while this one trains)
         _, tokens, order = self._read
         self.work = work._replace(position=work.position + 1)
+        last = self._trained[-1] if self._trained else None
+        if last and last[:2] == [work.epoch, work.shard] and last[3] == work.position:
+            last[3] += 1
+        else:
+            self._trained.append([work.epoch, work.shard, work.position, work.position + 1])
         if tokens is None:
             return None
         start = int(order[work.position]) * self.seq_len
@@ -155,6 +161,11 @@ class ShardSampler:
         for _ in range(self.batch_size):
             self._window()
         self.plan.record(self.work, self.work.position, done=False)
+
+    def trained(self) -> list[list[int]]:
+        """The windows read since the last call, as [epoch, shard, first, last + 1] ranges."""
+        ranges, self._trained = self._trained, []
+        return ranges
 
     def state_dict(self) -> dict:
         works = [w for w in (self.work, self.ahead) if w is not None]
