@@ -232,11 +232,21 @@ class SwarmLive(LiveView):
                 f"; loss {status.loss:.3f}, {status.tokens_per_s:,.0f} tok/s, "
                 f"sent {_mib(status.bytes_sent)}, received {_mib(status.bytes_received)}"
             )
+        if "data" in status.last:
+            line += f"; {_data_line(status.last['data'])}"
         if "memory_peak_bytes" in status.last:
             line += f"; memory {_mib(status.last['memory_peak_bytes'])}"
         if status.banned:
             line += f"; banned {', '.join(status.banned)}"
         return line
+
+
+def _data_line(data: dict) -> str:
+    """Where this peer is in the swarm's dataset."""
+    return (
+        f"data epoch {data['epoch']}, shard {data['shard']} at window {data['window']}, "
+        f"{data['shards_done']} shards done here"
+    )
 
 
 def _memory_line(row: dict) -> str:
@@ -269,6 +279,8 @@ def swarm_table(run_id: str, status) -> Table:
     loss = "-" if status.loss is None else f"{status.loss:.3f}"
     table.add_row("round", str(status.round), f"loss {loss}, {status.tokens_per_s:,.0f} tok/s")
     table.add_row("traffic", "", f"sent {_mib(status.bytes_sent)}, received {_mib(status.bytes_received)}")
+    if "data" in status.last:
+        table.add_row("data", str(status.last["data"]["epoch"]), _data_line(status.last["data"]))
     if "memory_peak_bytes" in status.last:
         table.add_row("memory", _mib(status.last["memory_peak_bytes"]), _memory_line(status.last))
     if status.banned:

@@ -158,3 +158,19 @@ def test_claims_a_stranger_writes_to_hoard_shards_hold_none_and_garbage_is_count
     )
     rejected = honest.transport.guard.total()
     assert honest.take() == (0, 0, 0) and honest.transport.guard.total() > rejected
+
+
+def test_a_buckets_record_outlives_the_peers_that_trained_it():
+    swarm = Swarm(shards=BUCKET_SHARDS)
+    trainer, *others = [swarm.join(name) for name in ("trainer", "k0", "k1", "k2")]
+    work = trainer.take()
+    trainer.record(work, WINDOWS, done=True)
+    del swarm.beats["trainer"]  # it leaves; its entry expires 4 record TTLs later
+    for _ in range(int(5 * LEASE / HEARTBEAT)):
+        swarm.clock.advance(HEARTBEAT)
+        for peer in others:
+            swarm.beats[peer.me] = swarm.clock()
+            peer.heartbeat()  # (the bucket's keepers among them carry what they read)
+    assert "trainer" not in swarm.reader.read(bucket_key("run", DIGEST, 0, 0))  # (expired)
+    assert swarm.progress()["done"] == 1
+    assert others[0].take().shard != work.shard

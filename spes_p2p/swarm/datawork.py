@@ -13,14 +13,15 @@ live) the oldest wins, then the lower peer id, and the others stop; a shard with
 continued from the furthest position any claim on it recorded.
 
 Who writes a bucket: the peers training one of its shards, and its keepers, the ``KEEPERS`` live peers that
-rank highest for it by rendezvous hashing, which read it at every heartbeat and write back what they merged,
-so a bucket's record outlives the peers that trained it. An entry is bounded by the bucket's size, and a
-bucket's writers are its trainers and keepers: neither grows with the swarm. A peer reads the buckets of an
-epoch in an order of its own, and takes a free shard at random (a given-back or stalled one first), so
-peers rarely reach for the same shard; when two do, the loser learns it on its next read.
+follow it on a ring of hashes (consistent hashing), which read it at every heartbeat and write back what
+they merged, so a bucket's record outlives the peers that trained it. An entry is bounded by the bucket's
+size, and a bucket's writers are its trainers and keepers: neither grows with the swarm. A peer reads the
+buckets of an epoch in an order of its own, and takes a free shard at random (a given-back or stalled one
+first), so peers rarely reach for the same shard; when two do, the loser learns it on its next read.
 
-Known limit: a peer may mark shards done that it never trained (they are trained again next epoch); a live
-claim counts only while its peer's own record is live, so a claim invented for somebody else holds no shard.
+Known limit: a peer may mark shards done that it never trained (they are trained again next epoch). A live
+claim counts only while its peer's own record is live (a claim invented for somebody else holds nothing),
+dated no later than now, and for at most ``MAX_HELD`` shards of a bucket per peer.
 """
 
 from __future__ import annotations
@@ -235,7 +236,7 @@ class DataClaims:
         with self._state:
             training = {(e, s // BUCKET_SHARDS) for e, s in self._mine}
             epochs = {self.epoch} | {e for e, _ in self._busy}
-        kept = {(e, b) for e in epochs for b in range(self.buckets) if self._keeps(e, b, live)}
+        kept = {(e, b) for e in epochs for b in self._kept(e, live)}
         for epoch, bucket in sorted(training | kept):
             self._read(epoch, bucket)
             self._write(epoch, bucket)
@@ -250,12 +251,6 @@ class DataClaims:
         for epoch, bucket in sorted({(e, s // BUCKET_SHARDS) for e, s in mine}):
             self._write(epoch, bucket)
 
-    def counts(self, epoch: int) -> tuple[int, int]:
-        """(shards done, shards being trained) of ``epoch``, as this peer last read its buckets."""
-        with self._state:
-            known = [b for (e, _), b in self._known.items() if e == epoch]
-        return sum(len(b.done) for b in known), sum(len(b.claims) for b in known)
-
     # ----------------------------------------------------------------------------------------- inside
 
     def _order(self, epoch: int) -> list[int]:
@@ -263,11 +258,16 @@ class DataClaims:
         random.Random(f"{self.me}/{epoch}").shuffle(order)
         return order
 
-    def _keeps(self, epoch: int, bucket: int, live: set[str]) -> bool:
-        def rank(peer: str) -> bytes:
-            return hashlib.sha256(f"{peer}/{epoch}/{bucket}".encode()).digest()
-
-        return self.me in sorted(live | {self.me}, key=rank, reverse=True)[:KEEPERS]
+    def _kept(self, epoch: int, live: set[str]) -> list[int]:
+        """The buckets of ``epoch`` this peer keeps: on a ring of hashes, a bucket is kept by the ``KEEPERS``
+        live peers that follow it, so this peer keeps those between its ``KEEPERS``-th predecessor and it."""
+        ring = sorted(_point(p) for p in live | {self.me})
+        if len(ring) <= KEEPERS:
+            return list(range(self.buckets))
+        mine = ring.index(_point(self.me))
+        after, upto = ring[mine - KEEPERS], ring[mine]  # (the arc wraps around when mine < KEEPERS)
+        inside = (lambda x: after < x <= upto) if after < upto else (lambda x: x > after or x <= upto)
+        return [b for b in range(self.buckets) if inside(_point(f"{epoch}/{b}"))]
 
     def _take_from(self, epoch: int, bucket: int) -> Work | None:
         """A free shard of the bucket, claimed (and the claim confirmed by a read back), or None."""
@@ -355,6 +355,10 @@ class DataClaims:
                 record = state.record()
             key = bucket_key(self.run_id, self.dataset, epoch, bucket)
             self.transport.publish(key, record.encode(), now + self.ttl)
+
+
+def _point(name: str) -> bytes:
+    return hashlib.sha256(name.encode()).digest()
 
 
 def epoch_progress(

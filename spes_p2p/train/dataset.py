@@ -172,6 +172,11 @@ class ShardSampler:
         return {"works": [list(w) for w in works], "plan": self.plan.state_dict()}
 
     def load_state_dict(self, state: dict) -> None:
+        if "works" not in state:
+            raise DataError(
+                "this checkpoint's data position was written by an older spes-p2p (before data shards were "
+                "taken one at a time): start a new run, or train it on with that version"
+            )
         self.plan.load_state_dict(state["plan"])
         works = self.plan.resume([Work(*map(int, w)) for w in state["works"]])
         self.work, self.ahead = [*works, None, None][:2]
