@@ -12,13 +12,15 @@ from conftest import TOKENIZER
 from spes_p2p.net.guard import BAN_AFTER
 from spes_p2p.net.memory import MemoryNetwork
 from spes_p2p.net.waiting import Deadline
-from spes_p2p.peer import Peer
+from spes_p2p.peer import Peer, swarmdata
 from spes_p2p.peer.admission import SwarmUnavailable, admit
 from spes_p2p.peer.joining import swarm_round
 from spes_p2p.peer.setup import member_config
 from spes_p2p.peer.status import SwarmReader, invite
+from spes_p2p.peer.swarmdata import serve_data
 from spes_p2p.settings import Settings, load_settings
 from spes_p2p.swarm import manifest as manifests
+from spes_p2p.swarm import records
 from spes_p2p.swarm.manifest import ManifestServer
 from spes_p2p.swarm.member import SwarmMember, SwarmMismatch
 from spes_p2p.train.trainer import evaluate
@@ -228,3 +230,33 @@ def test_a_newcomer_given_another_dataset_is_refused_naming_both(swarm, tmp_path
     wanted = founder.local.data.dataset_hash[:16]
     with pytest.raises(SwarmMismatch, match=rf"is not swarm .*'s \({wanted}, prepared from stdlib"):
         Peer(admission.settings, transport, admission=admission)
+
+
+def test_a_shard_a_peer_serves_wrong_is_refused_counted_and_fetched_from_another(
+    swarm, tmp_path, monkeypatch
+):
+    net, founder = swarm
+    liar = net.join("liar")
+
+    def garbage(name: str) -> bytes | None:
+        return b"not a shard" if name.endswith(".safetensors") else founder.local.data.store.file(name)
+
+    serve_data(liar, garbage)
+    liar.publish(
+        records.peers_key(founder.settings.swarm.run_id),
+        records.PeerRecord("liar", []).encode(),
+        liar.now() + 60,
+    )
+    monkeypatch.setattr(swarmdata.random, "shuffle", lambda peers: peers.sort(key=lambda p: p != "liar"))
+    mine = Settings().override({"data.max_corpus_mb": 1.0, "data.cache_dir": str(tmp_path)})
+    transport = net.join("newcomer")
+    admission = admit(mine, transport, threading.Event())
+    newcomer = Peer(admission.settings, transport, admission=admission)
+    try:
+        newcomer.local.sampler.next_batch()  # its first shard: the liar is asked first, then the founder
+        store = newcomer.local.data.store
+        # (a validation shard, at the start, then the first training shard)
+        assert store.refused == {"peer liar": 2} and store.fetched >= 2
+        assert transport.guard.total() >= 2
+    finally:
+        newcomer.close()

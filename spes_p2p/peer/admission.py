@@ -26,11 +26,13 @@ from spes_p2p.files import atomic_write_bytes
 from spes_p2p.model.units import layout_of
 from spes_p2p.net.transport import Transport
 from spes_p2p.net.waiting import Deadline, poll
+from spes_p2p.peer.swarmdata import pin
 from spes_p2p.settings import Settings
 from spes_p2p.swarm import manifest as manifests
 from spes_p2p.swarm.manifest import PROTOCOL, DatasetPin, Manifest, ManifestRecord
 from spes_p2p.swarm.member import SwarmMismatch
 from spes_p2p.swarm.records import PeerRecord, decode_entries, peers_key, read_peers
+from spes_p2p.train.dataset import PreparedData
 
 logger = logging.getLogger(__name__)
 
@@ -47,6 +49,17 @@ class Admission:
     settings: Settings  # this peer's, with the swarm's swarm-wide settings and tokenizer
     manifest: Manifest
     tokenizer: bytes
+
+
+def shared_manifest(
+    settings: Settings, data: PreparedData, admission: Admission | None, initial_units: dict[str, str]
+) -> tuple[Manifest, bytes]:
+    """The manifest and tokenizer this peer shares: the swarm's when it was admitted, else those of the swarm
+    it founds (or, in tests, the one every peer of its settings computes alike)."""
+    if admission is not None:
+        return admission.manifest, admission.tokenizer
+    tokenizer = data.tokenizer.to_str().encode()
+    return manifest_for(settings, tokenizer, pin(settings, data), initial_units), tokenizer
 
 
 def manifest_for(

@@ -91,10 +91,12 @@ class LocalModel:
             self.data, t.seq_len, t.batch_size, self.settings.swarm.run_id, plan, self.compute == "real"
         )
 
-    def data_position(self) -> dict:
-        """Where it is in the dataset: the epoch, and the shard it reads and how far."""
+    def data_read(self) -> dict:
+        """Where it is in the dataset (the epoch, the shard it reads and how far), and the windows it read
+        since the last call (``ShardSampler.trained``)."""
         work = self.sampler.work
         return {
+            "trained": self.sampler.trained(),
             "epoch": self.sampler.epoch,
             "shard": work.shard if work else None,
             "window": work.position if work else 0,

@@ -62,6 +62,7 @@ class RoundMetrics:
             "rejected_payloads": rejected,
             "rejected": self.guard.total(),  # everything refused: records, requests, payloads, outliers
             "banned": self.guard.banned(),
+            "data": m["data"],  # where the peer is in the dataset, and the windows this update trained on
         }
 
 

@@ -30,7 +30,7 @@ from spes_p2p.net.reachability import SelfCheck
 from spes_p2p.net.transport import Transport
 from spes_p2p.net.waiting import Deadline, poll
 from spes_p2p.peer import joining
-from spes_p2p.peer.admission import Admission, fingerprint, manifest_for
+from spes_p2p.peer.admission import Admission, fingerprint, shared_manifest
 from spes_p2p.peer.footprint import Footprint
 from spes_p2p.peer.heartbeat import Heartbeat
 from spes_p2p.peer.job import RoundJob
@@ -39,15 +39,13 @@ from spes_p2p.peer.metrics import RoundMetrics, crossed, progress
 from spes_p2p.peer.outputs import RunOutputs
 from spes_p2p.peer.rounds import Pipeline, RoundSync
 from spes_p2p.peer.setup import initial_seed, local_training, member_config, sync_engine
-from spes_p2p.peer.swarmdata import pin, serve_data, swarm_data
+from spes_p2p.peer.swarmdata import data_claims, dataset_of, serve_data
 from spes_p2p.settings import Settings
-from spes_p2p.swarm.datawork import DataClaims
 from spes_p2p.swarm.manifest import ManifestServer
 from spes_p2p.swarm.member import SwarmMember, SwarmView
 from spes_p2p.swarm.records import Progress
 from spes_p2p.sync.payload import specs_of
 from spes_p2p.train.checkpoint import Checkpoint
-from spes_p2p.train.dataset import prepare_data
 
 logger = logging.getLogger(__name__)
 
@@ -104,31 +102,15 @@ class Peer:
         self.settings, self.transport, self.me = settings, transport, transport.peer_id
         transport.guard.allow_only(settings.swarm.allowlist)
         self.layout = layout_of(settings.model)
-        vocab = settings.model.architecture().vocab_size
-        data = (
-            prepare_data(settings.data, vocab)
-            if admission is None
-            else swarm_data(settings, transport, admission.manifest)
-        )
+        data = dataset_of(settings, transport, admission and admission.manifest)
         self.local = local_training(settings, self.layout, initial_seed(settings), self.me, data)
         self.admission = admission
         self.initial_units = {u: fingerprint(self.local.read(u)) for u in self.layout.units}
-        if admission is None:
-            tokenizer = data.tokenizer.to_str().encode()
-            self.manifest = manifest_for(settings, tokenizer, pin(settings, data), self.initial_units)
-        else:
-            self.manifest, tokenizer = admission.manifest, admission.tokenizer
+        self.manifest, tokenizer = shared_manifest(settings, data, admission, self.initial_units)
         ManifestServer(transport, self.manifest, tokenizer)
         serve_data(transport, data.store.file)
         self.member = SwarmMember(transport, self.manifest, member_config(settings))
-        self.data = DataClaims(
-            transport,
-            settings.swarm.run_id,
-            data.dataset_hash,
-            len(data.index.train),
-            self.member.live_peers,
-            lease=settings.swarm.record_ttl_seconds,
-        )
+        self.data = data_claims(settings, transport, data, self.member.live_peers)
         self.local.plan_with(self.data)
         specs = {u: specs_of(self.local.read(u)) for u in self.layout.units}
         self.sync = sync_engine(settings, transport, specs, self.local.read, self.member)
@@ -144,11 +126,8 @@ class Peer:
         self.reachability = SelfCheck(
             transport, settings.network, self.member.live_peers, self.member.set_reachable
         )
-        self.heartbeat = Heartbeat(
-            self.member,
-            settings.swarm.heartbeat_seconds,
-            also=(self.reachability.recheck, self.data.heartbeat),
-        )
+        beats = (self.reachability.recheck, self.data.heartbeat)
+        self.heartbeat = Heartbeat(self.member, settings.swarm.heartbeat_seconds, also=beats)
         self.outputs = (
             RunOutputs(Path(out_dir), tokenizer, settings.train.keep_checkpoints) if out_dir else None
         )
@@ -167,8 +146,7 @@ class Peer:
         view = joining.at_round_boundary(self.member, self.sync.longest_wait())
         training = joining.is_training(view, self.me)
         if not checkpoint:  # (a newcomer starts in the oldest epoch the swarm still trains)
-            others = [p.progress.data_epoch for p in view.peers.values() if p.peer_id != self.me]
-            self.data.load_state_dict({"epoch": min(others, default=0)})
+            self.data.start_in([p.progress.data_epoch for p in view.peers.values() if p.peer_id != self.me])
         if training:
             self._catch_up(view)
         elif not checkpoint and self.initial_units != self.manifest.initial_units:
@@ -262,7 +240,7 @@ class Peer:
                 "lr": self.local.lr(),
                 "compute": self.local.compute,
                 "sync_started": time.perf_counter(),
-                "data_trained": self.local.sampler.trained(),  # the windows this update was trained on
+                "data": {**self.local.data_read(), "shards_done": self.data.done},
             },
             experts=self.frozen.merge_inputs(self.round, lambda: self.local.frozen_experts(units)),
         )
@@ -285,11 +263,6 @@ class Peer:
         row = self.metrics.row(job, self.local.step, self.local.tokens, self.sync.rejected_payloads)
         row.update(self.footprint.take())
         row["probe_seconds"] = self.local.probing_seconds()  # (screening; training paused meanwhile)
-        row["data"] = {
-            **self.local.data_position(),
-            "shards_done": self.data.done,
-            "trained": job.metrics["data_trained"],
-        }
         every = self.settings.train.eval_every
         if crossed(self.round, self.settings.method.steps_per_round, every) and self.local.compute == "real":
             row["val_loss"] = self.local.evaluate()

@@ -27,6 +27,7 @@ from spes_p2p.errors import SwarmMismatch
 from spes_p2p.net.transport import RemoteError, Transport, TransportError, Unavailable
 from spes_p2p.net.wire import BadRequest
 from spes_p2p.settings import Settings
+from spes_p2p.swarm.datawork import DataClaims
 from spes_p2p.swarm.manifest import DatasetPin, Manifest
 from spes_p2p.swarm.records import read_peers
 from spes_p2p.train.dataset import PreparedData, open_prepared, prepare_data
@@ -46,6 +47,23 @@ def pin(settings: Settings, data: PreparedData) -> DatasetPin:
         train_shards=len(data.index.train),
         sources=[*places, *settings.data.mirrors],
         corpus=data.index.source,
+    )
+
+
+def dataset_of(settings: Settings, transport: Transport, manifest: Manifest | None) -> PreparedData:
+    """A founder's dataset (``manifest`` None: the one its settings name), or the swarm's."""
+    if manifest is None:
+        return prepare_data(settings.data, settings.model.architecture().vocab_size)
+    return swarm_data(settings, transport, manifest)
+
+
+def data_claims(
+    settings: Settings, transport: Transport, data: PreparedData, live_peers: Callable[[], set[str]]
+) -> DataClaims:
+    """This peer's share of the swarm's dataset (the sampler's plan)."""
+    index, lease = data.index, settings.swarm.record_ttl_seconds
+    return DataClaims(
+        transport, settings.swarm.run_id, data.dataset_hash, len(index.train), live_peers, lease
     )
 
 

@@ -219,6 +219,11 @@ class DataClaims:
             kept.append(self._claim(work.epoch, work.shard, max(work.position, bucket.position(offset))))
         return kept
 
+    def start_in(self, epochs: list[int]) -> None:
+        """A newcomer starts in the oldest of the epochs the swarm's live peers train (0: it is the first)."""
+        with self._state:
+            self.epoch = min(epochs, default=0)
+
     def state_dict(self) -> dict:
         with self._state:
             return {"epoch": self.epoch}
