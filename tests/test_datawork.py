@@ -5,7 +5,6 @@ from pathlib import Path
 
 import pytest
 
-from spes_p2p.data.plan import Work
 from spes_p2p.data.shards import FORMAT, DatasetIndex, Shard
 from spes_p2p.data.sources import ShardStore
 from spes_p2p.net.memory import FakeClock, MemoryNetwork
@@ -61,6 +60,7 @@ class Swarm:
             sampler.skip_batch()
             work = sampler.work
             self.trained.append((name, work.epoch, work.shard, work.position - 1))
+            claims.commit(sampler.trained())  # (each tick's update lands at once)
             if n % HEARTBEAT == 0:
                 claims.heartbeat()
                 self.beats[name] = self.clock()
@@ -116,7 +116,7 @@ def test_of_two_claims_on_one_shard_from_a_stale_view_the_later_loses(two, monke
 def test_a_shard_given_back_is_continued_at_once_from_where_it_stopped(two):
     _, a, b = two
     work = a.take()
-    a.record(work, 3, done=False)
+    a.commit([[*work[:2], 0, 3]])  # (a round trained its first 3 windows, and landed)
     a.release()
     assert b.take() == (0, 0, 3)
 
@@ -124,7 +124,7 @@ def test_a_shard_given_back_is_continued_at_once_from_where_it_stopped(two):
 def test_a_restarted_peer_takes_its_shard_back_unless_another_continued_it(two):
     swarm, a, b = two
     work = a.take()
-    a.record(work, 2, done=False)
+    a.commit([[*work[:2], 0, 2]])
     a.heartbeat()
     again = DataClaims(a.transport, "run", DIGEST, 1, swarm.live, lease=LEASE)
     assert again.resume([work._replace(position=2)]) == [(0, 0, 2)]
@@ -132,7 +132,7 @@ def test_a_restarted_peer_takes_its_shard_back_unless_another_continued_it(two):
     swarm.clock.advance(LEASE + 1)
     swarm.beats["b"] = swarm.clock()
     assert b.take() == (0, 0, 2)
-    b.record(Work(0, 0, 2), 3, done=False)
+    b.commit([[0, 0, 2, 3]])
     b.heartbeat()
     assert again.resume([work._replace(position=2)]) == []
 
@@ -165,6 +165,7 @@ def test_a_buckets_record_outlives_the_peers_that_trained_it():
     trainer, *others = [swarm.join(name) for name in ("trainer", "k0", "k1", "k2")]
     work = trainer.take()
     trainer.record(work, WINDOWS, done=True)
+    trainer.commit([[*work[:2], 0, WINDOWS]])
     del swarm.beats["trainer"]  # it leaves; its entry expires 4 record TTLs later
     for _ in range(int(5 * LEASE / HEARTBEAT)):
         swarm.clock.advance(HEARTBEAT)

@@ -109,7 +109,7 @@ class Peer:
         self.manifest, tokenizer = shared_manifest(settings, data, admission, self.initial_units)
         ManifestServer(transport, self.manifest, tokenizer)
         serve_data(transport, data.store.file)
-        self.member = SwarmMember(transport, self.manifest, member_config(settings))
+        self.member = member = SwarmMember(transport, self.manifest, member_config(settings))
         self.data = data_claims(settings, transport, data, self.member.live_peers)
         self.local.plan_with(self.data)
         specs = {u: specs_of(self.local.read(u)) for u in self.layout.units}
@@ -123,9 +123,7 @@ class Peer:
         )
         self.metrics = RoundMetrics(transport)
         self.footprint = Footprint(self.local, (self.landing, self.pipeline, self.sync), self.local.device)
-        self.reachability = SelfCheck(
-            transport, settings.network, self.member.live_peers, self.member.set_reachable
-        )
+        self.reachability = SelfCheck(transport, settings.network, member.live_peers, member.set_reachable)
         beats = (self.reachability.recheck, self.data.heartbeat)
         self.heartbeat = Heartbeat(self.member, settings.swarm.heartbeat_seconds, also=beats)
         self.outputs = (
@@ -258,6 +256,7 @@ class Peer:
         if job.error is not None:
             raise job.error
         self.landing.land(job)
+        self.data.commit(job.metrics["data"]["trained"])  # (its windows now count as trained)
         self.round = job.round + 1
         self._catch_up_if_behind()
         row = self.metrics.row(job, self.local.step, self.local.tokens, self.sync.rejected_payloads)

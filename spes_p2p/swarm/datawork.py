@@ -48,7 +48,7 @@ logger = logging.getLogger(__name__)
 BUCKET_SHARDS = 32  # (an entry of a full bucket stays well under the DHT's record size)
 KEEPERS = 2  # peers that keep each bucket's record alive
 CLAIMS_KEPT = 2  # claims per shard a writer carries (the most recently refreshed)
-MAX_HELD = 2  # shards one peer claims live in one bucket: the one it trains and the next
+MAX_HELD = 8  # shards one peer claims live in a bucket: those read in rounds not landed yet, and the next
 BUSY_READS = 4  # buckets whose shards others were training, re-read per shard taken (one may stall)
 Offset = Annotated[int, msgspec.Meta(ge=0, lt=BUCKET_SHARDS)]
 
@@ -104,7 +104,8 @@ class Bucket:
 
     def owner(self, offset: int, live: Callable[[Claim], bool]) -> Claim | None:
         """The live claim that holds the shard (the oldest), if any. A peer with more than ``MAX_HELD``
-        shards claimed live in the bucket holds none of them (an honest one holds its shard and the next)."""
+        shards claimed live in the bucket holds none of them (an honest one holds the shards read in its
+        rounds in flight, and the next)."""
         counts = Counter(
             peer for kept in self.claims.values() for peer in {c.peer for c in kept.values() if live(c)}
         )
@@ -126,9 +127,10 @@ class Bucket:
 
 class DataClaims:
     """This peer's share of the swarm's dataset: ``take``, ``record`` and ``lost`` for the sampler (training
-    thread), ``heartbeat`` (the heartbeat thread: refreshes its claims and keeps its buckets) and
-    ``release`` (leaving). ``_state`` guards the fields below and is never held across a DHT call;
-    ``_writing`` serializes whole writes, so an older snapshot of a bucket never overwrites a newer one."""
+    thread), ``commit`` when a round lands, ``heartbeat`` (the heartbeat thread: refreshes its claims and
+    keeps its buckets) and ``release`` (leaving). ``_state`` guards the fields below and is never held
+    across a DHT call; ``_writing`` serializes whole writes, so an older snapshot of a bucket never
+    overwrites a newer one."""
 
     def __init__(
         self,
@@ -150,6 +152,7 @@ class DataClaims:
         self._full: set[int] = set()  # buckets of this epoch with no free shard
         self._busy: list[tuple[int, int]] = []  # (epoch, bucket)s whose last free shards others were training
         self._lost: set[tuple[int, int]] = set()
+        self._finishing: dict[tuple[int, int], int] = {}  # (epoch, shard) read to its end -> its windows
         self._rng = random.Random(transport.peer_id)
         self._state = threading.RLock()
         self._writing = threading.Lock()
@@ -163,9 +166,11 @@ class DataClaims:
     def take(self) -> Work:
         """A shard nobody trains or has trained this epoch (a stalled or given-back one first); when every
         shard of the epoch is done or taken, the next epoch's."""
-        with self._state:
-            busy, self._busy = self._busy[:BUSY_READS], self._busy[BUSY_READS:]
-        for epoch, bucket in busy:
+        for _ in range(BUSY_READS):
+            with self._state:
+                if not self._busy:
+                    break
+                epoch, bucket = self._busy.pop(0)  # (put back at the end while still busy)
             work = self._take_from(epoch, bucket)
             if work is not None:
                 return work
@@ -188,19 +193,35 @@ class DataClaims:
             )
 
     def record(self, work: Work, position: int, done: bool) -> None:
-        key = (work.epoch, work.shard)
+        """A shard read to its end is done once the round that read its last windows lands (``commit``);
+        until then it stays claimed."""
+        if done:
+            with self._state:
+                self._finishing[(work.epoch, work.shard)] = position
+
+    def commit(self, trained: list[list[int]]) -> None:
+        """A round's update landed: the windows it trained on (``ShardSampler.trained``) count as trained, in
+        the positions this peer publishes and in the shards done. (Windows read for a round that never
+        landed, a crash's last, are not recorded: whoever continues the shard trains them again.)"""
+        finished = set()
         with self._state:
-            claim = self._mine.get(key)
-            if claim is None:
-                return
-            if done:
-                del self._mine[key]
-                self._bucket(work.epoch, work.shard).done.add(work.shard % BUCKET_SHARDS)
-                self.done += 1
-            else:
-                self._mine[key] = msgspec.structs.replace(claim, position=position)
-        if done:  # (now, so nobody takes it up again meanwhile)
-            self._write(work.epoch, work.shard // BUCKET_SHARDS)
+            for epoch, shard, _, end in trained:
+                claim = self._mine.get((epoch, shard))
+                if claim is not None and end > claim.position:
+                    self._mine[(epoch, shard)] = msgspec.structs.replace(claim, position=end)
+            for key, position in list(self._finishing.items()):
+                claim = self._mine.get(key)
+                if claim is None or claim.position >= position:
+                    del self._finishing[key]
+                if claim is not None and claim.position >= position:
+                    del self._mine[key]
+                    bucket = self._bucket(*key)
+                    bucket.done.add(key[1] % BUCKET_SHARDS)
+                    bucket.claims.pop(key[1] % BUCKET_SHARDS, None)
+                    self.done += 1
+                    finished.add((key[0], key[1] // BUCKET_SHARDS))
+        for epoch, bucket in sorted(finished):  # (now, so nobody takes it up again meanwhile)
+            self._write(epoch, bucket)
 
     def lost(self, work: Work) -> bool:
         with self._state:
