@@ -120,7 +120,8 @@ def joined():
     founder.member.report(2, Progress(tokens_per_s=100.0, loss=3.5, val_loss=3.25, tokens=8192))
     founder.member.heartbeat()
     work = founder.data.take()
-    founder.data.record(work, 3, done=True)  # its dataset's one training shard, done in epoch 0
+    founder.data.record(work, 3, done=True)  # its dataset's one training shard, read to its end
+    founder.data.commit([[*work[:2], 0, 3]])  # (and its round landed: done in epoch 0)
     yield net, founder
     other.close()
     founder.close()
