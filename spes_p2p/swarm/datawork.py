@@ -152,6 +152,7 @@ class DataClaims:
         self._full: set[int] = set()  # buckets of this epoch with no free shard
         self._busy: list[tuple[int, int]] = []  # (epoch, bucket)s whose last free shards others were training
         self._lost: set[tuple[int, int]] = set()
+        self._writers: dict[str, float] = {}  # peer -> when it last wrote a claim of its own
         self._finishing: dict[tuple[int, int], int] = {}  # (epoch, shard) read to its end -> its windows
         self._rng = random.Random(transport.peer_id)
         self._state = threading.RLock()
@@ -313,7 +314,8 @@ class DataClaims:
         shard = self._rng.choice(begun or free)
         work = self._claim(epoch, shard, state.position(shard % BUCKET_SHARDS))
         self._write(epoch, bucket)
-        owner = self._read(epoch, bucket).owner(shard % BUCKET_SHARDS, live)
+        state = self._read(epoch, bucket)
+        owner = state.owner(shard % BUCKET_SHARDS, self._live_claim(self.live_peers()))
         if owner is not None and owner.peer != self.me:
             with self._state:
                 self._mine.pop((epoch, shard), None)
@@ -325,17 +327,22 @@ class DataClaims:
         with self._state:
             self._mine[(epoch, shard)] = Claim(self.me, now, now, position)
             self._lost.discard((epoch, shard))
-        logger.debug("data shard %d of epoch %d, from window %d", shard, epoch, position)
+        logger.info("data shard %d of epoch %d, from window %d", shard, epoch, position)
         return Work(epoch, shard, position)
 
     def _live_claim(self, live: set[str]) -> Callable[[Claim], bool]:
+        """Whether a claim holds its shard: not given back, refreshed lately (a date in the future is a lie),
+        by a peer that is live: its record is, or it wrote a bucket entry of its own lately (a newcomer's
+        record may not be in this peer's view yet)."""
         now, lease = self.transport.now(), self.lease
+        with self._state:
+            writers = {p for p, at in self._writers.items() if now - at < lease}
 
         def holds(claim: Claim) -> bool:
             return (
                 not claim.released
-                and abs(now - claim.seen) < lease  # (refreshed lately; a date in the future is a lie)
-                and (claim.peer in live or claim.peer == self.me)
+                and abs(now - claim.seen) < lease
+                and (claim.peer in live or claim.peer in writers or claim.peer == self.me)
             )
 
         return holds
@@ -348,11 +355,19 @@ class DataClaims:
         of this peer that another holds first as lost."""
         entries = self.transport.read(bucket_key(self.run_id, self.dataset, epoch, bucket))
         records = decode_entries(entries, BucketRecord, "data shard", self.transport.guard)
-        live = self._live_claim(self.live_peers())
+        peers, now = self.live_peers(), self.transport.now()
         with self._state:
             state = self._known.setdefault((epoch, bucket), Bucket())
-            for record in records.values():
+            for writer, record in records.items():
                 state.add(record)
+                if any(
+                    c.peer == writer and abs(now - c.seen) < self.lease
+                    for cs in record.claims.values()
+                    for c in cs
+                ):
+                    self._writers[writer] = now  # (an entry is its writer's own: the DHT signs it)
+            self._writers = {p: at for p, at in self._writers.items() if now - at < self.lease}
+            live = self._live_claim(peers)
             for (e, shard), claim in list(self._mine.items()):
                 if (e, shard // BUCKET_SHARDS) != (epoch, bucket):
                     continue
