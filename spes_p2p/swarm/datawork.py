@@ -49,7 +49,7 @@ BUCKET_SHARDS = 32  # (an entry of a full bucket stays well under the DHT's reco
 KEEPERS = 2  # peers that keep each bucket's record alive
 CLAIMS_KEPT = 2  # claims per shard a writer carries (the most recently refreshed)
 MAX_HELD = 8  # shards one peer claims live in a bucket: those read in rounds not landed yet, and the next
-BUSY_READS = 4  # buckets whose shards others were training, re-read per shard taken (one may stall)
+BUSY_READS = 1  # buckets whose shards others were training, re-read per shard taken (one may stall)
 Offset = Annotated[int, msgspec.Meta(ge=0, lt=BUCKET_SHARDS)]
 
 
@@ -153,6 +153,7 @@ class DataClaims:
         self._busy: list[tuple[int, int]] = []  # (epoch, bucket)s whose last free shards others were training
         self._lost: set[tuple[int, int]] = set()
         self._writers: dict[str, float] = {}  # peer -> when it last wrote a claim of its own
+        self._refreshed = self._kept_at = float("-inf")  # (heartbeat: when it last did each)
         self._finishing: dict[tuple[int, int], int] = {}  # (epoch, shard) read to its end -> its windows
         self._rng = random.Random(transport.peer_id)
         self._state = threading.RLock()
@@ -257,12 +258,18 @@ class DataClaims:
     # ----------------------------------------------------------------------------------- the records
 
     def heartbeat(self) -> None:
-        """Refreshes this peer's claims, keeps the buckets it is a keeper of, and learns which of its
-        claims another peer holds first."""
-        live = self.live_peers()
+        """Every third of a lease, refreshes this peer's claims (and learns which of them another peer holds
+        first); every half lease, keeps the buckets it is a keeper of (entries live 4 leases)."""
+        now = self.transport.now()
+        refresh, keep = now - self._refreshed >= self.lease / 3, now - self._kept_at >= self.lease / 2
         with self._state:
-            training = {(e, s // BUCKET_SHARDS) for e, s in self._mine}
-            epochs = {self.epoch} | {e for e, _ in self._busy}
+            training = {(e, s // BUCKET_SHARDS) for e, s in self._mine} if refresh else set()
+            epochs = {self.epoch} | {e for e, _ in self._busy} if keep else set()
+        self._refreshed, self._kept_at = (
+            (now if refresh else self._refreshed),
+            (now if keep else self._kept_at),
+        )
+        live = self.live_peers() if keep else set()
         kept = {(e, b) for e in epochs for b in self._kept(e, live)}
         for epoch, bucket in sorted(training | kept):
             self._read(epoch, bucket)
