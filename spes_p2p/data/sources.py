@@ -237,14 +237,18 @@ class ShardStore:
     def file(self, name: str) -> bytes | None:
         """The bytes of one of the dataset's files this machine has (to serve them to others), or None: the
         index, the tokenizer, or a shard the index names (a name it does not is never a path)."""
-        names = {INDEX, TOKENIZER} | {s.name for split in (self.index.train, self.index.val) for s in split}
-        if name not in names:
+        if name not in self._names:
             return None
         with self._lock:
             try:
                 return (self.folder / name).read_bytes()
             except OSError:
                 return None
+
+    @functools.cached_property
+    def _names(self) -> frozenset[str]:
+        index = self.index
+        return frozenset([INDEX, TOKENIZER, *(s.name for split in (index.train, index.val) for s in split)])
 
     def _make_room(self, size: int) -> None:
         kept = sorted(self.folder.glob("*/*.safetensors"), key=lambda p: p.stat().st_mtime_ns)
