@@ -13,11 +13,17 @@ logger = logging.getLogger(__name__)
 
 
 class Heartbeat:
-    """Refreshes the records every ``seconds``, after running each of ``also`` (checks that may change
-    them, other records)."""
+    """Refreshes the records every ``seconds``: first runs ``before`` (checks that may change them), then
+    the peer record (first: its lapse reads as the peer leaving), then ``after`` (other records)."""
 
-    def __init__(self, member: SwarmMember, seconds: float, also: Sequence[Callable[[], None]] = ()) -> None:
-        self.member, self.seconds, self.also = member, seconds, also
+    def __init__(
+        self,
+        member: SwarmMember,
+        seconds: float,
+        before: Sequence[Callable[[], None]] = (),
+        after: Sequence[Callable[[], None]] = (),
+    ) -> None:
+        self.member, self.seconds, self.before, self.after = member, seconds, before, after
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._beat, name="spes-heartbeat", daemon=True)
 
@@ -29,7 +35,7 @@ class Heartbeat:
 
     def _beat(self) -> None:
         while not self._stop.wait(self.seconds):
-            for beat in (*self.also, self.member.heartbeat):
+            for beat in (*self.before, self.member.heartbeat, *self.after):
                 try:
                     beat()
                 except Exception:  # a network hiccup must not kill the peer; the next heartbeat retries

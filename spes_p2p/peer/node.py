@@ -124,8 +124,8 @@ class Peer:
         self.metrics = RoundMetrics(transport)
         self.footprint = Footprint(self.local, (self.landing, self.pipeline, self.sync), self.local.device)
         self.reachability = SelfCheck(transport, settings.network, member.live_peers, member.set_reachable)
-        beats = (self.reachability.recheck, self.data.heartbeat)
-        self.heartbeat = Heartbeat(self.member, settings.swarm.heartbeat_seconds, also=beats)
+        beats = {"before": [self.reachability.recheck], "after": [self.data.heartbeat]}
+        self.heartbeat = Heartbeat(self.member, settings.swarm.heartbeat_seconds, **beats)
         self.outputs = (
             RunOutputs(Path(out_dir), tokenizer, settings.train.keep_checkpoints) if out_dir else None
         )
