@@ -260,3 +260,12 @@ def test_a_shard_a_peer_serves_wrong_is_refused_counted_and_fetched_from_another
         assert transport.guard.total() >= 2
     finally:
         newcomer.close()
+
+
+def test_a_shard_nobody_can_serve_fails_in_one_line_naming_where_it_looked():
+    from spes_p2p.data.sources import fetch
+    from spes_p2p.errors import DataError
+
+    alone = MemoryNetwork(seed=0).join("alone")
+    with pytest.raises(DataError, match=r"tried the swarm's peers \(no other peer is live\)"):
+        fetch(swarmdata.peer_sources(alone, "run"), "train/000000.safetensors", 1 << 20, lambda data: data)

@@ -113,11 +113,20 @@ class PeerSource:
         self.transport.guard.reject(self.peer, "dataset file", reason)
 
 
-def peer_sources(transport: Transport, run_id: str) -> list[PeerSource]:
+class NoPeer:
+    """What ``peer_sources`` lists when no other peer is live (so a failure says so)."""
+
+    name = "the swarm's peers"
+
+    def read(self, name: str, max_bytes: int) -> bytes:
+        raise SourceUnavailable("no other peer is live")
+
+
+def peer_sources(transport: Transport, run_id: str) -> list[PeerSource | NoPeer]:
     """The swarm's live peers (in a random order: a newcomer's fetches spread over them)."""
     peers = [p for p in read_peers(transport, run_id) if p != transport.peer_id]
     random.shuffle(peers)
-    return [PeerSource(transport, p) for p in peers]
+    return [PeerSource(transport, p) for p in peers] or [NoPeer()]
 
 
 def serve_data(transport: Transport, files: Callable[[str], bytes | None]) -> None:
