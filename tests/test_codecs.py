@@ -7,7 +7,8 @@ import pytest
 import torch
 from safetensors.torch import save
 
-from spes_p2p.sync.codecs import CODECS, PayloadError, TensorSpec, TopK
+from spes_p2p.sparsify import pack_bits
+from spes_p2p.sync.codecs import CODECS, PayloadError, SparseLoCo, TensorSpec, TopK
 from spes_p2p.sync.payload import (
     FORMAT,
     ErrorFeedback,
@@ -74,12 +75,14 @@ def test_topk_sends_the_largest_entries_and_error_feedback_catches_up():
     assert (sent_total - true_total).norm() / true_total.norm() < 0.5
 
 
-@pytest.mark.parametrize("codec", ["fp16", "int8", "nf4", "topk"])
+@pytest.mark.parametrize("codec", ["fp16", "int8", "nf4", "topk", "sparseloco"])
 def test_error_feedback_keeps_a_lossy_codecs_sum_within_one_rounds_loss(codec):
     """Small updates with a steady drift, as a lone holder's are: coded alone, each round's rounding adds up;
     with error feedback, the sum of what was sent stays within one round's residual of the true sum."""
     g = torch.Generator().manual_seed(0)
-    coding = TopK(0.05) if codec == "topk" else CODECS[codec]
+    # (sparseloco without its decay, which lets go of part of each residual on purpose)
+    lossy = {"topk": TopK(0.05), "sparseloco": SparseLoCo(chunk=1000, k=50, feedback_decay=1.0)}
+    coding = lossy.get(codec) or CODECS[codec]
     feedback, true_total, fed, plain = ErrorFeedback(coding), torch.zeros(5000), 0, 0
     drift = torch.randn(5000, generator=g) * 1e-3
     for round_ in range(100):
@@ -89,7 +92,7 @@ def test_error_feedback_keeps_a_lossy_codecs_sum_within_one_rounds_loss(codec):
         plain = plain + decode(encode(u, coding), specs_of(u), coding)["w"]
     fed_error, plain_error = (fed - true_total).norm(), (plain - true_total).norm()
     assert fed_error <= feedback.residual["w"].norm() * 1.05  # (up to float32 summation)
-    if codec != "topk":  # (top-k alone never sends most entries: its plain error is the whole sum)
+    if codec not in lossy:  # (top-k alone never sends most entries: its plain error is the whole sum)
         assert fed_error < 0.2 * plain_error, (fed_error, plain_error)
 
 
@@ -113,7 +116,9 @@ def test_damaged_or_mismatched_payloads_are_rejected(codec):
     with pytest.raises(PayloadError, match="differ from the expected"):
         decode(payload, {**specs, "extra": TensorSpec((1,))}, CODECS[codec])
     with pytest.raises(PayloadError, match="expected"):
-        decode(payload, {**specs, "layers.0.w": TensorSpec((300, 71))}, CODECS[codec])
+        decode(
+            payload, {**specs, "layers.0.w": TensorSpec((600, 71))}, CODECS[codec]
+        )  # (sizes differ in all)
     with pytest.raises(PayloadError, match="round is '3', expected '4'"):
         decode(payload, specs, CODECS[codec], meta={"round": "4"})  # an old round's payload
     other = next(c for c in CODECS if c != codec)
@@ -180,3 +185,76 @@ def test_a_bit_flipped_in_transit_is_caught_by_the_payload_hash(codec):
             decode(flipped, specs_of(tensors), CODECS[codec])
         caught += 1
     assert caught == 300
+
+
+def test_sparseloco_sends_each_chunks_largest_entries_with_their_signs_in_two_bits():
+    codec = SparseLoCo(chunk=4096, k=64, bits=2)
+    g = torch.Generator().manual_seed(3)
+    flat = torch.randn(3 * 4096 + 100, generator=g)
+    back = decode(encode({"w": flat}, codec), {"w": TensorSpec(flat.shape)}, codec)["w"]
+    for start in range(0, flat.numel(), 4096):
+        chunk, sent = flat[start : start + 4096], back[start : start + 4096]
+        top = chunk.abs().topk(min(64, chunk.numel())).indices
+        assert sorted(sent.nonzero().flatten().tolist()) == sorted(top.tolist())
+        assert torch.equal(sent[top].sign(), chunk[top].sign())
+        # two magnitudes a chunk: the means of its larger and its smaller half of the entries sent
+        magnitudes = chunk[top].abs().sort(descending=True).values
+        half = len(magnitudes) // 2
+        expected = {round(float(magnitudes[:half].mean()), 5), round(float(magnitudes[half:].mean()), 5)}
+        assert {round(float(v), 5) for v in sent[top].abs()} == expected
+    coded = len(encode({"w": torch.randn(1 << 20, generator=g)}, codec))
+    assert coded / (4 << 20) < 0.0075  # 64 x (12 + 2) bits and two float32 levels per 4096 x 32 bits
+
+
+def test_sparseloco_keeps_a_sparse_inputs_support_and_a_combination_of_pieces_keeps_every_entry():
+    codec = SparseLoCo(chunk=256, k=8)
+    sparse = torch.zeros(1000)
+    sparse[[1, 5, 300, 999]] = torch.tensor([1.0, -2.0, 3.0, -0.5])
+    spec = {"w": TensorSpec((1000,))}
+    back = decode(encode({"w": sparse}, codec), spec, codec)["w"]
+    assert back.nonzero().flatten().tolist() == [1, 5, 300, 999]  # zeros stay zeros, even in a short chunk
+    assert torch.equal(decode(encode({"w": torch.zeros(1000)}, codec), spec, codec)["w"], torch.zeros(1000))
+    # four peers' pieces, each 8 entries a chunk at other places: their mean has up to 32 a chunk
+    g = torch.Generator().manual_seed(0)
+    pieces = [
+        decode(encode({"w": torch.randn(1000, generator=g)}, codec), spec, codec)["w"] for _ in range(4)
+    ]
+    mean = torch.stack(pieces).mean(dim=0)
+    wide = codec.combined(4)
+    again = decode(encode({"w": mean}, wide), spec, wide)["w"]
+    assert torch.equal(again != 0, mean != 0)
+    assert torch.equal(again.sign(), mean.sign())
+    assert codec.combined(100).k == 256  # (never more slots than a chunk has)
+
+
+def test_sparseloco_refuses_positions_out_of_order_or_out_of_chunk_and_bad_levels():
+    codec = SparseLoCo(chunk=16, k=4, bits=2)
+    spec = {"w": TensorSpec((32,))}  # two chunks of 16, 4 slots each, positions of 4 bits
+    good_levels = torch.ones(2, 2)
+
+    def payload(positions, levels=good_levels):
+        buffers = {
+            "w#positions": pack_bits(torch.tensor(positions), 4),
+            "w#codes": pack_bits(torch.zeros(8, dtype=torch.long), 2),
+            "w#levels": levels,
+        }
+        return forged(buffers, "sparseloco")
+
+    assert decode(payload([0, 3, 3, 3, 1, 2, 9, 15]), spec, codec)["w"].count_nonzero() == 6  # repeats: empty
+    with pytest.raises(PayloadError, match="not in order"):
+        decode(payload([3, 0, 5, 6, 1, 2, 9, 15]), spec, codec)
+    with pytest.raises(PayloadError, match="negative or not finite"):
+        decode(payload([0, 1, 2, 3, 0, 1, 2, 3], torch.tensor([[1.0, -1.0], [1.0, 1.0]])), spec, codec)
+    with pytest.raises(PayloadError, match="negative or not finite"):
+        decode(payload([0, 1, 2, 3, 0, 1, 2, 3], torch.tensor([[1.0, math.inf], [1.0, 1.0]])), spec, codec)
+
+
+def test_sparseloco_error_feedback_decays_what_it_carries():
+    codec = SparseLoCo(chunk=100, k=1, feedback_decay=0.5)
+    feedback = ErrorFeedback(codec)
+    update = {"w": torch.zeros(100)}
+    update["w"][0], update["w"][1] = 4.0, 1.0
+    feedback.encode(update, round_=0)  # sends the 4, keeps the 1
+    assert feedback.residual["w"][1] == 1.0
+    _, sent = feedback.encode({"w": torch.zeros(100)}, round_=1)  # carries half of it, and sends that
+    assert sent["w"][1] == 0.5 and feedback.residual["w"].abs().sum() == 0

@@ -39,8 +39,9 @@ def tensors(seed: int, scale: float = 1.0) -> dict[str, dict[str, torch.Tensor]]
     }
 
 
-def run_round(engines, start, ends, peers=None, holders=HOLDERS):
-    """Every peer exchanges the units it holds, concurrently, as the training loop would."""
+def run_round(engines, start, ends, peers=None, holders=HOLDERS, grouped=False):
+    """Every peer exchanges the units it holds, concurrently, as the training loop would (``grouped``: the
+    dense part by reduce-scatter)."""
     results, errors = {}, []
 
     def one(peer):
@@ -48,7 +49,9 @@ def run_round(engines, start, ends, peers=None, holders=HOLDERS):
             for unit, members in holders.items():
                 if peer in members:
                     r = engines[peer].exchange(
-                        UnitJob(0, unit, start[unit], ends[peer][unit], TOKENS[peer], members)
+                        UnitJob(
+                            0, unit, start[unit], ends[peer][unit], TOKENS[peer], members, grouped=grouped
+                        )
                     )
                     engines[peer].serve_weights(0, unit, r.new_weights)
                     results[(peer, unit)] = r
@@ -135,6 +138,40 @@ def test_holders_agree_on_the_token_weighted_mean_and_updates_reach_only_holders
     holder_weights = results[("p0", "experts/0")].new_weights["w1"]
     assert got == {"experts/0": 0}
     assert (frozen["w1"] - holder_weights).abs().max() <= 0.02 * holder_weights.abs().max()
+
+
+def test_sparseloco_holders_agree_on_the_mean_of_what_their_payloads_carry():
+    """Experts among co-holders and the dense part by reduce-scatter, in the sparse codec: holders end
+    bit-identical, on the token-weighted mean of what each peer's payload decodes to (the dense part's
+    combined parts keep every entry of it, rounded once more to two bits)."""
+    from spes_p2p.sync.codecs import part_bounds
+    from spes_p2p.sync.payload import decode, encode, flatten, specs_of, unflatten
+
+    _, engines = make_swarm("sparseloco")
+    codec = engines["p0"]._ledger.codec
+
+    def coded(update, parts=None):  # as it travels: by tensor, or flattened in parts coded each alone
+        if parts is None:
+            return decode(encode(update, codec), specs_of(update), codec)
+        flat = flatten(update)
+        pieces = [{"piece": flat[a:b]} for a, b in part_bounds(flat.numel(), parts)]
+        back = [decode(encode(p, codec), specs_of(p), codec)["piece"] for p in pieces]
+        return unflatten(torch.cat(back), specs_of(update))
+
+    start = tensors(0)
+    deltas = {p: tensors(i + 1, scale=0.01) for i, p in enumerate(engines)}
+    ends = {p: {u: {n: start[u][n] + deltas[p][u][n] for n in start[u]} for u in start} for p in engines}
+    results = run_round(engines, start, ends, grouped=True)
+    for unit, members in HOLDERS.items():
+        total = sum(TOKENS[p] for p in members)
+        sent = {p: coded(deltas[p][unit], len(members) if unit == "dense/0" else None) for p in members}
+        for name in SPECS[unit]:
+            expected = sum(TOKENS[p] / total * sent[p][name] for p in members)
+            got = [results[(p, unit)].new_weights[name] - start[unit][name] for p in members]
+            assert all(torch.equal(g, got[0]) for g in got), f"{unit} holders differ"
+            assert torch.equal(got[0] != 0, expected != 0), f"{unit}: entries lost or invented"
+            err = (got[0] - expected).norm() / expected.norm()
+            assert err <= (0.4 if unit == "dense/0" else 1e-5), (unit, name, err.item())
 
 
 def test_a_holder_that_never_answers_does_not_stop_the_round():

@@ -68,6 +68,31 @@ def test_a_copy_that_follows_the_changes_never_drifts(codec, every):
     assert max(errors[-5:]) < 3 * max(errors[:5])  # bounded: one change's rounding, however many rounds
 
 
+def test_a_copy_that_follows_sparse_changes_in_sparseloco_never_drifts():
+    """Under the sparse codec a unit's weights change in a few entries a chunk each round (the mean of its
+    holders' sparse updates): the changes in ``sparseloco`` carry them, and the copy stays within one
+    change's rounding of the holders' weights."""
+    holder, peer = pair("sparseloco")
+    g = torch.Generator().manual_seed(0)
+    weights = {"w1": torch.randn(64, 128, generator=g)}
+    holder.start_version(UNIT, -1, weights)
+    copy = dict(weights)
+    peer.start_versions(-1, lambda _: copy, held=[], versioned=lambda _: True)
+    errors = []
+    for round_ in range(40):
+        step = torch.zeros(64 * 128)
+        step[torch.randperm(64 * 128, generator=g)[:100]] = torch.randn(100, generator=g) * 1e-3
+        weights = {"w1": weights["w1"] + step.view(64, 128)}
+        version = holder.advance_version(UNIT, round_, round_ - 1, weights)
+        fetched = refresh(peer, round_, Want("change", "sparseloco", peer.copy_version(UNIT)))
+        assert fetched.want.kind == "change"
+        copy = fetched.onto(lambda: copy)  # noqa: B023
+        peer.copy_landed(UNIT, fetched, copy, full=True)
+        assert tensors_hash(copy) == version.hash, round_  # the copy is the holders' version, bit for bit
+        errors.append(float((copy["w1"] - weights["w1"]).abs().max()))
+    assert max(errors[-5:]) < 3 * max(errors[:5])  # bounded: one change's rounding, however many rounds
+
+
 def test_the_changes_carry_what_the_codec_dropped():
     """Coding each round's difference alone accumulates the codec's rounding; the version chain does not."""
     holder, peer = pair("nf4")

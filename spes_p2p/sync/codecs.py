@@ -13,6 +13,8 @@ For a tensor ``N`` of ``n`` float32 elements, each codec sends these buffers (sa
     int8   N#codes  U8 [n]       N#absmax   F32 [ceil(n / 4096)]   (bitsandbytes' signed dynamic map)
     nf4    N#codes  U8 [n/2]     N#absmax   F32 [ceil(n / 64)]     (4-bit NormalFloat, two codes a byte)
     topk   N#indices I32 [k]     N#values   F16 [k]                (k = ceil(n * fraction), sorted)
+    sparseloco  N#positions U8 [ceil(m * s * 12 / 8)]   N#codes U8 [ceil(m * s * bits / 8)]
+                N#levels F32 [m, 2 ** (bits - 1)]      (m chunks of 4096, s = k slots each; spes_p2p.sparsify)
 
 The layouts are plain numbers and this module imports no torch (the settings list the codecs, and ``spes
 --help`` stays light); the arithmetic takes and returns tensors, and the blockwise codecs import
@@ -26,7 +28,7 @@ from dataclasses import dataclass
 from itertools import pairwise
 from typing import TYPE_CHECKING, ClassVar
 
-from spes_p2p.blockwise import int8_sizes, nf4_sizes
+from spes_p2p.blockwise import chunking, index_bits, int8_sizes, nf4_sizes
 from spes_p2p.errors import SpesError
 from spes_p2p.fields import Section
 from spes_p2p.swarm.records import MAX_PARTS
@@ -64,6 +66,7 @@ class Codec:
     name: ClassVar[str]
     help: ClassVar[str]
     lossless: ClassVar[bool] = False  # whether error feedback has nothing to carry
+    feedback_decay: ClassVar[float] = 1.0  # what of the last round's residual error feedback carries
 
     def layout(self, spec: TensorSpec) -> Layout:
         raise NotImplementedError
@@ -77,6 +80,11 @@ class Codec:
 
     def configured(self, sync: Section) -> Codec:
         """This codec with the parameters the swarm's ``[sync]`` settings give it (most have none)."""
+        return self
+
+    def combined(self, pieces: int) -> Codec:
+        """How a combination of ``pieces`` payloads of this codec travels (a reduce-scatter's combined part):
+        a sparse codec widens to carry every entry the pieces carried; the others stay as they are."""
         return self
 
     def max_bytes(self, specs: dict[str, TensorSpec]) -> int:
@@ -166,6 +174,9 @@ class TopK(Codec):
     def configured(self, sync: Section) -> TopK:
         return TopK(sync.topk_fraction)
 
+    def combined(self, pieces: int) -> TopK:
+        return TopK(min(1.0, self.fraction * pieces))
+
     def count(self, numel: int) -> int:
         return max(1, math.ceil(numel * self.fraction)) if numel else 0
 
@@ -186,7 +197,49 @@ class TopK(Codec):
         return values.new_zeros(numel).index_put_((indices,), values)
 
 
-CODECS: dict[str, Codec] = {c.name: c for c in (Exact(), Half(), Int8(), NF4(), TopK())}
+@dataclass(frozen=True)
+class SparseLoCo(Codec):
+    """SparseLoCo's compression (arXiv 2508.15706), as docs/protocol.md describes it: in each chunk of
+    ``chunk`` values the ``k`` largest by magnitude, each as its position and a ``bits``-bit code (a sign and
+    a magnitude group whose mean the chunk sends); error feedback carries what was not sent, its older part
+    decayed by ``feedback_decay`` each round, and stands in for an outer momentum."""
+
+    chunk: int = 4096
+    k: int = 64
+    bits: int = 2
+    feedback_decay: float = 0.95  # type: ignore[misc]  (a setting here; a constant of the other codecs)
+    name, help = "sparseloco", "per chunk of 4096 the top 64 entries in 2 bits, error feedback with decay"
+
+    def configured(self, sync: Section) -> SparseLoCo:
+        return SparseLoCo(sync.sparse_chunk, sync.sparse_k, sync.sparse_bits, sync.sparse_decay)
+
+    def combined(self, pieces: int) -> SparseLoCo:
+        return SparseLoCo(self.chunk, min(self.chunk, self.k * pieces), self.bits, self.feedback_decay)
+
+    def layout(self, spec: TensorSpec) -> Layout:
+        size, chunks, slots = chunking(spec.numel, self.chunk, self.k)
+        entries = chunks * slots
+        return {
+            "positions": ("U8", (math.ceil(entries * index_bits(size) / 8),)),
+            "codes": ("U8", (math.ceil(entries * self.bits / 8),)),
+            "levels": ("F32", (chunks, 2 ** (self.bits - 1))),
+        }
+
+    def encode(self, flat: torch.Tensor) -> list[torch.Tensor]:
+        from spes_p2p.sparsify import sparsify
+
+        return list(sparsify(flat, self.chunk, self.k, self.bits))
+
+    def decode(self, buffers: list[torch.Tensor], numel: int) -> torch.Tensor:
+        from spes_p2p.sparsify import densify
+
+        try:
+            return densify(*buffers, numel, self.chunk, self.k, self.bits)
+        except ValueError as exc:
+            raise PayloadError(str(exc)) from None
+
+
+CODECS: dict[str, Codec] = {c.name: c for c in (Exact(), Half(), Int8(), NF4(), TopK(), SparseLoCo())}
 EXACT = CODECS["none"]
 
 

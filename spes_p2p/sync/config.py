@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 from spes_p2p.fields import PEER, SWARM, Section, check, setting
 from spes_p2p.swarm.records import MAX_PARTS
-from spes_p2p.sync.codecs import CODECS, TopK
+from spes_p2p.sync.codecs import CODECS, SparseLoCo, TopK
 
 OUTER_RULES = ("fedavg", "nesterov")
 AGGREGATES = ("mean", "clipped_mean", "trimmed_mean", "median")
@@ -32,6 +32,14 @@ class SyncConfig(Section):
         choices=FROZEN_REFRESHES,
     )
     topk_fraction: float = setting(TopK.fraction, "topk codec: the share of entries sent.")
+    sparse_chunk: int = setting(SparseLoCo.chunk, "sparseloco codec: values per chunk (at most 65536).")
+    sparse_k: int = setting(SparseLoCo.k, "sparseloco codec: entries sent per chunk.")
+    sparse_bits: int = setting(
+        SparseLoCo.bits, "sparseloco codec: bits per value sent (a sign and the rest)."
+    )
+    sparse_decay: float = setting(
+        SparseLoCo.feedback_decay, "sparseloco codec: what error feedback keeps of the last residual."
+    )
     outer: str = setting("fedavg", "Outer rule: fedavg (SPES) or nesterov (DiLoCo).", choices=OUTER_RULES)
     outer_lr: float = setting(1.0, "Outer learning rate.")
     outer_momentum: float = setting(0.9, "Outer momentum (nesterov only).")
@@ -59,6 +67,10 @@ class SyncConfig(Section):
 
     def validate(self) -> None:
         check(0 < self.topk_fraction <= 1, "topk_fraction", "must be in (0, 1]")
+        check(2 <= self.sparse_chunk <= 1 << 16, "sparse_chunk", "must be in [2, 65536]")
+        check(1 <= self.sparse_k <= self.sparse_chunk, "sparse_k", "must be in [1, sparse_chunk]")
+        check(1 <= self.sparse_bits <= 8, "sparse_bits", "must be in [1, 8]")
+        check(0 <= self.sparse_decay <= 1, "sparse_decay", "must be in [0, 1]")
         check(self.outer_lr > 0, "outer_lr", "must be positive")
         check(0 <= self.outer_momentum < 1, "outer_momentum", "must be in [0, 1)")
         check(2 <= self.dense_group_size <= MAX_PARTS, "dense_group_size", f"must be in [2, {MAX_PARTS}]")

@@ -165,15 +165,15 @@ class UpdateFetcher:
         return Got(Received(contribution, announced.base))
 
     def _reduced(self, round_: int, unit: str, owner: str, part: int, parts: int, cutoff: Deadline):
-        spec = piece_spec(self.specs[unit], part, parts)
+        spec, codec = piece_spec(self.specs[unit], part, parts), self.codec.combined(parts)
         request = UpdateRequest(round=round_, unit=unit, kind="reduced", part=part, parts=parts).encode()
         try:
-            payload = self._request(owner, request, self.codec.max_bytes(spec), cutoff)
+            payload = self._request(owner, request, codec.max_bytes(spec), cutoff)
         except TransportError as exc:  # (a refusal too: the owner may still be combining)
             return NotYet(f"{owner}'s combined part {part} of {unit}: {exc}")
         meta = payload_meta(unit, round_, "reduced", part, parts)
         try:
-            tensors = decode(payload, spec, self.codec, meta=meta)
+            tensors = decode(payload, spec, codec, meta=meta)
             contributors = metadata_of(payload).get("peers", "")
         except PayloadError as exc:
             return self.refuse(owner, unit, str(exc))

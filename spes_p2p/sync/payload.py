@@ -176,7 +176,8 @@ def _few(names) -> str:
 class ErrorFeedback:
     """Error feedback for a lossy codec: what one round's payload lost to the codec (top-k's unsent entries,
     int8's and nf4's rounding) is added to the next round's update, so a peer's coded updates sum to its
-    true ones. The residual is kept only from one round to the next: after a gap it is dropped."""
+    true ones (``sparseloco`` decays it first: its older part counts less, as an outer momentum's would).
+    The residual is kept only from one round to the next: after a gap it is dropped."""
 
     def __init__(self, codec: Codec) -> None:
         self.codec = codec
@@ -199,7 +200,10 @@ class ErrorFeedback:
         """``update`` plus what the codec lost in the round before (``round_ - 1``)."""
         if round_ is not None and self.round is not None and self.round != round_ - 1:
             self.residual = {}
-        return {n: t + self.residual[n] if n in self.residual else t.clone() for n, t in update.items()}
+        decay = self.codec.feedback_decay
+        return {
+            n: t + decay * self.residual[n] if n in self.residual else t.clone() for n, t in update.items()
+        }
 
     def keep(self, full: Tensors, sent: Tensors, round_: int | None = None) -> None:
         """Remembers what coding ``full`` lost (``sent`` is what its payloads decode to)."""

@@ -8,7 +8,8 @@ contiguous part each (``codecs.part_bounds``); member ``i`` owns part ``i``:
 2. the owner of a part fetches that piece of every other member's update, exactly as the all-to-all
    exchange fetches whole updates (``gather.Gatherer``: same deadline, misses, checks and start-weights
    vote), combines the pieces on its base with the swarm's rule (``aggregate.combine``), codes the result
-   once and serves it, naming the members it combined ("reduced");
+   once and serves it, naming the members it combined ("reduced"); a sparse codec codes it with room for
+   every entry the pieces carried (``Codec.combined``), so only its values are rounded again;
 3. every member fetches the other parts' results from their owners and decodes them (an owner decodes its
    own too), then applies the whole with the outer rule: members end with the same weights.
 
@@ -40,7 +41,7 @@ import torch
 
 from spes_p2p.net.waiting import Deadline, poll
 from spes_p2p.sync.aggregate import REJECT_FACTOR, Combined, Contribution, Received, combine
-from spes_p2p.sync.codecs import TensorSpec, part_bounds
+from spes_p2p.sync.codecs import Codec, TensorSpec, part_bounds
 from spes_p2p.sync.exchange import Exchange
 from spes_p2p.sync.fetching import Reduced, Refused
 from spes_p2p.sync.gather import Gathered
@@ -156,8 +157,9 @@ class ReduceScatter(Exchange):
         contributors = sorted(c.peer_id for c in combined.used)
         parts = len(split.bounds)
         meta = {**payload_meta(job.unit, job.round, "reduced", part, parts), "peers": ",".join(contributors)}
-        payload = self._encode(piece, meta)
-        return payload, Reduced(self._decode(payload, b - a, meta), contributors)
+        codec = self.codec.combined(parts)
+        payload = self._encode(piece, meta, codec)
+        return payload, Reduced(self._decode(payload, b - a, meta, codec), contributors)
 
     # ---------------------------------------------------------------------------------- the others
 
@@ -240,8 +242,10 @@ class ReduceScatter(Exchange):
     def _whole(self, unit: str, pieces: list[torch.Tensor]) -> Tensors:
         return unflatten(torch.cat(pieces), self.specs[unit])
 
-    def _encode(self, piece: torch.Tensor, meta: dict[str, str]) -> bytes:
-        return encode({"piece": piece}, self.codec, meta=meta)
+    def _encode(self, piece: torch.Tensor, meta: dict[str, str], codec: Codec | None = None) -> bytes:
+        return encode({"piece": piece}, codec or self.codec, meta=meta)
 
-    def _decode(self, payload: bytes, numel: int, meta: dict[str, str]) -> torch.Tensor:
-        return decode(payload, {"piece": TensorSpec((numel,))}, self.codec, meta=meta)["piece"]
+    def _decode(
+        self, payload: bytes, numel: int, meta: dict[str, str], codec: Codec | None = None
+    ) -> torch.Tensor:
+        return decode(payload, {"piece": TensorSpec((numel,))}, codec or self.codec, meta=meta)["piece"]
