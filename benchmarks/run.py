@@ -18,6 +18,9 @@ Sections (each a function below; all figures are measured in this run):
   wan       the share of wall time waiting on the sync when each peer sits in its own network namespace
             behind a 50 Mbit/s link (root), with a round's compute set to a GPU's (virtual compute), for
             public peers and for a peer behind NAT (reached through a relay)
+  codec_*   the sparse codec against int8, DiLoCo and centralized (benchmarks/compression.py): bytes of the
+            1b shapes, coding time, validation loss over 3 seeds at equal tokens and compute, and the
+            sync-wait share on links scaled to a 1b peer's on a 20 Mbit/s uplink (root, as wan)
 
 Writes DIR/summary.json (the headline ratios and every table), DIR/tables.md and DIR/*.png, anew after each
 section: a run that stops halfway keeps what it measured. A section whose prerequisite this machine lacks
@@ -42,6 +45,7 @@ import traceback
 from collections.abc import Callable
 from pathlib import Path
 
+import compression
 import torch
 
 MODES = {
@@ -53,6 +57,7 @@ MODES = {
         "scale": {"peers": [4, 8], "rounds": 3, "steps": 10},
         "wan": {"peers": 4, "rounds": 3},
         "backends": {"rounds": 4, "steps": 10},
+        "codec_presets": ["tiny"],
     },
     "full": {
         "memory_preset": "small",
@@ -62,9 +67,22 @@ MODES = {
         "scale": {"peers": [4, 8, 16, 32], "rounds": 6, "steps": 20},
         "wan": {"peers": 4, "rounds": 8},
         "backends": {"rounds": 8, "steps": 20},
+        "codec_presets": ["tiny", "small", "1b"],
     },
 }
-SECTIONS = ("memory", "bytes", "sync", "loss", "scale", "wan", "backends")
+SECTIONS = (
+    "memory",
+    "bytes",
+    "sync",
+    "loss",
+    "scale",
+    "wan",
+    "backends",
+    "codec_bytes",
+    "codec_time",
+    "codec_loss",
+    "codec_wan",
+)
 BACKENDS = ("hivemind", "libp2p")
 SCALE_STEP_SECONDS = 0.5  # virtual compute in the scale section: 10 s of "training" a round at 20 steps
 # heartbeats at a swarm's defaults; 32 peer processes starting at once on 2 cores take a while to join
@@ -77,7 +95,7 @@ SCALE_GROUP = 4  # holders of each expert shard, and peers averaging each dense 
 # wan: a round's compute as a GPU would take it: H = 100 steps of the tiny preset at 20 ms a step (an
 # estimate: its 1,024-token step is a few GFLOPs, so kernel launches, not FLOPs, set its time on a GPU)
 WAN_STEPS, WAN_STEP_SECONDS, WAN_BANDWIDTH = 100, 0.02, "50mbit"
-CODECS = ["none", "fp16", "int8", "nf4", "topk"]
+CODECS = ["none", "fp16", "int8", "nf4", "topk", "sparseloco"]
 
 
 # ---------------------------------------------------------------------------------------------- memory
@@ -141,10 +159,12 @@ EXCHANGES = {  # the columns of the bytes table: how the dense part and the froz
 DEFAULT_EXCHANGE = "reduce-scatter, changes"
 
 
-def swarm_bytes(preset: str, codec: str, mode: str, exchange: str, rounds: int = 4) -> dict:
+def swarm_bytes(
+    preset: str, codec: str, mode: str, exchange: str, rounds: int = 4, changes: dict | None = None
+) -> dict:
     """Bytes per round of 4 in-process peers (2 shards): each peer's total over the run divided by the rounds,
     median over peers (one round's window is noisy: a peer's bytes land in whichever round it was in when
-    another peer fetched from it)."""
+    another peer fetched from it). ``changes``: more settings (``section.field``)."""
     from spes_p2p.net.memory import MemoryNetwork
     from spes_p2p.peer import Peer
     from spes_p2p.settings import Settings
@@ -163,6 +183,7 @@ def swarm_bytes(preset: str, codec: str, mode: str, exchange: str, rounds: int =
             "train.seq_len": 64,
             "sync.deadline_min": 0.5,
             **EXCHANGES[exchange],
+            **(changes or {}),
         }
     )
     net = MemoryNetwork(seed=0)
@@ -212,6 +233,36 @@ def bench_bytes(presets: list[str]) -> list[dict]:
                 flush=True,
             )
         rows += baselines + spes
+    return rows
+
+
+def bench_codec_bytes(layers: tuple[int, ...], codecs: list[str]) -> list[dict]:
+    """The `1b` preset's shapes with virtual compute, in the default exchange, measured with 1 and 2 of its
+    layers and extended to its 12 along the line through them (``compression.py``); DiLoCo fp32 beside."""
+    import dataclasses
+
+    from spes_p2p.model.config import PRESETS
+
+    full = PRESETS["1b"]
+    rows = []
+    for mode, codec in [("diloco", "none"), *(("spes", c) for c in codecs)]:
+        measured = {}
+        for n in layers:
+            config = dataclasses.replace(full, n_layers=n).to_json()
+            changes = {"model.config_json": config, "sim.compute": "virtual=0.01"}
+            exchange = "all-to-all, weights" if mode == "diloco" else DEFAULT_EXCHANGE
+            r = swarm_bytes("1b", codec, mode, exchange, rounds=3, changes=changes)
+            measured[n] = (r["sent"], r["received"], r["model_fp32_bytes"])
+            print(f"codec bytes 1b/{n} layers {mode} {codec}: {r['sent'] / 2**20:.1f} MiB sent", flush=True)
+        (a, at_a), (b, at_b) = sorted(measured.items())
+        line = (x + (y - x) * (full.n_layers - a) / (b - a) for x, y in zip(at_a, at_b, strict=True))
+        sent, received, model = line
+        rows.append(
+            {"mode": mode, "codec": codec, "sent": sent, "received": received, "model_fp32_bytes": model}
+        )
+    baseline = rows[0]["sent"] + rows[0]["received"]
+    for r in rows:
+        r["ratio_vs_diloco_fp32"] = (r["sent"] + r["received"]) / baseline
     return rows
 
 
@@ -278,22 +329,52 @@ LOSS_METHODS = {  # settings changes, section.field
 
 
 def bench_loss(out: Path, rounds: int, steps: int) -> dict:
-    merge = {"merge.interval": 2 * steps, "merge.horizon": rounds * steps, "train.eval_every": 2 * steps}
     curves = {"centralized": centralized(out, rounds, steps)}
     for name, settings in LOSS_METHODS.items():
-        sim = simulate(out, f"loss-{name}", "memory", 4, rounds, steps, {**merge, **settings})
-        by_round: dict[int, list[float]] = {}
-        for rows in sim["rows"].values():
-            for r in rows:
-                if "val_loss" in r:
-                    by_round.setdefault(r["round"], []).append(r["val_loss"])
-        per_round = 4 * sim["tokens_per_peer_round"]
-        curves[name] = [((k + 1) * per_round, statistics.fmean(v)) for k, v in sorted(by_round.items())]
+        sim = simulate(
+            out, f"loss-{name}", "memory", 4, rounds, steps, {**_loss_settings(rounds, steps), **settings}
+        )
+        curves[name] = loss_curve(sim)
         print(f"loss {name}: {curves[name][-1]}", flush=True)
     return curves
 
 
-def centralized(out: Path, rounds: int, steps: int) -> list[tuple[int, float]]:
+def bench_codec_loss(out: Path, rounds: int, steps: int, longer: int = 4) -> dict:
+    """``compression.CODEC_METHODS`` and centralized, each over ``compression.LOSS_SEEDS``, on the loss
+    section's setting ("short") and on one ``longer`` times as long ("long"): every curve, by method."""
+    result = {}
+    for length, n in (("short", rounds), ("long", longer * rounds)):
+        curves: dict[str, list] = {}
+        for seed in compression.LOSS_SEEDS:
+            curves.setdefault("centralized", []).append(centralized(out, n, steps, seed))
+            for name, settings in compression.CODEC_METHODS.items():
+                changes = {**_loss_settings(n, steps), **settings, "train.seed": seed}
+                sim = simulate(
+                    out, f"codec-{length}-{name}-{seed}".replace(" ", "-"), "memory", 4, n, steps, changes
+                )
+                curves.setdefault(name, []).append(loss_curve(sim))
+                print(f"codec loss {length} {name} seed {seed}: {curves[name][-1][-1]}", flush=True)
+        result[length] = curves
+    return result
+
+
+def _loss_settings(rounds: int, steps: int) -> dict:
+    """Merging every 2 rounds while the step is below the run's last; validation every 2 rounds."""
+    return {"merge.interval": 2 * steps, "merge.horizon": rounds * steps, "train.eval_every": 2 * steps}
+
+
+def loss_curve(sim: dict) -> list[tuple[int, float]]:
+    """(tokens of the swarm, mean validation loss over its peers) at each round that validated."""
+    by_round: dict[int, list[float]] = {}
+    for rows in sim["rows"].values():
+        for r in rows:
+            if "val_loss" in r:
+                by_round.setdefault(r["round"], []).append(r["val_loss"])
+    per_round = 4 * sim["tokens_per_peer_round"]
+    return [((k + 1) * per_round, statistics.fmean(v)) for k, v in sorted(by_round.items())]
+
+
+def centralized(out: Path, rounds: int, steps: int, seed: int = 0) -> list[tuple[int, float]]:
     """One trainer on 4 peers' batches at once (4 x 8 sequences a step), for as many steps as a peer."""
     from spes_p2p.model.config import ModelSettings
     from spes_p2p.sim.summary import read_rows
@@ -302,9 +383,9 @@ def centralized(out: Path, rounds: int, steps: int) -> list[tuple[int, float]]:
 
     # the peers' schedule (10,000 steps, warmup 50); the same 32 validation sequences as a peer's 4 x 8
     train = TrainConfig(
-        batch_size=32, total_steps=10_000, warmup_steps=50, eval_every=2 * steps, eval_batches=1
+        batch_size=32, total_steps=10_000, warmup_steps=50, eval_every=2 * steps, eval_batches=1, seed=seed
     )
-    folder = out / "loss-centralized"
+    folder = out / ("loss-centralized" if not seed else f"loss-centralized-{seed}")
     shutil.rmtree(folder, ignore_errors=True)
     TrainingRun(ModelSettings(), train, DataConfig(max_corpus_mb=4.0), folder).run(stop_after=rounds * steps)
     rows = read_rows(folder)
@@ -389,6 +470,49 @@ def bench_wan(out: Path, peers: int, rounds: int) -> dict:
                 ),
             }
         print(f"wan {name}: {result[name]}", flush=True)
+    return result
+
+
+def bench_codec_wan(out: Path, results: dict, peers: int, rounds: int, uplink_mbit: float = 20.0) -> dict:
+    """The sparse codec's sync-wait share on a `small` swarm whose links are scaled to a `1b` peer's: the
+    bandwidth is ``uplink_mbit`` times what a small peer sends per round over what a 1b peer sends (so a
+    round's transfer takes as long as a 1b peer's on that uplink), and a round's compute is a 1b peer's at
+    H = 100 on a GPU (``compression.GPU_*``, an estimate). Needs ``codec_bytes`` measured first."""
+    from spes_p2p.settings import Settings
+
+    if "codec_bytes" not in results:
+        raise RuntimeError("codec_wan scales its links by the codec_bytes section's figures: run that first")
+    one_b = next(r for r in results["codec_bytes"] if r["codec"] == "sparseloco")
+    small = swarm_bytes("small", "sparseloco", "spes", DEFAULT_EXCHANGE)
+    rate_kbit = uplink_mbit * 1000 * small["sent"] / one_b["sent"]
+    gpu_round = (
+        compression.H
+        * compression.GPU_STEP_TOKENS
+        * compression.flops_per_token(Settings().override({"model.preset": "1b"}), "spes")
+        / compression.GPU_FLOPS
+    )
+    settings = {
+        "model.preset": "small",
+        "sync.codec": "sparseloco",
+        "sync.refresh_codec": "sparseloco",
+        "sim.netns": True,
+        "sim.bandwidth": f"{max(1, round(rate_kbit))}kbit",
+        "sim.compute": f"virtual={gpu_round / compression.H:.4f}",
+    }
+    sim = simulate(out, "codec-wan", "hivemind", peers, rounds, compression.H, settings)
+    result = {
+        "bandwidth_kbit": rate_kbit,
+        "small_sent_per_round": small["sent"],
+        "one_b_sent_per_round": one_b["sent"],
+        "round_compute_seconds": gpu_round,
+        "transfer_seconds_per_round": one_b["sent"] * 8 / (uplink_mbit * 1e6),
+        **_round_times(sim),
+        "sync_wait_fraction": _wait_fraction(sim["rows"].values()),
+        "sync_wait_fraction_with_last": _wait_fraction(sim["rows"].values(), with_last=True),
+        "uncovered": sim["summary"]["uncovered_unit_rounds"],
+        "failures": sim["summary"]["failures"],
+    }
+    print(f"codec wan: {result}", flush=True)
     return result
 
 
@@ -534,6 +658,7 @@ def tables(results: dict) -> str:
                     f"{ratio:.2f}x" if ratio else "",
                 )
             )
+    out += compression.codec_tables(results, row, mib)
     missed = {
         **results.get("skipped", {}),
         **{k: f"failed: {v}" for k, v in results.get("failed", {}).items()},
@@ -616,7 +741,7 @@ def _section(name: str) -> str:
 
 def missing(name: str) -> str | None:
     """What this machine lacks to run section ``name`` (one line), or None."""
-    if name == "wan":
+    if name in ("wan", "codec_wan"):
         from spes_p2p.sim.netns import missing_tools
 
         return missing_tools(nat=True)
@@ -694,6 +819,10 @@ def main() -> int:
         "scale": lambda: bench_scale(args.out, **mode["scale"]),
         "wan": lambda: bench_wan(args.out, **mode["wan"]),
         "backends": lambda: bench_backends(args.out, **mode["backends"]),
+        "codec_bytes": lambda: bench_codec_bytes(compression.ONE_B_LAYERS, ["int8", "sparseloco"]),
+        "codec_time": lambda: compression.bench_codec_time(mode["codec_presets"], ["int8", "sparseloco"]),
+        "codec_loss": lambda: bench_codec_loss(args.out, **mode["loss"]),
+        "codec_wan": lambda: bench_codec_wan(args.out, results, **mode["wan"]),
     }
     chosen = {name: sections[name] for name in args.only or SECTIONS}
     ok = run_sections(chosen, results, lambda r: save(r, args.out))

@@ -2,6 +2,7 @@
 
 import importlib.util
 import json
+import sys
 from pathlib import Path
 
 import pytest
@@ -11,6 +12,7 @@ from spes_p2p.model.config import ModelSettings
 from spes_p2p.model.units import layout_of
 
 SCRIPT = Path(__file__).parents[1] / "benchmarks" / "run.py"
+sys.path.insert(0, str(SCRIPT.parent))  # (as running the script does: its own folder first)
 SPEC = importlib.util.spec_from_file_location("bench_run", SCRIPT)
 bench = importlib.util.module_from_spec(SPEC)
 SPEC.loader.exec_module(bench)
@@ -68,3 +70,27 @@ def test_the_wan_section_names_what_the_machine_lacks(monkeypatch):
     monkeypatch.setattr(netns.os, "geteuid", lambda: 0)
     assert "install nftables" in bench.missing("wan")
     assert bench.missing("memory") is None
+
+
+def test_training_flops_count_what_each_method_trains_and_equal_compute_reads_the_curves():
+    from spes_p2p.settings import Settings
+
+    compression = bench.compression
+    everything = Settings().override({"model.shards": 1, "model.dense_blocks": 1})
+    # a SPES peer that trains every unit pays what DiLoCo pays; one that trains a part, less
+    assert compression.flops_per_token(everything, "spes") == compression.flops_per_token(
+        everything, "diloco"
+    )
+    default = Settings().override({"model.shards": 4})
+    assert compression.flops_per_token(default, "spes") < 0.85 * compression.flops_per_token(
+        default, "diloco"
+    )
+    curve = [(100, 4.0), (200, 3.0), (400, 2.0)]
+    assert compression._at(curve, 150) == pytest.approx(3.5) and compression._at(curve, 300) == pytest.approx(
+        2.5
+    )
+    short = {"diloco fp32": [[(100, 5.0), (200, 4.0)]]}
+    long = {"diloco fp32": [curve], "spes int8": [[(100, 4.0), (1000, 1.0)]]}
+    at = compression.equal_compute({"short": short, "long": long}, default)
+    assert at["diloco fp32"] == [pytest.approx(3.0)]  # its own budget: its short run's last point
+    assert at["spes int8"][0] < 3.7  # more tokens for the same FLOPs: further down its curve

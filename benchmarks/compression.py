@@ -1,0 +1,208 @@
+"""The sparse codec (``sparseloco``) against int8, DiLoCo and centralized training: the ``codec_*`` sections
+of ``benchmarks/run.py`` (docs/compression.md, docs/benchmarks.md).
+
+- ``codec_bytes``: bytes per peer per round of the `1b` preset's shapes with virtual compute. Four 1b peers
+  do not fit in this machine's memory at once, so the same swarm runs with 1 and with 2 of 1b's layers (every
+  tensor of 1b's shapes: its vocabulary, width and experts) and the figure for its 12 layers is the straight
+  line through those two: a peer's bytes are a sum over tensors, each layer's the same. tiny and small are
+  measured whole in the ``bytes`` section.
+- ``codec_loss``: validation loss at equal tokens, 3 seeds each, of SPES with sparseloco at two densities and
+  with int8, DiLoCo (fp32) and centralized, on the loss section's setting and on a run 4 times as long; and
+  the same runs compared at equal training compute (``flops_per_token``).
+- ``codec_time``: coding time of a default peer's update (what a peer trains, with error feedback: encode,
+  then decode its own payload) and decoding one co-holder's payload, on this machine's CPU, beside a round's
+  compute at H = 100.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import statistics
+import time
+from itertools import pairwise
+
+import torch
+
+from spes_p2p.model.config import measured_step_seconds
+from spes_p2p.model.units import layout_of
+
+ONE_B_LAYERS = (1, 2)  # the layer counts measured; 1b has 12
+LOSS_SEEDS = (0, 1, 2)
+# the methods compared, as settings changes: SPES runs the default exchange (reduce-scatter, changes)
+CODEC_METHODS = {
+    "spes sparseloco k=64": {"sync.codec": "sparseloco", "sync.refresh_codec": "sparseloco"},
+    "spes sparseloco k=32": {
+        "sync.codec": "sparseloco",
+        "sync.refresh_codec": "sparseloco",
+        "sync.sparse_k": 32,
+    },
+    "spes int8": {},
+    "diloco fp32": {"method.mode": "diloco", "sync.codec": "none", "sync.refresh_codec": "none"},
+}
+# a round's compute at H = 100 on a GPU, for the wan figure and the coding-time ratio: an estimate, not a
+# measurement (no GPU here). A 1b peer's step of 16 x 1024 tokens at its FLOPs per token
+# (``flops_per_token``), on a GPU that sustains 100 TFLOP/s in bf16 (about 40% of an RTX 4090's or 10% of an
+# H100's dense peak)
+GPU_STEP_TOKENS, GPU_FLOPS = 16 * 1024, 100e12
+H = 100
+
+
+# ------------------------------------------------------------------------------------------- shapes
+
+
+def trained_shapes(settings) -> dict[str, dict[str, tuple[int, ...]]]:
+    """A default peer's trained units (the first expert shard and the first dense block) -> tensor shapes,
+    from a model built on the meta device (no memory)."""
+    from spes_p2p.model import MoETransformer
+    from spes_p2p.model.units import unit_parameters
+
+    layout = layout_of(settings.model)
+    with torch.device("meta"):
+        model = MoETransformer(settings.model.architecture())
+    units = [layout.dense_units[0], layout.expert_units[0]]
+    return {u: {n: tuple(p.shape) for n, p in unit_parameters(model, layout, u).items()} for u in units}
+
+
+def flops_per_token(settings, method: str) -> float:
+    """Training FLOPs per token of one peer: 2 x the active matmul parameters forward, as much again for the
+    activations' gradients backward, and 2 x the active parameters it trains for their weight gradients.
+    A SPES peer trains one dense block of B and 1/shards of the experts (a token reaches one of its experts
+    top_k / shards of the time, on average); DiLoCo and centralized train all (6 x active). Attention's
+    score and value products (4 x seq_len x d_model a layer forward) have two inputs to differentiate and no
+    weights: 6 x theirs in every method."""
+    arch, model = settings.model.architecture(), settings.model
+    d, f, layers = arch.d_model, arch.expert_dim, arch.n_layers
+    attention = layers * (2 * d * d + 2 * d * arch.head_dim * arch.kv_heads)
+    experts = layers * arch.top_k * 3 * d * f
+    head, router = d * arch.vocab_size, layers * d * arch.n_experts
+    scores = layers * 2 * settings.train.seq_len * d  # per token, forward, as parameter-equivalents
+    active = attention + experts + head + router + scores
+    if method in ("diloco", "centralized"):
+        return 6 * active
+    dense_trained = (attention + head + router) / model.dense_blocks
+    return 4 * active + 2 * (dense_trained + experts / model.shards + scores)
+
+
+# -------------------------------------------------------------------------------------- coding time
+
+
+def bench_codec_time(presets: list[str], codecs: list[str]) -> list[dict]:
+    """Seconds to code a default peer's update of each preset (error feedback's encode, which decodes its
+    own payload too) and to decode one payload of it, against a round's compute at H = 100."""
+    from spes_p2p.settings import Settings
+    from spes_p2p.sync.codecs import CODECS
+    from spes_p2p.sync.payload import ErrorFeedback, decode, specs_of
+
+    rows = []
+    for preset in presets:
+        settings = Settings().override({"model.preset": preset})
+        shapes = trained_shapes(settings)
+        g = torch.Generator().manual_seed(0)
+        updates = {
+            u: {n: torch.randn(s, generator=g) * 1e-3 for n, s in t.items()} for u, t in shapes.items()
+        }
+        numel = sum(math.prod(s) for t in shapes.values() for s in t.values())
+        step_tokens = settings.train.batch_size * settings.train.seq_len
+        cpu_step = measured_step_seconds(preset, step_tokens)
+        gpu_round = H * GPU_STEP_TOKENS * flops_per_token(settings, "spes") / GPU_FLOPS
+        for name in codecs:
+            codec = CODECS[name]
+            ErrorFeedback(codec).encode({"warm-up": torch.randn(10_000, generator=g)})
+            encode_s, decode_s, sizes = [], [], 0
+            for update in updates.values():
+                feedback = ErrorFeedback(codec)
+                started = time.perf_counter()
+                payload, _ = feedback.encode(update, round_=0)
+                encode_s.append(time.perf_counter() - started)
+                started = time.perf_counter()
+                decode(payload, specs_of(update), codec)
+                decode_s.append(time.perf_counter() - started)
+                sizes += len(payload)
+            row = {
+                "preset": preset,
+                "codec": name,
+                "trained_params": numel,
+                "payload_bytes": sizes,
+                "encode_seconds": sum(encode_s),
+                "decode_seconds": sum(decode_s),
+                "cpu_round_seconds": None if cpu_step is None else H * cpu_step,
+                "gpu_round_seconds_estimate": gpu_round,
+            }
+            rows.append(row)
+            print(f"codec time {json.dumps(row)}", flush=True)
+    return rows
+
+
+# ------------------------------------------------------------------------------------------- tables
+
+
+def equal_compute(loss: dict, settings) -> dict[str, list[float]]:
+    """Each method's validation loss (one per seed) at the training FLOPs of a DiLoCo peer's short run: read
+    on the long runs' curves, at the tokens that many FLOPs buy each method (``flops_per_token``), linearly
+    between validations."""
+    per_token = {
+        name: flops_per_token(settings, "centralized" if name == "centralized" else name.split()[0])
+        for name in loss["long"]
+    }
+    budget = loss["short"]["diloco fp32"][0][-1][0] * per_token["diloco fp32"]
+    return {
+        name: [_at(curve, budget / per_token[name]) for curve in curves]
+        for name, curves in loss["long"].items()
+    }
+
+
+def _at(curve: list, tokens: float) -> float:
+    """The curve's loss at ``tokens`` (linear between its points; its last point beyond it)."""
+    for (t0, l0), (t1, l1) in pairwise(curve):
+        if t0 <= tokens <= t1:
+            return l0 + (l1 - l0) * (tokens - t0) / (t1 - t0)
+    return curve[-1][1] if tokens > curve[-1][0] else curve[0][1]
+
+
+def spread(values: list[float]) -> str:
+    """Mean, and (min to max) over seeds."""
+    return f"{statistics.fmean(values):.3f} ({min(values):.3f} to {max(values):.3f})"
+
+
+def codec_tables(results: dict, row, mib) -> list[str]:
+    out = []
+    if "codec_bytes" in results:
+        heads = ("sent MiB", "received MiB", "vs DiLoCo fp32")
+        out += ["", row("1b shapes, 12 layers", "codec", *heads), row(*["---"] * 5)]
+        for r in results["codec_bytes"]:
+            ratio = f"{r['ratio_vs_diloco_fp32']:.4f}"
+            out.append(row(r["mode"], r["codec"], mib(r["sent"]), mib(r["received"]), ratio))
+    if "codec_time" in results:
+        heads = ("trained params", "payload MiB", "encode s", "decode s", "CPU round s", "GPU round s (est.)")
+        out += ["", row("preset", "codec", *heads, "encode / GPU round"), row(*["---"] * 9)]
+        for r in results["codec_time"]:
+            cpu = r["cpu_round_seconds"]
+            out.append(
+                row(
+                    r["preset"],
+                    r["codec"],
+                    f"{r['trained_params']:,}",
+                    mib(r["payload_bytes"]),
+                    f"{r['encode_seconds']:.3f}",
+                    f"{r['decode_seconds']:.3f}",
+                    "" if cpu is None else f"{cpu:.0f}",
+                    f"{r['gpu_round_seconds_estimate']:.2f}",
+                    f"{r['encode_seconds'] / r['gpu_round_seconds_estimate']:.3f}",
+                )
+            )
+    if "codec_loss" in results:
+        from spes_p2p.settings import Settings
+
+        loss = results["codec_loss"]
+        for length, curves in loss.items():
+            out += ["", row(f"{length} run: method", "tokens", "final val loss, mean (min to max)")]
+            out.append(row(*["---"] * 3))
+            for name, runs in curves.items():
+                out.append(row(name, f"{runs[0][-1][0]:,}", spread([c[-1][1] for c in runs])))
+        if "long" in loss:
+            at = equal_compute(loss, Settings().override({"model.shards": 2}))
+            out += ["", row("at a DiLoCo peer's FLOPs of the short run", "val loss, mean (min to max)")]
+            out.append(row("---", "---"))
+            out += [row(name, spread(values)) for name, values in at.items()]
+    return out
