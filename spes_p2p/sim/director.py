@@ -46,10 +46,13 @@ class Director:
                 self.events.append({"type": "join", "peer": name_of(index), "round": join.round})
                 index += 1
 
-    def tick(self, swarm_round: int) -> None:
+    def tick(self, swarm_round: int, slowest: int | None = None) -> None:
+        """``swarm_round``: the most rounds a live peer has completed (kills, churn and heals go by it);
+        ``slowest``: the fewest (a partition starts once every peer has completed the rounds before it, so
+        that it cuts no exchange of an earlier round short; None: ``swarm_round``)."""
         self._kill(swarm_round)
         self.churn.tick(swarm_round)
-        self._partition(swarm_round)
+        self._partition(swarm_round, swarm_round if slowest is None else slowest)
 
     def _kill(self, swarm_round: int) -> None:
         while self.kills and self.kills[0].round <= swarm_round:
@@ -66,12 +69,12 @@ class Director:
             self.fleet.kill(index)
             self.events.append({"type": "kill", "peer": name_of(index), "round": swarm_round})
 
-    def _partition(self, swarm_round: int) -> None:
+    def _partition(self, swarm_round: int, slowest: int) -> None:
         if self.active and swarm_round > self.active.end:
             self.fleet.partition(None)
             self.events.append({"type": "heal", "round": swarm_round})
             self.active = None
-        if not self.active and self.partitions and self.partitions[0].start <= swarm_round:
+        if not self.active and self.partitions and self.partitions[0].start <= slowest:
             self.active = self.partitions.pop(0)
             self.fleet.partition(self.active.groups)
             groups = [list(g) for g in self.active.groups]

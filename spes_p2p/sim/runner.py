@@ -68,7 +68,7 @@ def _run(settings: Settings, on_tick: Callable[[dict], None] | None) -> dict:
         director.start()
         while not fleet.finished():
             rounds = fleet.rounds()
-            director.tick(max(rounds.values(), default=0))
+            director.tick(max(rounds.values(), default=0), min(rounds.values(), default=0))
             if on_tick:
                 on_tick(_tick(fleet, rounds, director.events, time.monotonic() - started))
             if time.monotonic() > deadline:
