@@ -1,11 +1,12 @@
 """The sparse codec (``sparseloco``) against int8, DiLoCo and centralized training: the ``codec_*`` sections
 of ``benchmarks/run.py`` (docs/compression.md, docs/benchmarks.md).
 
-- ``codec_bytes``: bytes per peer per round of the `1b` preset's shapes with virtual compute. Four 1b peers
-  do not fit in this machine's memory at once, so the same swarm runs with 1 and with 2 of 1b's layers (every
-  tensor of 1b's shapes: its vocabulary, width and experts) and the figure for its 12 layers is the straight
-  line through those two: a peer's bytes are a sum over tensors, each layer's the same. tiny and small are
-  measured whole in the ``bytes`` section.
+- ``codec_bytes``: bytes per peer per round of the `1b` preset's shapes with virtual compute, against a
+  DiLoCo peer's fp32 exchange. Four 1b peers do not fit in this machine's memory at once, so the same swarm
+  runs with 1b's width and expert size and fewer layers, experts and tokens (``SHAPE_POINTS``); a peer's
+  bytes are a sum over its tensors, each coded in a size linear in its elements (``features``), and 1b's
+  figure is that sum's fit at (12 layers, 151,665 tokens, 16 experts), fitted on four points and checked on a
+  fifth. tiny and small are measured whole in the ``bytes`` section.
 - ``codec_loss``: validation loss at equal tokens, 3 seeds each, of SPES with sparseloco at two densities and
   with int8, DiLoCo (fp32) and centralized, on the loss section's setting and on a run 4 times as long; and
   the same runs compared at equal training compute (``flops_per_token``).
@@ -27,8 +28,8 @@ import torch
 from spes_p2p.model.config import measured_step_seconds
 from spes_p2p.model.units import layout_of
 
-ONE_B_LAYERS = (1, 2)  # the layer counts measured; 1b has 12
-LOSS_SEEDS = (0, 1, 2)
+# (layers, vocabulary, experts) measured, the last to check the others' fit; 1b: 12, 151,665, 16
+SHAPE_POINTS = ((1, 8192, 2), (2, 8192, 2), (1, 16384, 2), (1, 8192, 4), (2, 16384, 4))
 # the methods compared, as settings changes: SPES runs the default exchange (reduce-scatter, changes)
 CODEC_METHODS = {
     "spes sparseloco k=64": {"sync.codec": "sparseloco", "sync.refresh_codec": "sparseloco"},
@@ -49,6 +50,21 @@ H = 100
 
 
 # ------------------------------------------------------------------------------------------- shapes
+
+
+def features(layers: int, vocab: int, experts: int) -> list[float]:
+    """A peer's bytes as a sum over its tensors: a constant, the embedding and head (in the vocabulary), and
+    per layer its attention (constant) and its experts and router (in the experts)."""
+    return [1.0, vocab, layers, layers * experts]
+
+
+def extend(points: list[tuple], column: int, at: tuple[int, int, int]) -> float:
+    """``column`` of ``points`` (rows of layers, vocabulary, experts, figures...), fitted exactly on the first
+    four by ``features`` and evaluated at ``at``."""
+    matrix = torch.tensor([features(*p[:3]) for p in points[:4]], dtype=torch.float64)
+    values = torch.tensor([float(p[column]) for p in points[:4]], dtype=torch.float64)
+    weights = torch.linalg.solve(matrix, values)
+    return float(torch.tensor(features(*at), dtype=torch.float64) @ weights)
 
 
 def trained_shapes(settings) -> dict[str, dict[str, tuple[int, ...]]]:
@@ -168,11 +184,13 @@ def spread(values: list[float]) -> str:
 def codec_tables(results: dict, row, mib) -> list[str]:
     out = []
     if "codec_bytes" in results:
-        heads = ("sent MiB", "received MiB", "vs DiLoCo fp32")
-        out += ["", row("1b shapes, 12 layers", "codec", *heads), row(*["---"] * 5)]
+        heads = ("sent MiB", "received MiB", "vs DiLoCo fp32", "fit's error at the 5th point")
+        out += ["", row("1b, a SPES peer: codec", *heads), row(*["---"] * 5)]
         for r in results["codec_bytes"]:
-            ratio = f"{r['ratio_vs_diloco_fp32']:.4f}"
-            out.append(row(r["mode"], r["codec"], mib(r["sent"]), mib(r["received"]), ratio))
+            cells = (f"{r['ratio_vs_diloco_fp32']:.4f}", f"{r['check_point_error']:+.3f}")
+            out.append(row(r["codec"], mib(r["sent"]), mib(r["received"]), *cells))
+        r = results["codec_bytes"][0]
+        out.append(row("DiLoCo fp32 (2 x 3 x 4 B a parameter)", mib(r["diloco_fp32_bytes"] / 2), "", "", ""))
     if "codec_time" in results:
         heads = ("trained params", "payload MiB", "encode s", "decode s", "CPU round s", "GPU round s (est.)")
         out += ["", row("preset", "codec", *heads, "encode / GPU round"), row(*["---"] * 9)]

@@ -236,33 +236,59 @@ def bench_bytes(presets: list[str]) -> list[dict]:
     return rows
 
 
-def bench_codec_bytes(layers: tuple[int, ...], codecs: list[str]) -> list[dict]:
-    """The `1b` preset's shapes with virtual compute, in the default exchange, measured with 1 and 2 of its
-    layers and extended to its 12 along the line through them (``compression.py``); DiLoCo fp32 beside."""
+def bench_codec_bytes(codecs: list[str], results: dict) -> list[dict]:
+    """What a default SPES peer of the `1b` preset's shapes sends and receives per round, with virtual
+    compute, in the default exchange (4 peers, 2 expert shards, as the ``bytes`` section), against a DiLoCo
+    peer's fp32 all-to-all of the full model, 2 x 3 x 4 bytes a parameter a round (checked against the
+    ``bytes`` section's measured DiLoCo runs when it ran).
+
+    Four 1b peers in one process do not fit this machine's memory (its 151,665-token vocabulary alone is
+    233M parameters a copy). A peer's bytes are a sum over its tensors, each coded in a size linear in its
+    elements: so the swarm runs with 1b's width and expert size at ``compression.SHAPE_POINTS`` (layers,
+    vocabulary, experts), and 1b's figure is ``compression.extend`` of the first four, checked on the
+    fifth."""
     import dataclasses
 
+    from spes_p2p.model import MoETransformer
     from spes_p2p.model.config import PRESETS
 
     full = PRESETS["1b"]
+    with torch.device("meta"):
+        params = sum(p.numel() for p in MoETransformer(full).parameters())
+    diloco = 2 * 3 * 4 * params
     rows = []
-    for mode, codec in [("diloco", "none"), *(("spes", c) for c in codecs)]:
-        measured = {}
-        for n in layers:
-            config = dataclasses.replace(full, n_layers=n).to_json()
-            changes = {"model.config_json": config, "sim.compute": "virtual=0.01"}
-            exchange = "all-to-all, weights" if mode == "diloco" else DEFAULT_EXCHANGE
-            r = swarm_bytes("1b", codec, mode, exchange, rounds=3, changes=changes)
-            measured[n] = (r["sent"], r["received"], r["model_fp32_bytes"])
-            print(f"codec bytes 1b/{n} layers {mode} {codec}: {r['sent'] / 2**20:.1f} MiB sent", flush=True)
-        (a, at_a), (b, at_b) = sorted(measured.items())
-        line = (x + (y - x) * (full.n_layers - a) / (b - a) for x, y in zip(at_a, at_b, strict=True))
-        sent, received, model = line
+    for codec in codecs:
+        points = []
+        for layers, vocab, experts in compression.SHAPE_POINTS:
+            shape = {"n_layers": layers, "vocab_size": vocab, "n_experts": experts}
+            changes = {
+                "model.config_json": dataclasses.replace(full, **shape).to_json(),
+                "sim.compute": "virtual=0.01",
+            }
+            r = swarm_bytes("1b", codec, "spes", DEFAULT_EXCHANGE, rounds=3, changes=changes)
+            points.append((layers, vocab, experts, r["sent"], r["received"]))
+            print(f"codec bytes 1b at {shape}, {codec}: {r['sent']:,.0f} B sent", flush=True)
+        at = (full.n_layers, full.vocab_size, full.n_experts)
+        sent, received = (compression.extend(points, i, at) for i in (3, 4))
+        check = compression.extend(points, 3, points[4][:3]) / points[4][3] - 1
         rows.append(
-            {"mode": mode, "codec": codec, "sent": sent, "received": received, "model_fp32_bytes": model}
+            {
+                "codec": codec,
+                "params": params,
+                "sent": sent,
+                "received": received,
+                "diloco_fp32_bytes": diloco,
+                "ratio_vs_diloco_fp32": (sent + received) / diloco,
+                "points": points,
+                "check_point_error": check,
+            }
         )
-    baseline = rows[0]["sent"] + rows[0]["received"]
-    for r in rows:
-        r["ratio_vs_diloco_fp32"] = (r["sent"] + r["received"]) / baseline
+    for r in results.get("bytes", []):  # the formula against the measured DiLoCo all-to-all
+        if r["mode"] == "diloco" and r["exchange"] == "all-to-all, weights":
+            formula = 2 * 3 * r["model_fp32_bytes"]
+            rows[0].setdefault("diloco_formula_check", {})[r["preset"]] = (
+                r["sent"] + r["received"]
+            ) / formula
     return rows
 
 
@@ -819,7 +845,7 @@ def main() -> int:
         "scale": lambda: bench_scale(args.out, **mode["scale"]),
         "wan": lambda: bench_wan(args.out, **mode["wan"]),
         "backends": lambda: bench_backends(args.out, **mode["backends"]),
-        "codec_bytes": lambda: bench_codec_bytes(compression.ONE_B_LAYERS, ["int8", "sparseloco"]),
+        "codec_bytes": lambda: bench_codec_bytes(["int8", "sparseloco"], results),
         "codec_time": lambda: compression.bench_codec_time(mode["codec_presets"], ["int8", "sparseloco"]),
         "codec_loss": lambda: bench_codec_loss(args.out, **mode["loss"]),
         "codec_wan": lambda: bench_codec_wan(args.out, results, **mode["wan"]),

@@ -94,3 +94,9 @@ def test_training_flops_count_what_each_method_trains_and_equal_compute_reads_th
     at = compression.equal_compute({"short": short, "long": long}, default)
     assert at["diloco fp32"] == [pytest.approx(3.0)]  # its own budget: its short run's last point
     assert at["spes int8"][0] < 3.7  # more tokens for the same FLOPs: further down its curve
+
+
+def test_the_fit_over_shapes_gives_back_a_figure_that_is_a_sum_over_tensors_anywhere():
+    figure = lambda layers, vocab, experts: 1000 + 3 * vocab + layers * (77 + 5 * experts)  # noqa: E731
+    points = [(*p, figure(*p)) for p in bench.compression.SHAPE_POINTS]
+    assert bench.compression.extend(points, 3, (12, 151_665, 16)) == pytest.approx(figure(12, 151_665, 16))
