@@ -30,6 +30,7 @@ from spes_p2p.model.units import layout_of
 
 # (layers, vocabulary, experts) measured, the last to check the others' fit; 1b: 12, 151,665, 16
 SHAPE_POINTS = ((1, 8192, 2), (2, 8192, 2), (1, 16384, 2), (1, 8192, 4), (2, 16384, 4))
+LOSS_SEEDS = (0, 1, 2)
 # the methods compared, as settings changes: SPES runs the default exchange (reduce-scatter, changes)
 CODEC_METHODS = {
     "spes sparseloco k=64": {"sync.codec": "sparseloco", "sync.refresh_codec": "sparseloco"},
