@@ -29,7 +29,7 @@ from spes_p2p.model.config import measured_step_seconds
 from spes_p2p.model.units import layout_of
 
 # (layers, vocabulary, experts) measured, the last to check the others' fit; 1b: 12, 151,665, 16
-SHAPE_POINTS = ((1, 8192, 2), (2, 8192, 2), (1, 16384, 2), (1, 8192, 4), (2, 16384, 4))
+SHAPE_POINTS = ((1, 8192, 2), (2, 8192, 2), (1, 16384, 2), (1, 8192, 4), (2, 8192, 4))
 LOSS_SEEDS = (0, 1, 2)
 # the methods compared, as settings changes: SPES runs the default exchange (reduce-scatter, changes)
 CODEC_METHODS = {
@@ -154,6 +154,33 @@ def bench_codec_time(presets: list[str], codecs: list[str]) -> list[dict]:
 # ------------------------------------------------------------------------------------------- tables
 
 
+def headline(results: dict, measured) -> dict:
+    """The codec sections' headline figures, of those measured."""
+    figures = {}
+    if measured(results, "codec_bytes"):
+        for r in results["codec_bytes"]:
+            figures[f"bytes_ratio_vs_diloco_fp32_1b_{r['codec']}"] = r["ratio_vs_diloco_fp32"]
+    if measured(results, "codec_time"):
+        for r in results["codec_time"]:
+            share = r["encode_seconds"] / r["gpu_round_seconds_estimate"]
+            figures[f"encode_share_of_gpu_round_{r['preset']}_{r['codec']}"] = share
+    if measured(results, "codec_loss"):
+        for length, curves in results["codec_loss"].items():
+            final = {name: statistics.fmean(c[-1][1] for c in runs) for name, runs in curves.items()}
+            for name in ("spes sparseloco k=64", "spes sparseloco k=32"):
+                if name in final:
+                    key = name.split()[-1].replace("=", "")
+                    figures[f"val_loss_ratio_sparseloco_{key}_vs_int8_{length}"] = (
+                        final[name] / final["spes int8"]
+                    )
+                    figures[f"val_loss_ratio_sparseloco_{key}_vs_diloco_{length}"] = (
+                        final[name] / final["diloco fp32"]
+                    )
+    if measured(results, "codec_wan"):
+        figures["sync_wait_fraction_sparseloco_1b_link"] = results["codec_wan"]["sync_wait_fraction"]
+    return figures
+
+
 def equal_compute(loss: dict, settings) -> dict[str, list[float]]:
     """Each method's validation loss (one per seed) at the training FLOPs of a DiLoCo peer's short run: read
     on the long runs' curves, at the tokens that many FLOPs buy each method (``flops_per_token``), linearly
@@ -210,6 +237,23 @@ def codec_tables(results: dict, row, mib) -> list[str]:
                     f"{r['encode_seconds'] / r['gpu_round_seconds_estimate']:.3f}",
                 )
             )
+    if "codec_wan" in results:
+        r = results["codec_wan"]
+        out += [
+            "",
+            row("codec_wan: 4 small peers, sparseloco, links scaled to a 1b peer's", ""),
+            row("---", "---"),
+        ]
+        out += [
+            row("link (kbit/s, both ways)", f"{r['bandwidth_kbit']:.0f}"),
+            row("a 1b peer's upload per round on 20 Mbit/s (s)", f"{r['transfer_seconds_per_round']:.1f}"),
+            row("a round's compute (s, a 1b peer on a GPU, estimated)", f"{r['round_compute_seconds']:.1f}"),
+            row("round (s, median)", f"{r['round_seconds']:.1f}" if r["round_seconds"] else "failed"),
+            row(
+                "sync-wait share (rounds 2 to n - 1 / with the last)",
+                f"{r['sync_wait_fraction']:.3f} / {r['sync_wait_fraction_with_last']:.3f}",
+            ),
+        ]
     if "codec_loss" in results:
         from spes_p2p.settings import Settings
 

@@ -264,8 +264,11 @@ def bench_codec_bytes(codecs: list[str], results: dict) -> list[dict]:
             changes = {
                 "model.config_json": dataclasses.replace(full, **shape).to_json(),
                 "sim.compute": "virtual=0.01",
+                # coding these tensors takes seconds on 2 cores: no peer is cut off for being slow (its
+                # copies would part, and re-synchronizing moves whole weights: another measurement)
+                "sync.deadline_min": 30.0,
             }
-            r = swarm_bytes("1b", codec, "spes", DEFAULT_EXCHANGE, rounds=3, changes=changes)
+            r = _in_child("swarm_bytes", "1b", codec, "spes", DEFAULT_EXCHANGE, 4, changes)
             points.append((layers, vocab, experts, r["sent"], r["received"]))
             print(f"codec bytes 1b at {shape}, {codec}: {r['sent']:,.0f} B sent", flush=True)
         at = (full.n_layers, full.vocab_size, full.n_experts)
@@ -290,6 +293,19 @@ def bench_codec_bytes(codecs: list[str], results: dict) -> list[dict]:
                 r["sent"] + r["received"]
             ) / formula
     return rows
+
+
+def _in_child(function: str, *args) -> dict:
+    """``function(*args)`` of this script in a fresh process: a swarm of large tensors leaves memory that
+    the next one in the same process cannot use."""
+    child = subprocess.run(
+        [sys.executable, __file__, "--child", json.dumps([function, *args])],
+        capture_output=True,
+        text=True,
+    )
+    if child.returncode:
+        raise RuntimeError(f"{function}{tuple(args)[:3]} failed:\n{child.stderr[-2000:]}")
+    return json.loads(child.stdout.strip().splitlines()[-1])
 
 
 # ------------------------------------------------------------------------------------------ swarms
@@ -367,20 +383,38 @@ def bench_loss(out: Path, rounds: int, steps: int) -> dict:
 
 def bench_codec_loss(out: Path, rounds: int, steps: int, longer: int = 4) -> dict:
     """``compression.CODEC_METHODS`` and centralized, each over ``compression.LOSS_SEEDS``, on the loss
-    section's setting ("short") and on one ``longer`` times as long ("long"): every curve, by method."""
-    result = {}
+    section's setting ("short") and on one ``longer`` times as long ("long"): every curve, by method. Each
+    run's curve is kept in DIR/codec_loss_runs.json as it ends, and a run already there is not run again: a
+    section stopped halfway (it takes hours on 2 cores) goes on where it stopped."""
+    done_path = out / "codec_loss_runs.json"
+    done = json.loads(done_path.read_text()) if done_path.exists() else {}
+    result: dict[str, dict[str, list]] = {}
     for length, n in (("short", rounds), ("long", longer * rounds)):
-        curves: dict[str, list] = {}
         for seed in compression.LOSS_SEEDS:
-            curves.setdefault("centralized", []).append(centralized(out, n, steps, seed))
-            for name, settings in compression.CODEC_METHODS.items():
-                changes = {**_loss_settings(n, steps), **settings, "train.seed": seed}
-                sim = simulate(
-                    out, f"codec-{length}-{name}-{seed}".replace(" ", "-"), "memory", 4, n, steps, changes
-                )
-                curves.setdefault(name, []).append(loss_curve(sim))
-                print(f"codec loss {length} {name} seed {seed}: {curves[name][-1][-1]}", flush=True)
-        result[length] = curves
+            for name in ("centralized", *compression.CODEC_METHODS):
+                key = f"{length}/{name}/{seed}"
+                if key not in done:
+                    if name == "centralized":
+                        done[key] = centralized(out, n, steps, seed)
+                    else:
+                        changes = {
+                            **_loss_settings(n, steps),
+                            **compression.CODEC_METHODS[name],
+                            "train.seed": seed,
+                        }
+                        sim = simulate(
+                            out,
+                            f"codec-{key}".replace(" ", "-").replace("/", "-"),
+                            "memory",
+                            4,
+                            n,
+                            steps,
+                            changes,
+                        )
+                        done[key] = loss_curve(sim)
+                    done_path.write_text(json.dumps(done))
+                    print(f"codec loss {key}: {done[key][-1]}", flush=True)
+                result.setdefault(length, {}).setdefault(name, []).append(done[key])
     return result
 
 
@@ -613,6 +647,7 @@ def headline(results: dict) -> dict:
         figures["val_loss_ratio_vs_diloco"] = final["spes"] / final["diloco"]
     if _measured(results, "sync"):
         figures["sync_wait_fraction"] = results["sync"]["overlap"]["sync_wait_fraction"]
+    figures.update(compression.headline(results, _measured))
     return figures
 
 
@@ -818,9 +853,14 @@ def main() -> int:
         help=f"Run only these sections (comma-separated: {', '.join(SECTIONS)}), updating DIR/summary.json.",
     )
     parser.add_argument("--memory-child", nargs=2, metavar=("PRESET", "CONFIG"), help=argparse.SUPPRESS)
+    parser.add_argument("--child", metavar="JSON", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.memory_child:
         print(json.dumps(memory_child(*args.memory_child)))
+        return 0
+    if args.child:
+        function, *arguments = json.loads(args.child)
+        print(json.dumps({"swarm_bytes": swarm_bytes}[function](*arguments)))
         return 0
     mode = MODES["quick" if args.quick else "full"]
     args.out.mkdir(parents=True, exist_ok=True)

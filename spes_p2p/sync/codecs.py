@@ -24,7 +24,7 @@ The layouts are plain numbers and this module imports no torch (the settings lis
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from itertools import pairwise
 from typing import TYPE_CHECKING, ClassVar
 
@@ -214,7 +214,7 @@ class SparseLoCo(Codec):
         return SparseLoCo(sync.sparse_chunk, sync.sparse_k, sync.sparse_bits, sync.sparse_decay)
 
     def combined(self, pieces: int) -> SparseLoCo:
-        return SparseLoCo(self.chunk, min(self.chunk, self.k * pieces), self.bits, self.feedback_decay)
+        return replace(self, k=min(self.chunk, self.k * pieces))
 
     def layout(self, spec: TensorSpec) -> Layout:
         size, chunks, slots = chunking(spec.numel, self.chunk, self.k)
