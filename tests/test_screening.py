@@ -101,3 +101,27 @@ def test_updates_that_agree_with_none_and_take_off_as_much_all_stay():
     b *= a.norm() / b.norm()
     kept, out = decided([update("a", a), update("b", b)])
     assert abs(out.scores["a"] - out.scores["b"]) < 1e-6 and kept == ["a", "b"]  # (float32 rounding)
+
+
+def test_sparse_updates_agree_on_the_entries_they_share_and_a_flipped_one_still_goes():
+    """A sparse codec's updates (each peer's top 1.5% a chunk) share few entries, so their plain cosine is
+    near zero even when they agree; on the entries both carry, honest ones agree and a flip does not."""
+    from spes_p2p.sync.codecs import SparseLoCo
+    from spes_p2p.sync.payload import decode, encode, specs_of
+    from spes_p2p.sync.screening import AGREE_MIN, agreement, cosine
+
+    codec = SparseLoCo()
+
+    def sparse(t: torch.Tensor) -> torch.Tensor:
+        return decode(encode({"w": t}, codec), specs_of({"w": t}), codec)["w"]
+
+    a, b, c = (
+        sparse(0.02 * TARGET + 0.05 * torch.randn(N, generator=torch.Generator().manual_seed(s)))
+        for s in (1, 2, 3)
+    )
+    assert cosine({"w": a}, {"w": b}) < AGREE_MIN < agreement({"w": a}, {"w": b})
+    assert agreement({"w": a}, {"w": -b}) < -AGREE_MIN
+    kept, out = decided(
+        [update("p0", a), update("p1", b), update("p2", c), update("p3", -sparse(honest(4)))], False
+    )
+    assert kept == ["p0", "p1", "p2"] and "p3" in out.refused

@@ -8,8 +8,9 @@ updates and stay bit-identical:
 1. **free-riders**: an update of zeros that claims tokens is refused; of updates that are copies of each
    other (cosine above ``COPY_COSINE``) the first by peer id counts, the others are refused;
 2. **agreement**: honest updates of one unit from one start point the same way (their cosines lie well
-   above zero); an update whose cosine with every other is at most ``AGREE_MIN`` (a sign flip, a poison
-   pointing elsewhere, noise) is refused when some others agree among themselves. When none agree (two
+   above zero; for sparse updates, the cosine over the entries both sent: ``agreement``); an update whose
+   cosine with every other is at most ``AGREE_MIN`` (a sign flip, a poison pointing elsewhere, noise) is
+   refused when some others agree among themselves. When none agree (two
    updates that point apart, or updates of so few steps that their noise hides their common direction),
    the one that lowers the validation loss most is kept alone if it takes clearly more off than the next
    (``TIE``: beyond what holders' measurements differ by); else, and without a probe, only those pointing
@@ -104,7 +105,7 @@ def _without_free_riders(ordered: list[Contribution], out: Screened) -> list[Con
 def _agreeing(ordered: list[Contribution], out: Screened, margin: float | None) -> list[Contribution]:
     """Rule 2. ``margin``: how much more loss the best update must take off than the next to be told
     apart from it (None: there is no probe). ``ordered`` holds two updates or more."""
-    closest = {id(c): max(cosine(c.tensors, o.tensors) for o in ordered if o is not c) for c in ordered}
+    closest = {id(c): max(agreement(c.tensors, o.tensors) for o in ordered if o is not c) for c in ordered}
     if any(a > AGREE_MIN for a in closest.values()):
         keep = [c for c in ordered if closest[id(c)] > AGREE_MIN]
     elif margin is not None:  # none agree: the probe tells them apart, when it clearly can
@@ -117,6 +118,14 @@ def _agreeing(ordered: list[Contribution], out: Screened, margin: float | None) 
         if not any(k is c for k in keep):
             out.refused[c.peer_id] = "its update points away from every other update of the unit"
     return keep
+
+
+def agreement(a: Tensors, b: Tensors) -> float:
+    """The cosine of two updates over the entries both carry: for dense updates their cosine; for sparse
+    ones (a sparse codec's) it leaves out the entries only one of them sent, which would pull two honest
+    updates' cosine toward zero the sparser they are (0 when they share no entry: no evidence either way)."""
+    both = {n: (a[n] != 0) & (b[n] != 0) for n in a}
+    return cosine({n: a[n] * both[n] for n in a}, {n: b[n] * both[n] for n in b})
 
 
 def cosine(a: Tensors, b: Tensors) -> float:
