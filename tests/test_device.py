@@ -112,7 +112,7 @@ def test_payloads_round_trip_onto_a_device(codec):
         assert torch.equal(here[name], default[name])
         if codec == "none":
             assert torch.equal(here[name], t)
-        elif codec != "topk":
+        elif codec not in ("topk", "sparseloco"):  # (the sparse codecs send a few entries only)
             assert (here[name] - t).norm() < 0.2 * t.norm()
     flipped = bytearray(payload)
     flipped[-3] ^= 0x10
