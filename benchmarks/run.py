@@ -58,6 +58,8 @@ MODES = {
         "wan": {"peers": 4, "rounds": 3},
         "backends": {"rounds": 4, "steps": 10},
         "codec_presets": ["tiny"],
+        "codec_loss": {"seeds": (0,), "longer": 2},
+        "full_only": {"codec_bytes": "full mode only: five swarms of 1b-wide tensors, minutes each"},
     },
     "full": {
         "memory_preset": "small",
@@ -68,6 +70,8 @@ MODES = {
         "wan": {"peers": 4, "rounds": 8},
         "backends": {"rounds": 8, "steps": 20},
         "codec_presets": ["tiny", "small", "1b"],
+        "codec_loss": {"seeds": compression.LOSS_SEEDS, "longer": 4},
+        "full_only": {},
     },
 }
 SECTIONS = (
@@ -381,16 +385,16 @@ def bench_loss(out: Path, rounds: int, steps: int) -> dict:
     return curves
 
 
-def bench_codec_loss(out: Path, rounds: int, steps: int, longer: int = 4) -> dict:
-    """``compression.CODEC_METHODS`` and centralized, each over ``compression.LOSS_SEEDS``, on the loss
-    section's setting ("short") and on one ``longer`` times as long ("long"): every curve, by method. Each
+def bench_codec_loss(out: Path, rounds: int, steps: int, seeds: tuple[int, ...], longer: int) -> dict:
+    """``compression.CODEC_METHODS`` and centralized, each over ``seeds``, on the loss section's setting
+    ("short") and on one ``longer`` times as long ("long"): every curve, by method. Each
     run's curve is kept in DIR/codec_loss_runs.json as it ends, and a run already there is not run again: a
     section stopped halfway (it takes hours on 2 cores) goes on where it stopped."""
     done_path = out / "codec_loss_runs.json"
     done = json.loads(done_path.read_text()) if done_path.exists() else {}
     result: dict[str, dict[str, list]] = {}
     for length, n in (("short", rounds), ("long", longer * rounds)):
-        for seed in compression.LOSS_SEEDS:
+        for seed in seeds:
             for name in ("centralized", *compression.CODEC_METHODS):
                 key = f"{length}/{name}/{seed}"
                 if key not in done:
@@ -887,11 +891,12 @@ def main() -> int:
         "backends": lambda: bench_backends(args.out, **mode["backends"]),
         "codec_bytes": lambda: bench_codec_bytes(["int8", "sparseloco"], results),
         "codec_time": lambda: compression.bench_codec_time(mode["codec_presets"], ["int8", "sparseloco"]),
-        "codec_loss": lambda: bench_codec_loss(args.out, **mode["loss"]),
+        "codec_loss": lambda: bench_codec_loss(args.out, **mode["loss"], **mode["codec_loss"]),
         "codec_wan": lambda: bench_codec_wan(args.out, results, **mode["wan"]),
     }
     chosen = {name: sections[name] for name in args.only or SECTIONS}
-    ok = run_sections(chosen, results, lambda r: save(r, args.out))
+    lacks = lambda name: mode["full_only"].get(name) or missing(name)  # noqa: E731
+    ok = run_sections(chosen, results, lambda r: save(r, args.out), lacks)
     if not args.only:
         results["seconds"] = time.perf_counter() - started
     save(results, args.out)
