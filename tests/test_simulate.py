@@ -130,10 +130,11 @@ def test_network_faults_are_survived_and_corrupt_payloads_counted(tmp_path):
 
 
 def test_a_peer_cut_off_for_a_round_is_back_on_the_swarms_weights_bit_for_bit(tmp_path):
-    """peer0 trains round 1 alone (a partition), so in round 2 its start weights are outnumbered: it takes
-    the others' result of that round, exactly, and counts again from round 3; every unit's holders end
-    bit-identical. (Averaging the others' end weights instead lands near their result, never on it: the
-    peer re-synchronized every round and its training was lost.)"""
+    """peer0 trains round 1 alone (a partition), so its start weights are then outnumbered: it takes the
+    others' result, exactly, and counts again; every unit's holders end bit-identical. (Averaging the
+    others' end weights instead lands near their result, never on it: the peer re-synchronized every round
+    and its training was lost.) Which round it re-synchronizes in (2, or 3 for a unit whose round-2
+    exchange began before the heal reached it) depends on when the heal falls in each peer's exchange."""
     summary = run(
         simulation(
             {
@@ -157,11 +158,11 @@ def test_a_peer_cut_off_for_a_round_is_back_on_the_swarms_weights_bit_for_bit(tm
     for unit, info in summary["units"].items():
         assert info["max_holder_difference"] == 0.0, unit
     assert summary["holders_apart"] == {}
-    assert [p["resynced_rounds"] for p in summary["peers"]] == [1, 0, 0]  # peer0's round 2 only
     rows = {r["round"]: r for r in read_rows(tmp_path / "peers" / "peer0")}
     assert rows[1]["participants"]["dense/0"] == [rows[1]["peer"]]  # alone
-    assert "dense/0" in rows[2]["resynced"]
-    for round_ in (3, 4, 5):
+    assert {u for round_ in (2, 3) for u in rows[round_]["resynced"]} == {"dense/0", "experts/0"}
+    assert all(p["resynced_rounds"] <= 2 for p in summary["peers"])  # not every round
+    for round_ in (4, 5):  # back: on the swarm's weights, and counted by everyone
         assert not rows[round_]["resynced"], rows[round_]
         assert all(rows[round_]["peer"] in met for met in rows[round_]["participants"].values())
 
