@@ -112,6 +112,10 @@ class Bucket:
         holding = [c for c in self.claims.get(offset, {}).values() if live(c) and counts[c.peer] <= MAX_HELD]
         return min(holding, key=lambda c: (c.since, c.peer)) if holding else None
 
+    def finish(self, offset: int) -> None:
+        self.done.add(offset)
+        self.claims.pop(offset, None)
+
     def position(self, offset: int) -> int:
         """How far the shard's claims got."""
         return max((c.position for c in self.claims.get(offset, {}).values()), default=0)
@@ -177,7 +181,7 @@ class DataClaims:
             if work is not None:
                 return work
         while True:
-            for bucket in self._order(self.epoch):
+            for bucket in bucket_order(self.me, self.epoch, self.buckets):
                 if bucket in self._full:
                     continue
                 work = self._take_from(self.epoch, bucket)
@@ -217,9 +221,7 @@ class DataClaims:
                     del self._finishing[key]
                 if claim is not None and claim.position >= position:
                     del self._mine[key]
-                    bucket = self._bucket(*key)
-                    bucket.done.add(key[1] % BUCKET_SHARDS)
-                    bucket.claims.pop(key[1] % BUCKET_SHARDS, None)
+                    self._bucket(*key).finish(key[1] % BUCKET_SHARDS)
                     self.done += 1
                     finished.add((key[0], key[1] // BUCKET_SHARDS))
         for epoch, bucket in sorted(finished):  # (now, so nobody takes it up again meanwhile)
@@ -265,12 +267,10 @@ class DataClaims:
         with self._state:
             training = {(e, s // BUCKET_SHARDS) for e, s in self._mine} if refresh else set()
             epochs = {self.epoch} | {e for e, _ in self._busy} if keep else set()
-        self._refreshed, self._kept_at = (
-            (now if refresh else self._refreshed),
-            (now if keep else self._kept_at),
-        )
+        self._refreshed = now if refresh else self._refreshed
+        self._kept_at = now if keep else self._kept_at
         live = self.live_peers() if keep else set()
-        kept = {(e, b) for e in epochs for b in self._kept(e, live)}
+        kept = {(e, b) for e in epochs for b in kept_buckets(self.me, live, e, self.buckets)}
         for epoch, bucket in sorted(training | kept):
             self._read(epoch, bucket)
             self._write(epoch, bucket)
@@ -286,22 +286,6 @@ class DataClaims:
             self._write(epoch, bucket)
 
     # ----------------------------------------------------------------------------------------- inside
-
-    def _order(self, epoch: int) -> list[int]:
-        order = list(range(self.buckets))
-        random.Random(f"{self.me}/{epoch}").shuffle(order)
-        return order
-
-    def _kept(self, epoch: int, live: set[str]) -> list[int]:
-        """The buckets of ``epoch`` this peer keeps: on a ring of hashes, a bucket is kept by the ``KEEPERS``
-        live peers that follow it, so this peer keeps those between its ``KEEPERS``-th predecessor and it."""
-        ring = sorted(_point(p) for p in live | {self.me})
-        if len(ring) <= KEEPERS:
-            return list(range(self.buckets))
-        mine = ring.index(_point(self.me))
-        after, upto = ring[mine - KEEPERS], ring[mine]  # (the arc wraps around when mine < KEEPERS)
-        inside = (lambda x: after < x <= upto) if after < upto else (lambda x: x > after or x <= upto)
-        return [b for b in range(self.buckets) if inside(_point(f"{epoch}/{b}"))]
 
     def _take_from(self, epoch: int, bucket: int) -> Work | None:
         """A free shard of the bucket, claimed (and the claim confirmed by a read back), or None."""
@@ -374,20 +358,11 @@ class DataClaims:
                 ):
                     self._writers[writer] = now  # (an entry is its writer's own: the DHT signs it)
             self._writers = {p: at for p, at in self._writers.items() if now - at < self.lease}
-            live = self._live_claim(peers)
-            for (e, shard), claim in list(self._mine.items()):
-                if (e, shard // BUCKET_SHARDS) != (epoch, bucket):
-                    continue
-                offset = shard % BUCKET_SHARDS
-                owner = state.owner(offset, live)
-                if offset in state.done or (
-                    owner is not None
-                    and owner.peer != self.me
-                    and (owner.since, owner.peer) < (claim.since, claim.peer)
-                ):
-                    logger.info("data shard %d of epoch %d: another peer has it; taking another", shard, e)
-                    del self._mine[(e, shard)]
-                    self._lost.add((e, shard))
+            mine = {s: c for (e, s), c in self._mine.items() if (e, s // BUCKET_SHARDS) == (epoch, bucket)}
+            for shard in taken_from(mine, state, self._live_claim(peers)):
+                logger.info("data shard %d of epoch %d: another peer has it; taking another", shard, epoch)
+                del self._mine[(epoch, shard)]
+                self._lost.add((epoch, shard))
             return state
 
     def _write(self, epoch: int, bucket: int) -> None:
@@ -403,6 +378,41 @@ class DataClaims:
                 record = state.record()
             key = bucket_key(self.run_id, self.dataset, epoch, bucket)
             self.transport.publish(key, record.encode(), now + self.ttl)
+
+
+def bucket_order(peer: str, epoch: int, buckets: int) -> list[int]:
+    """The order in which ``peer`` looks through an epoch's buckets for a free shard (peers spread out)."""
+    order = list(range(buckets))
+    random.Random(f"{peer}/{epoch}").shuffle(order)
+    return order
+
+
+def kept_buckets(peer: str, live: set[str], epoch: int, buckets: int) -> list[int]:
+    """The buckets of ``epoch`` that ``peer`` keeps: on a ring of hashes, a bucket is kept by the ``KEEPERS``
+    live peers that follow it, so a peer keeps those between its ``KEEPERS``-th predecessor and it."""
+    ring = sorted(_point(p) for p in live | {peer})
+    if len(ring) <= KEEPERS:
+        return list(range(buckets))
+    mine = ring.index(_point(peer))
+    after, upto = ring[mine - KEEPERS], ring[mine]  # (the arc wraps around when mine < KEEPERS)
+    inside = (lambda x: after < x <= upto) if after < upto else (lambda x: x > after or x <= upto)
+    return [b for b in range(buckets) if inside(_point(f"{epoch}/{b}"))]
+
+
+def taken_from(mine: dict[int, Claim], bucket: Bucket, live: Callable[[Claim], bool]) -> list[int]:
+    """Of ``mine`` (shard -> this peer's claim, shards of ``bucket``), the shards done, or held by another
+    peer's live claim made before ours (the earlier claim wins a race)."""
+    lost = []
+    for shard, claim in mine.items():
+        offset = shard % BUCKET_SHARDS
+        owner = bucket.owner(offset, live)
+        if offset in bucket.done or (
+            owner is not None
+            and owner.peer != claim.peer
+            and (owner.since, owner.peer) < (claim.since, claim.peer)
+        ):
+            lost.append(shard)
+    return lost
 
 
 def _point(name: str) -> bytes:
