@@ -139,13 +139,7 @@ def memory_child(preset: str, name: str) -> dict:
 def bench_memory(preset: str) -> dict:
     rows = {}
     for name in MEMORY_CONFIGS:
-        out = subprocess.run(
-            [sys.executable, __file__, "--memory-child", preset, name],
-            capture_output=True,
-            text=True,
-            check=True,
-        ).stdout
-        rows[name] = json.loads(out.strip().splitlines()[-1])
+        rows[name] = _in_child("memory_child", preset, name)  # (its peak RSS is its own)
         print(f"memory {name}: {rows[name]['total_bytes'] / 2**20:.1f} MiB", flush=True)
     return rows
 
@@ -300,8 +294,8 @@ def bench_codec_bytes(codecs: list[str], results: dict) -> list[dict]:
 
 
 def _in_child(function: str, *args) -> dict:
-    """``function(*args)`` of this script in a fresh process: a swarm of large tensors leaves memory that
-    the next one in the same process cannot use."""
+    """``function(*args)`` of this script in a fresh process: its peak memory is its own, and a swarm of
+    large tensors leaves memory that the next one in the same process could not use."""
     child = subprocess.run(
         [sys.executable, __file__, "--child", json.dumps([function, *args])],
         capture_output=True,
@@ -856,15 +850,11 @@ def main() -> int:
         type=lambda text: [_section(name) for name in text.split(",")],
         help=f"Run only these sections (comma-separated: {', '.join(SECTIONS)}), updating DIR/summary.json.",
     )
-    parser.add_argument("--memory-child", nargs=2, metavar=("PRESET", "CONFIG"), help=argparse.SUPPRESS)
     parser.add_argument("--child", metavar="JSON", help=argparse.SUPPRESS)
     args = parser.parse_args()
-    if args.memory_child:
-        print(json.dumps(memory_child(*args.memory_child)))
-        return 0
     if args.child:
         function, *arguments = json.loads(args.child)
-        print(json.dumps({"swarm_bytes": swarm_bytes}[function](*arguments)))
+        print(json.dumps({"memory_child": memory_child, "swarm_bytes": swarm_bytes}[function](*arguments)))
         return 0
     mode = MODES["quick" if args.quick else "full"]
     args.out.mkdir(parents=True, exist_ok=True)
