@@ -226,8 +226,8 @@ class FakeSync:
     def copy_version(self, unit):
         return (self.round, "hash")
 
-    def copy_landed(self, unit, download, weights, full):
-        self.landed.append((unit, full))
+    def copy_landed(self, unit, download, held, stored):
+        self.landed.append((unit, stored))
 
 
 @pytest.mark.parametrize("refresh", ["changes", "weights"])
@@ -246,7 +246,7 @@ def test_a_dense_block_held_quantized_is_fetched_in_its_own_codec(refresh):
     if refresh == "changes":  # experts stay in full precision: the change since our copy's version
         assert frozen._want("experts/1", job) == Want("change", s.sync.refresh_codec, (10 - every, "hash"))
     frozen.landed("dense/2", Download(10, Want("version", "none")), {"w": torch.zeros(1)})
-    assert sync.landed == [("dense/2", False)]  # stored lossy: no exact version
+    assert sync.landed == [("dense/2", "nf4")]  # (an exact version held in nf4 is none: test_versions.py)
 
 
 # ----------------------------------------------------------------------------------- simulated swarms

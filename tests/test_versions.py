@@ -4,17 +4,21 @@ replaced by the exact version; merges give holders the same weights whatever the
 
 from itertools import pairwise
 
+import msgspec
 import pytest
 import torch
 
+from spes_p2p.model.quant import QuantizedTensor
 from spes_p2p.net.memory import MemoryNetwork
+from spes_p2p.net.wire import BadRequest
 from spes_p2p.sim import run, simulation
 from spes_p2p.sim.fleets import MemoryFleet
 from spes_p2p.sim.summary import read_rows
 from spes_p2p.sync.codecs import TensorSpec
 from spes_p2p.sync.config import SyncConfig
 from spes_p2p.sync.engine import SyncEngine
-from spes_p2p.sync.payload import tensors_hash
+from spes_p2p.sync.messages import WeightsRequest
+from spes_p2p.sync.payload import metadata_of, tensors_hash
 from spes_p2p.sync.versions import Want, is_version_round
 
 UNIT = "experts/0"
@@ -61,7 +65,7 @@ def test_a_copy_that_follows_the_changes_never_drifts(codec, every):
         fetched = refresh(peer, round_, Want("change", codec, peer.copy_version(UNIT)))
         kinds.append(fetched.want.kind)
         copy = fetched.onto(lambda: copy)  # noqa: B023
-        peer.copy_landed(UNIT, fetched, copy, full=True)
+        peer.copy_landed(UNIT, fetched, copy, "full")
         assert tensors_hash(copy) == version.hash, round_  # the copy is the holders' version, bit for bit
         errors.append(float((copy["w1"] - weights["w1"]).abs().max()))
     assert set(kinds) == {"change"}  # no exact copy was ever needed
@@ -87,10 +91,83 @@ def test_a_copy_that_follows_sparse_changes_in_sparseloco_never_drifts():
         fetched = refresh(peer, round_, Want("change", "sparseloco", peer.copy_version(UNIT)))
         assert fetched.want.kind == "change"
         copy = fetched.onto(lambda: copy)  # noqa: B023
-        peer.copy_landed(UNIT, fetched, copy, full=True)
+        peer.copy_landed(UNIT, fetched, copy, "full")
         assert tensors_hash(copy) == version.hash, round_  # the copy is the holders' version, bit for bit
         errors.append(float((copy["w1"] - weights["w1"]).abs().max()))
     assert max(errors[-5:]) < 3 * max(errors[:5])  # bounded: one change's rounding, however many rounds
+
+
+@pytest.mark.parametrize(
+    ("stored", "codec"), [("int8", "sparseloco"), ("nf4", "sparseloco"), ("int8", "int8")]
+)
+def test_a_quantized_copy_follows_its_chain_bit_for_bit_and_stays_within_a_rounding(stored, codec):
+    """A keeper that holds the expert in ``stored`` adds each change of its format's chain and quantizes, as
+    its model does on writing a copy: it holds the chain's version bit for bit, stays as close to the
+    holders' weights as the version quantized whole would be (within 2x of its rounding), and receives a
+    sparse change where a whole version would cost the format's bytes."""
+    holder, peer = pair(codec)
+    g = torch.Generator().manual_seed(0)
+    weights = {"w1": torch.randn(64, 128, generator=g) * 0.02}
+    holder.start_version(UNIT, -1, weights)
+    copy = QuantizedTensor.quantize(weights["w1"], stored)  # the model's frozen copy
+    peer.start_versions(-1, lambda _: {"w1": copy.dequantize()}, held=[], versioned=lambda _: True)
+    ours, whole, sizes = [], [], []
+    for round_ in range(30):
+        step = torch.zeros(64 * 128)
+        step[torch.randperm(64 * 128, generator=g)[:200]] = torch.randn(200, generator=g) * 1e-3
+        weights = {"w1": weights["w1"] + step.view(64, 128)}
+        version = holder.advance_version(UNIT, round_, round_ - 1, weights)
+        fetched = refresh(peer, round_, Want("change", codec, peer.copy_version(UNIT), chain=stored))
+        assert fetched.want.kind == "change", round_
+        sizes.append(len(fetched.payload))
+        copy = QuantizedTensor.quantize(fetched.onto(lambda: {"w1": copy.dequantize()})["w1"], stored)  # noqa: B023
+        held = {"w1": copy.dequantize()}
+        peer.copy_landed(UNIT, fetched, held, stored)
+        assert tensors_hash(held) == version.chains[stored].hash, round_  # the chain's version, exactly
+        ours.append(float((held["w1"] - version.weights["w1"]).norm()))
+        rounded = QuantizedTensor.quantize(version.weights["w1"], stored).dequantize()
+        whole.append(float((rounded - version.weights["w1"]).norm()))
+    assert max(ours[-10:]) < 2 * max(whole[-10:]), (ours[-10:], whole[-10:])
+    if codec == "sparseloco":
+        assert max(sizes) < 0.5 * len(holder.version(UNIT).chains[stored].payload)
+
+
+def test_a_quantized_copy_off_its_chain_gets_the_chains_version_whole():
+    holder, peer = pair("sparseloco")
+    weights = {"w1": torch.randn(64, 128)}
+    holder.start_version(UNIT, 4, weights)
+    holder.advance_version(UNIT, 5, 4, {"w1": weights["w1"] + 0.01})
+    fetched = refresh(peer, 5, Want("change", "sparseloco", (4, "0" * 16), chain="int8"))
+    assert fetched.want == Want("version", "int8", chain="int8")
+    held = {"w1": QuantizedTensor.quantize(fetched.tensors["w1"], "int8").dequantize()}
+    peer.copy_landed(UNIT, fetched, held, "int8")
+    assert peer.copy_version(UNIT) == (5, holder.version(UNIT).chains["int8"].hash)
+    exact = refresh(peer, 5, Want("version", "none"))  # (a merge's): held in int8, it is no version
+    peer.copy_landed(UNIT, exact, held, "int8")
+    assert peer.copy_version(UNIT) is None
+
+
+def test_a_holder_joining_a_chain_with_a_co_holders_quantized_chains_publishes_the_same_changes():
+    first, second = pair("sparseloco")
+    weights = {"w1": torch.randn(64, 128)}
+    first.start_version(UNIT, -1, weights)
+    for round_ in range(3):
+        first.advance_version(UNIT, round_, round_ - 1, {"w1": weights["w1"] + 0.01 * (round_ + 1)})
+    version = first.version(UNIT)  # the second holder takes the unit over from here
+    second.start_version(UNIT, 2, version.weights, {c: version.held(c) for c in version.chains})
+    new = {"w1": weights["w1"] + 0.05}
+    for engine in (first, second):
+        engine.advance_version(UNIT, 3, 2, new)
+    for chain in ("full", "int8", "nf4"):
+        changes = [engine._versions.change(UNIT, 3, chain) for engine in (first, second)]
+        assert metadata_of(changes[0]) == metadata_of(changes[1]), chain  # (its buffers' SHA-256 included)
+
+
+@pytest.mark.parametrize(("kind", "codec"), [("weights", "int8"), ("version", "none")])
+def test_a_request_for_a_quantized_chain_other_than_its_versions_and_changes_is_malformed(kind, codec):
+    request = {"unit": UNIT, "codec": codec, "kind": kind, "chain": "int8"}
+    with pytest.raises(BadRequest):
+        WeightsRequest.decode(msgspec.msgpack.encode(request))
 
 
 def test_the_changes_carry_what_the_codec_dropped():
@@ -107,7 +184,7 @@ def test_the_changes_carry_what_the_codec_dropped():
         holder.advance_version(UNIT, round_, round_ - 1, new)
         fetched = refresh(peer, round_, Want("change", "nf4", peer.copy_version(UNIT)))
         copy = copy + fetched.tensors["w1"]
-        peer.copy_landed(UNIT, fetched, {"w1": copy}, full=True)
+        peer.copy_landed(UNIT, fetched, {"w1": copy}, "full")
         other, _ = pair("nf4")
         other.start_version(UNIT, 0, weights)  # a chain restarted every round: no memory of what dropped
         naive = naive + (other.advance_version(UNIT, 1, 0, new).weights["w1"] - weights["w1"])
@@ -252,3 +329,31 @@ def test_a_dense_block_changing_hands_keeps_its_version_chain(tmp_path):
             for unit, kind in row["refreshed"].items():
                 if unit.startswith("dense/") and unit not in released and unit not in row["units"]:
                     assert kind in ("change", "weights"), (folder.name, row["round"], unit, kind)
+
+
+@pytest.mark.timeout(300)
+def test_peers_holding_frozen_experts_in_int8_receive_sparse_changes(tmp_path):
+    """The default peer keeps the experts it does not train in int8: under ``sparseloco`` they come as
+    changes of the int8 chain from the first round on (never whole), and their holders end bit-identical."""
+    summary = run(
+        simulation(
+            {
+                "run.out": str(tmp_path),
+                "run.rounds": 3,
+                "sync.codec": "sparseloco",
+                "sync.refresh_codec": "sparseloco",
+                **SWARM,
+            }
+        )
+    )
+    assert not summary["failures"]
+    for unit in ("experts/0", "experts/1"):
+        assert summary["units"][unit]["max_holder_difference"] == 0.0
+    for folder in sorted((tmp_path / "peers").iterdir()):
+        kinds = [
+            kind
+            for row in read_rows(folder)
+            for unit, kind in row.get("refreshed", {}).items()
+            if unit.startswith("experts/")
+        ]
+        assert kinds == ["change"] * 3, (folder.name, kinds)

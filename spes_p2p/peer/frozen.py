@@ -24,7 +24,14 @@ from spes_p2p.settings import Settings
 from spes_p2p.swarm.member import SwarmMember, SwarmView
 from spes_p2p.sync.aggregate import norm_of
 from spes_p2p.sync.engine import SyncEngine
-from spes_p2p.sync.versions import EXACT_VERSION, EXACT_WEIGHTS, Download, Want, is_version_round
+from spes_p2p.sync.versions import (
+    EXACT_VERSION,
+    EXACT_WEIGHTS,
+    Download,
+    Want,
+    chains_of,
+    is_version_round,
+)
 from spes_p2p.train.merge import merge_experts
 
 if TYPE_CHECKING:
@@ -80,16 +87,31 @@ class FrozenCopies:
             current = self.sync.version(unit)
             if current is None or current.round < since:  # from its holders then, or now
                 holders = view.participants(unit, since) | view.participants(unit, job.round)
-                self.sync.refresh(
-                    since,
-                    {unit: sorted(holders - {self.me})},
-                    self.sync.deadline_seconds(),
-                    want=EXACT_VERSION,
-                    on_unit=lambda u, download: self.sync.start_version(u, download.round, download.tensors),
-                )
+                self._join(unit, since, sorted(holders - {self.me}))
                 current = self.sync.version(unit)
             if current is None or current.round < job.round:
                 self.sync.advance_version(unit, job.round, since, result.new_weights)
+
+    def _join(self, unit: str, since: int, holders: list[str]) -> None:
+        """Our version chains of ``unit`` start from a co-holder's: its exact version, and what each of its
+        quantized chains holds (a chain that does not come starts from the exact version: keepers of that
+        format who ask us are told it is another chain, and fetch its version whole)."""
+        got: dict[str, Download] = {}
+        for want in (EXACT_VERSION, *(Want(chain=c).whole for c in chains_of(unit))):
+            self.sync.refresh(
+                since,
+                {unit: holders},
+                self.sync.deadline_seconds(),
+                want=want,
+                on_unit=lambda u, download, chain=want.chain: got.__setitem__(chain, download),
+            )
+        exact = got.pop("full", None)
+        if exact is None:
+            return
+        chains = {c: d.tensors for c, d in got.items() if d.round == exact.round}
+        if len(chains) < len(chains_of(unit)):
+            logger.info("%s: our quantized chains start anew (a co-holder's did not come)", unit)
+        self.sync.start_version(unit, exact.round, exact.tensors, chains)
 
     def versioned(self, unit: str) -> bool:
         """Whether some peers keep a frozen copy of ``unit``: an expert shard, or a dense block of several."""
@@ -141,8 +163,9 @@ class FrozenCopies:
 
     def _want(self, unit: str, job: RoundJob) -> Want:
         """Exact weights of a unit we are about to train. For a frozen copy: the change since its version
-        (or, when it is not one, the exact version); held quantized, the version in its own format. At a
-        merge, every peer needs this round's version of every expert alike: exact ones."""
+        (or, when it is not one, the exact version); held quantized, the same of its format's chain (a
+        dense block: the version in its format, whole). At a merge, every peer needs this round's version
+        of every expert alike: exact ones."""
         if unit in self.member.units_held:
             return EXACT_WEIGHTS
         sync, stored = self.settings.sync, self._stored(unit)
@@ -150,21 +173,23 @@ class FrozenCopies:
         merging = job.experts is not None and unit.startswith("experts/")
         if sync.frozen_refresh == "weights":  # (a merge: every peer in the same codec)
             return Want("weights", stored if quantized and not merging else sync.refresh_codec)
-        if quantized:
-            return Want("version", "none" if merging else stored)
+        if quantized and merging:
+            return EXACT_VERSION
+        if quantized and stored not in chains_of(unit):
+            return Want("version", stored)
         copy = self.sync.copy_version(unit)
         if copy is not None and copy[0] == job.round - self.every:
-            return Want("change", sync.refresh_codec, copy)
-        return EXACT_VERSION
+            return Want("change", sync.refresh_codec, copy, chain=stored)
+        return Want(chain=stored).whole
 
     def _stored(self, unit: str) -> str:
         """How we hold our frozen copy of ``unit``: full, int8 or nf4."""
         train = self.settings.train
         return train.frozen_experts if unit.startswith("experts/") else train.frozen_dense
 
-    def landed(self, unit: str, download: Download, weights: Tensors | None) -> None:
-        """A refreshed copy was written (``weights``; None: the unit is trained now, and moves on)."""
-        self.sync.copy_landed(unit, download, weights, full=self._stored(unit) == "full")
+    def landed(self, unit: str, download: Download, held: Tensors | None) -> None:
+        """A refreshed copy was written (``held``: as our model holds it, when it is a version)."""
+        self.sync.copy_landed(unit, download, held, self._stored(unit))
 
     def merge(self, job: RoundJob) -> None:
         """The expert-merging warm-up, on every expert's version of this round (ours as we published it,
@@ -200,6 +225,8 @@ class FrozenCopies:
             return current.weights if current is not None and current.round == job.round else None
         download = job.refreshed.get(unit)
         if download is None or download.round != job.round:
+            return None
+        if download.want.chain != "full":  # (a quantized chain: not the exact version)
             return None
         if download.want.makes_version or download.want.kind == "weights":  # (a change: onto our copy)
             return download.onto(lambda: job.experts)

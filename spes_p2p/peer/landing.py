@@ -35,8 +35,8 @@ class Landing:
         reset_state: Callable[[str], None] = lambda unit: None,
         on_copy: Callable[[str, Download, Tensors | None], None] = lambda unit, download, weights: None,
     ) -> None:
-        """``on_copy`` hears of every refreshed copy as it is written (None: of a unit trained now, which is
-        no frozen copy any more)."""
+        """``on_copy`` hears of every refreshed copy as it is written, with the copy as the model holds it
+        when what came makes a version (None otherwise, and for a unit trained now: no frozen copy)."""
         self.read, self.write, self.overlap, self.reset_state = read, write, overlap, reset_state
         self.on_copy = on_copy
         self.training: set[str] = set()  # the units training now
@@ -76,7 +76,8 @@ class Landing:
             trained_now = unit in self.training  # (a unit claimed now: it has a snapshot)
             weights = download.onto(partial(self._copy, unit))  # (a change: added to our copy)
             self._write(unit, weights, since=self.round_start.get(unit))
-            self.on_copy(unit, download, None if trained_now else weights)
+            version = download.want.makes_version and not trained_now
+            self.on_copy(unit, download, self.read(unit) if version else None)
 
     def _copy(self, unit: str) -> Tensors:
         """Our copy of ``unit``, the version a change applies to (a unit trained now: as its round began)."""

@@ -167,9 +167,12 @@ class SyncEngine:
         """Our current version of a unit we hold."""
         return self._versions.current(unit)
 
-    def start_version(self, unit: str, round_: int, weights: Tensors) -> None:
-        """Our version chain of ``unit`` starts at ``round_`` (a co-holder's exact version)."""
-        self._versions.start(unit, round_, weights)
+    def start_version(
+        self, unit: str, round_: int, weights: Tensors, chains: dict[str, Tensors] | None = None
+    ) -> None:
+        """Our version chains of ``unit`` start at ``round_`` (a co-holder's exact version, and what its
+        quantized chains hold)."""
+        self._versions.start(unit, round_, weights, chains)
 
     def advance_version(self, unit: str, round_: int, since: int, weights: Tensors) -> Version:
         return self._versions.advance(unit, round_, since, weights)
@@ -178,11 +181,12 @@ class SyncEngine:
         """The version (round and hash) our frozen copy of ``unit`` is exactly, if it is one."""
         return self._copies.get(unit)
 
-    def copy_landed(self, unit: str, download: Download, weights: Tensors | None, full: bool) -> None:
-        """A refreshed copy was written (``weights``; None: the unit is trained now, and moves on): it is a
-        version exactly when what came makes one and the copy is kept in ``full`` precision."""
-        if weights is not None and download.want.makes_version and full:
-            self._copies.set(unit, download.round, tensors_hash(weights))
+    def copy_landed(self, unit: str, download: Download, held: Tensors | None, stored: str) -> None:
+        """A refreshed copy was written (``held``: as our model holds it; None: the unit is trained now,
+        and moves on): it is a version exactly when what came makes one of the chain of how we store it
+        (``stored``: full, int8 or nf4)."""
+        if held is not None and download.want.makes_version and download.want.chain == stored:
+            self._copies.set(unit, download.round, tensors_hash(held))
         else:
             self._copies.forget(unit)
 

@@ -6,7 +6,8 @@ Answers are payloads (``spes_p2p.sync.payload``): safetensors whose metadata nam
                                   ``part`` of ``parts`` of it ("piece"), or the group's combined update of
                                   that part, when we own it ("reduced"; see ``sync/reduce_scatter.py``)
     spes/weights  WeightsRequest -> our weights of a unit, as of ``round`` when we still have it; or its
-                                  current version, or the change that made version ``round``
+                                  current version, or the change that made version ``round``, of the
+                                  exact chain or a quantized one
 
 A request that is too large, not msgpack, of the wrong schema (a missing or unknown field, a wrong type, an
 unknown unit or codec) is a ``BadRequest``: the server answers with a failure, never an exception of its own.
@@ -21,6 +22,7 @@ import msgspec
 from spes_p2p.net.wire import BadRequest, Strict
 from spes_p2p.swarm.records import MAX_PARTS, Round, Unit
 from spes_p2p.sync.codecs import CODECS
+from spes_p2p.sync.versions import QUANTIZED
 
 RPC_UPDATE = "spes/update"
 RPC_WEIGHTS = "spes/weights"
@@ -56,3 +58,10 @@ class WeightsRequest(Message):
     kind: Literal["weights", "version", "change"] = "weights"  # see sync/versions.py
     # only the SHA-256 of what would be served, of exactly that round (another holder's download confirmed)
     digest: bool = False
+    # versions and changes: of the exact chain, or of a quantized format's (a version then in that format)
+    chain: Literal[("full", *QUANTIZED)] = "full"  # type: ignore[valid-type]
+
+    def __post_init__(self) -> None:
+        whole = self.kind == "version" and self.codec == self.chain
+        if self.chain != "full" and not (whole or self.kind == "change"):
+            raise ValueError("a quantized chain has versions (in its own format) and changes, no weights")

@@ -4,9 +4,10 @@ or downloads.
 For each unit it asks the holders (in an order shuffled per peer, to spread the load, those that failed to
 serve lately last) for what it ``Want``s of round ``min_round`` or later: their weights, their current
 version, or the change that made that version (``sync/versions.py``), until one answers or the deadline
-passes; holders whose records vanished are skipped. When no holder serves the change our copy needs, the
-exact version is asked for instead. A unit that no holder can serve may come from a ``fallback`` peer's own
-copy (newcomers). Every answer is a checked payload; a bad one is counted and the next holder is asked.
+passes; holders whose records vanished are skipped. When no holder serves the change our copy needs, its
+chain's version is asked for whole instead. A unit that no holder can serve may come from a ``fallback``
+peer's own copy (newcomers). Every answer is a checked payload; a bad one is counted and the next holder
+is asked.
 
 What one holder served is then **confirmed** by another, asked only for the SHA-256 of what it would serve
 for the same request, of the same round (``WeightsRequest.digest``; a change: with the version it applies
@@ -40,7 +41,7 @@ from spes_p2p.sync.codecs import Codecs, PayloadError, TensorSpec
 from spes_p2p.sync.config import SyncConfig
 from spes_p2p.sync.messages import NOT_HELD, RPC_WEIGHTS, WeightsRequest
 from spes_p2p.sync.payload import decode, metadata_of, served_digest
-from spes_p2p.sync.versions import ELSEWHERE, EXACT_VERSION, NOBODY, Download, Want
+from spes_p2p.sync.versions import ELSEWHERE, NOBODY, Download, Want
 
 logger = logging.getLogger(__name__)
 
@@ -137,7 +138,7 @@ class Refresh:
         patience: Deadline,
         verify: Verify | None,
     ) -> Download | None:
-        """``patience``: how long to wait for a change before asking for the exact version instead."""
+        """``patience``: how long to wait for a change before asking for the whole version instead."""
         order = list(holders)
         random.Random(f"{self.transport.peer_id}:{unit}:{min_round}").shuffle(order)
         order.sort(key=lambda p: self.failed[p])  # (stable) holders that served lately first
@@ -159,8 +160,8 @@ class Refresh:
                     and self._confirmed(unit, found, peer, order, deadline)
                 ):
                     return found
-            if want.kind == "change" and (elsewhere or patience.passed()):  # the exact version instead
-                want = EXACT_VERSION
+            if want.kind == "change" and (elsewhere or patience.passed()):  # the whole version instead
+                want = want.whole
             if order and not deadline.passed():
                 return None  # holders first, while they may still catch up
             for peer in fallback:
@@ -189,9 +190,7 @@ class Refresh:
         """Whether what ``source`` served stands, asked of the other ``holders`` (the module's docstring)."""
         since = ":".join(map(str, found.want.since)) if found.want.kind == "change" else ""
         ours = served_digest(found.payload, since)
-        request = WeightsRequest(
-            unit=unit, codec=found.want.codec, round=found.round, kind=found.want.kind, digest=True
-        ).encode()
+        request = _request(unit, found.want, found.round, digest=True)
         against: Counter[str] = Counter()
         for peer in self._confirmers(unit, source, holders):
             if deadline.passed():
@@ -262,9 +261,7 @@ class Refresh:
     ) -> Download | None:
         """What we want of ``unit`` from ``peer``, or None when it cannot serve it (yet)."""
         # the round to match (refreshes: every peer then gets the same version), or the newest (catch-up)
-        request = WeightsRequest(
-            unit=unit, codec=want.codec, round=max(min_round, -1), any_copy=any_copy, kind=want.kind
-        ).encode()
+        request = _request(unit, want, max(min_round, -1), any_copy=any_copy)
         timeout = min(self.cfg.request_timeout, max(deadline.remaining(), MIN_REQUEST_SECONDS))
         codec = self.codecs[want.codec]
         limit = codec.max_bytes(self.specs[unit])
@@ -302,6 +299,12 @@ class Refresh:
         if want.kind == "change" and (since != ":".join(map(str, want.since)) or round_ != min_round):
             return ELSEWHERE
         return Download(round_, want, payload, decoder) if round_ >= min_round else None
+
+
+def _request(unit: str, want: Want, round_: int, **flags: bool) -> bytes:
+    return WeightsRequest(
+        unit=unit, codec=want.codec, round=round_, kind=want.kind, chain=want.chain, **flags
+    ).encode()
 
 
 def _round_of(payload: bytes) -> int:

@@ -160,14 +160,16 @@ class Outbox:
 
     def _weights_payload(self, req: WeightsRequest) -> bytes:
         if req.kind == "change":
-            change = self.versions.change(req.unit, req.round)
+            change = self.versions.change(req.unit, req.round, req.chain)
             if change is None:
-                raise Unavailable(f"no change of {req.unit} to version {req.round} here")
-            return change.payload
+                raise Unavailable(f"no change of {req.unit} ({req.chain}) to version {req.round} here")
+            return change
         if req.kind == "version":
             version = self.versions.current(req.unit)
-            if version is None or version.round < req.round:
-                raise Unavailable(f"no version {req.round} of {req.unit} here")
+            if version is None or version.round < req.round or req.chain not in ("full", *version.chains):
+                raise Unavailable(f"no version {req.round} of {req.unit} ({req.chain}) here")
+            if req.chain != "full":
+                return version.chains[req.chain].payload
             return self._coded((version.round, req.unit, "version", req.codec), version.payload)
         with self._lock:
             versions = dict(self._weights.get(req.unit, {}))

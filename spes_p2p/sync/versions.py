@@ -13,7 +13,19 @@ rounding, however many rounds pass.
 
 A copy that is not a version (a newcomer's, one that missed a version round, or one whose check failed)
 is replaced by the holders' exact version (``none`` codec) once, and follows the changes from then on.
-Peers that hold frozen experts quantized fetch each version in their own codec instead.
+
+Peers that hold frozen experts quantized (int8 or nf4) cannot add a change to the exact version before:
+they hold only its rounding. Each quantized format has a **chain** of its own, which the holders keep beside
+the exact one, for every expert shard, from the same start:
+
+    change_q(r) = code(V(r) - X(r - k))        X(r) = quantize(X(r - k) + decode(change_q(r)))
+
+(``X`` dequantized where it is added to). A keeper whose copy is ``X(r - k)`` (its hash says so) adds the
+change and quantizes, as its model does on writing a copy, and holds ``X(r)`` bit for bit. The change is
+taken against what the keepers hold, not against ``V``, so what quantizing drops is in the next change: the
+copy stays within a rounding of the exact version, in the refresh codec's bytes. A keeper whose copy is not
+in its chain fetches the chain's version whole, in its own format, once. (Dense blocks held quantized, with
+``dense_blocks`` > 1, quantize only some of their tensors: they fetch each version whole in their format.)
 
 Holders keep the current version of each unit they hold (``Versions``), as the payload it is served as;
 peers keep, for each frozen copy that is a version, its round and hash (``Copies``). A change names the
@@ -29,12 +41,12 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
-from spes_p2p.sync.codecs import EXACT, Codec, TensorSpec
-from spes_p2p.sync.payload import decode, encode, payload_meta, tensors_hash, tensors_of
+from spes_p2p.sync.codecs import CODECS, EXACT, Codec
+from spes_p2p.sync.payload import decode, encode, payload_meta, specs_of, tensors_hash, tensors_of
 
 Tensors = dict[str, torch.Tensor]
 
@@ -43,20 +55,35 @@ def is_version_round(round_: int, every: int) -> bool:
     return (round_ + 1) % every == 0
 
 
+QUANTIZED = ("int8", "nf4")  # the formats a copy may be held in, each with a chain of versions
+
+
+def chains_of(unit: str) -> tuple[str, ...]:
+    """The quantized chains a unit's holders keep (the module's docstring): those of an expert shard."""
+    return QUANTIZED if unit.startswith("experts/") else ()
+
+
 @dataclass(frozen=True)
 class Want:
     """What to fetch of a unit: ``weights`` (as of a round), its ``version``, or the ``change`` to a version
-    from the one we have (``since``: its round and hash), in ``codec`` (a name: it travels in the request)."""
+    from the one we have (``since``: its round and hash), in ``codec`` (a name: it travels in the request);
+    versions and changes of ``chain``: ``full`` (the exact versions) or a quantized format's."""
 
     kind: str = "weights"
     codec: str = "none"
     since: tuple[int, str] | None = None
+    chain: str = "full"
 
     @property
     def makes_version(self) -> bool:
-        """Whether what comes makes the holders' version exactly (a change, added to our version before; or
-        the exact version itself)."""
-        return self.kind == "change" or self == EXACT_VERSION
+        """Whether what comes makes the holders' version of its chain exactly (a change, added to our version
+        before; or the version itself, in the chain's own format)."""
+        return self.kind == "change" or self == self.whole
+
+    @property
+    def whole(self) -> Want:
+        """The version of our chain, whole: what to fetch when a change does not come."""
+        return Want("version", "none" if self.chain == "full" else self.chain, chain=self.chain)
 
 
 EXACT_WEIGHTS = Want("weights", "none")
@@ -93,26 +120,56 @@ ELSEWHERE = Download(-3, Want())  # a change to another version than ours: that 
 
 
 @dataclass(frozen=True)
+class Held:
+    """A version as served: its payload (``none``, or a quantized chain's format) and the hash of what it
+    decodes to."""
+
+    payload: bytes
+    hash: str
+
+
+@dataclass(frozen=True)
 class Version:
     round: int
     payload: bytes  # its weights, as served: a ``none`` payload
     hash: str
+    chains: dict[str, Held] = field(default_factory=dict)  # format -> that chain's version
 
     @classmethod
-    def of(cls, unit: str, round_: int, weights: Tensors) -> Version:
-        payload = encode(weights, EXACT, meta=payload_meta(unit, round_, "version"))
-        return cls(round_, payload, tensors_hash(weights))
+    def of(
+        cls, unit: str, round_: int, weights: Tensors, chains: dict[str, Tensors] | None = None
+    ) -> Version:
+        """Version ``round_`` of ``unit``; each of its quantized chains is ``chains[format]`` quantized (or,
+        where not given, ``weights`` quantized: the chains start where the exact one does)."""
+        meta = payload_meta(unit, round_, "version")
+        held = {}
+        for chain in chains_of(unit):
+            payload = encode((chains or {}).get(chain, weights), CODECS[chain], meta=meta)
+            held[chain] = Held(payload, tensors_hash(_decoded(payload, chain, weights)))
+        return cls(round_, encode(weights, EXACT, meta=meta), tensors_hash(weights), held)
 
     @property
     def weights(self) -> Tensors:
         return tensors_of(self.payload)
 
+    def chain(self, chain: str) -> Held:
+        return Held(self.payload, self.hash) if chain == "full" else self.chains[chain]
+
+    def held(self, chain: str) -> Tensors:
+        """What a keeper of ``chain`` holds at this version (the exact weights for ``full``)."""
+        return self.weights if chain == "full" else _decoded(self.chains[chain].payload, chain, self.weights)
+
+
+def _decoded(payload: bytes, codec: str, like: Tensors) -> Tensors:
+    return decode(payload, specs_of(like), CODECS[codec])
+
 
 @dataclass(frozen=True)
 class Change:
-    """A version's change, as served (its payload names the version it applies to), and the one it makes."""
+    """A version's changes, by chain, as served (each payload names the version it applies to), and the
+    version they make."""
 
-    payload: bytes
+    payloads: dict[str, bytes]
     version: Version
 
 
@@ -131,9 +188,12 @@ class Versions:
         self._current: dict[str, Version] = {}
         self._changes: dict[str, Change] = {}  # unit -> the change that made its current version
 
-    def start(self, unit: str, round_: int, weights: Tensors) -> Version:
-        """This peer's version ``round_`` of ``unit`` (the initial model, or a co-holder's exact version)."""
-        version = Version.of(unit, round_, weights)
+    def start(
+        self, unit: str, round_: int, weights: Tensors, chains: dict[str, Tensors] | None = None
+    ) -> Version:
+        """This peer's version ``round_`` of ``unit`` (the initial model, or a co-holder's exact version and
+        its ``chains``)."""
+        version = Version.of(unit, round_, weights, chains)
         with self._lock:
             self._current[unit] = version
             self._changes.pop(unit, None)
@@ -143,10 +203,13 @@ class Versions:
         with self._lock:
             return self._current.get(unit)
 
-    def change(self, unit: str, round_: int) -> Change | None:
+    def change(self, unit: str, round_: int, chain: str = "full") -> bytes | None:
+        """The change of ``chain`` that made version ``round_`` of ``unit``, when it is our current one."""
         with self._lock:
             change = self._changes.get(unit)
-        return change if change is not None and change.version.round == round_ else None
+        if change is None or change.version.round != round_:
+            return None
+        return change.payloads.get(chain)
 
     def advance(self, unit: str, round_: int, since: int, weights: Tensors) -> Version:
         """Version ``round_`` from ``weights``: a change on version ``since`` when we have it, else (a chain
@@ -154,24 +217,36 @@ class Versions:
         before = self.current(unit)
         if before is None or before.round != since:
             return self.start(unit, round_, weights)
-        meta = change_meta(unit, round_, since, before.hash)
-        previous = before.weights
-        delta = {n: weights[n] - previous[n] for n in weights}
-        payload = encode(delta, self.codec, meta=meta)
-        specs = {n: TensorSpec(tuple(t.shape)) for n, t in weights.items()}
-        sent = decode(payload, specs, self.codec, meta=meta)
-        version = Version.of(unit, round_, {n: previous[n] + sent[n] for n in weights})
+        payloads, chains = {}, {}
+        full = before.chain("full")
+        payloads["full"], exact = self._change(unit, round_, since, full, before.weights, weights)
+        for chain in before.chains:
+            payloads[chain], chains[chain] = self._change(
+                unit, round_, since, before.chain(chain), before.held(chain), exact
+            )
+        version = Version.of(unit, round_, exact, chains)
         with self._lock:
             self._current[unit] = version
-            self._changes[unit] = Change(payload, version)
+            self._changes[unit] = Change(payloads, version)
         return version
+
+    def _change(
+        self, unit: str, round_: int, since: int, held: Held, before: Tensors, target: Tensors
+    ) -> tuple[bytes, Tensors]:
+        """The change from ``before`` (what ``held`` decodes to) toward ``target``, and where it lands."""
+        meta = change_meta(unit, round_, since, held.hash)
+        payload = encode({n: target[n] - before[n] for n in target}, self.codec, meta=meta)
+        sent = decode(payload, specs_of(target), self.codec, meta=meta)
+        return payload, {n: before[n] + sent[n] for n in target}
 
     def held(self) -> dict[str, list]:
         """The versions, and the changes served (``peer.footprint``)."""
         with self._lock:
             return {
-                "versions": [v.payload for v in self._current.values()],
-                "served": [c.payload for c in self._changes.values()],
+                "versions": [
+                    [v.payload, *(c.payload for c in v.chains.values())] for v in self._current.values()
+                ],
+                "served": [list(c.payloads.values()) for c in self._changes.values()],
             }
 
     def forget(self, held: set[str], before: int) -> None:
