@@ -258,11 +258,17 @@ def codec_tables(results: dict, row, mib) -> list[str]:
         from spes_p2p.settings import Settings
 
         loss = results["codec_loss"]
-        for length, curves in loss.items():
-            out += ["", row(f"{length} run: method", "tokens", "final val loss, mean (min to max)")]
-            out.append(row(*["---"] * 3))
-            for name, runs in curves.items():
-                out.append(row(name, f"{runs[0][-1][0]:,}", spread([c[-1][1] for c in runs])))
+        screening = loss.get("screening", {})
+        for length in ("short", "long"):
+            if length not in loss:
+                continue
+            heads = ("tokens", "final val loss, mean (min to max)", "honest updates refused, peers banned")
+            out += ["", row(f"{length} run: method", *heads), row(*["---"] * 4)]
+            for name, runs in loss[length].items():
+                seen = [v for k, v in screening.items() if k.startswith(f"{length}/{name}/")]
+                alarms = f"{sum(s['refused'] for s in seen)}, {sum(len(s['banned']) for s in seen)}"
+                cells = (f"{runs[0][-1][0]:,}", spread([c[-1][1] for c in runs]), alarms if seen else "")
+                out.append(row(name, *cells))
         if "long" in loss:
             at = equal_compute(loss, Settings().override({"model.shards": 2}))
             out += ["", row("at a DiLoCo peer's FLOPs of the short run", "val loss, mean (min to max)")]

@@ -386,11 +386,12 @@ def bench_codec_loss(out: Path, rounds: int, steps: int, seeds: tuple[int, ...],
     section stopped halfway (it takes hours on 2 cores) goes on where it stopped."""
     done_path = out / "codec_loss_runs.json"
     done = json.loads(done_path.read_text()) if done_path.exists() else {}
-    result: dict[str, dict[str, list]] = {}
+    result: dict[str, dict] = {"screening": {}}
     for length, n in (("short", rounds), ("long", longer * rounds)):
         for seed in seeds:
             for name in ("centralized", *compression.CODEC_METHODS):
                 key = f"{length}/{name}/{seed}"
+                folder = f"codec-{key}".replace(" ", "-").replace("/", "-")
                 if key not in done:
                     if name == "centralized":
                         done[key] = centralized(out, n, steps, seed)
@@ -400,20 +401,26 @@ def bench_codec_loss(out: Path, rounds: int, steps: int, seeds: tuple[int, ...],
                             **compression.CODEC_METHODS[name],
                             "train.seed": seed,
                         }
-                        sim = simulate(
-                            out,
-                            f"codec-{key}".replace(" ", "-").replace("/", "-"),
-                            "memory",
-                            4,
-                            n,
-                            steps,
-                            changes,
-                        )
-                        done[key] = loss_curve(sim)
+                        done[key] = loss_curve(simulate(out, folder, "memory", 4, n, steps, changes))
                     done_path.write_text(json.dumps(done))
                     print(f"codec loss {key}: {done[key][-1]}", flush=True)
                 result.setdefault(length, {}).setdefault(name, []).append(done[key])
+                if name != "centralized":
+                    result["screening"][key] = screening_of(out / folder)
     return result
+
+
+def screening_of(folder: Path) -> dict:
+    """What a swarm's screening refused: the contributions (round, unit, peer) any peer refused, and the
+    peers banned (in an honest swarm, both are false alarms)."""
+    from spes_p2p.sim.summary import read_rows
+
+    refused, banned = set(), set()
+    for peer in sorted((folder / "peers").iterdir()):
+        for row in read_rows(peer):
+            refused |= {(row["round"], u, p) for u, peers in row.get("refused", {}).items() for p in peers}
+            banned |= set(row.get("banned", []))
+    return {"refused": len(refused), "banned": sorted(banned)}
 
 
 def _loss_settings(rounds: int, steps: int) -> dict:
