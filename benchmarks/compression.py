@@ -106,10 +106,13 @@ def flops_per_token(settings, method: str) -> float:
 
 def bench_codec_time(presets: list[str], codecs: list[str]) -> list[dict]:
     """Seconds to code a default peer's update of each preset (error feedback's encode, which decodes its
-    own payload too) and to decode one payload of it, against a round's compute at H = 100."""
+    own payload too), to decode one payload of it, and to publish the next version of each unit it trains
+    that others keep frozen copies of (``Versions.advance``: the exact chain's change and each quantized
+    chain's, in the same codec), against a round's compute at H = 100."""
     from spes_p2p.settings import Settings
     from spes_p2p.sync.codecs import CODECS
     from spes_p2p.sync.payload import ErrorFeedback, decode, specs_of
+    from spes_p2p.sync.versions import Versions
 
     rows = []
     for preset in presets:
@@ -126,8 +129,8 @@ def bench_codec_time(presets: list[str], codecs: list[str]) -> list[dict]:
         for name in codecs:
             codec = CODECS[name]
             ErrorFeedback(codec).encode({"warm-up": torch.randn(10_000, generator=g)})
-            encode_s, decode_s, sizes = [], [], 0
-            for update in updates.values():
+            encode_s, decode_s, publish_s, sizes = [], [], [], 0
+            for unit, update in updates.items():
                 feedback = ErrorFeedback(codec)
                 started = time.perf_counter()
                 payload, _ = feedback.encode(update, round_=0)
@@ -136,6 +139,13 @@ def bench_codec_time(presets: list[str], codecs: list[str]) -> list[dict]:
                 decode(payload, specs_of(update), codec)
                 decode_s.append(time.perf_counter() - started)
                 sizes += len(payload)
+                if unit.startswith("experts/") or settings.model.dense_blocks > 1:  # (others keep copies)
+                    versions = Versions(codec)
+                    versions.start(unit, 0, {n: torch.zeros_like(t) for n, t in update.items()})
+                    started = time.perf_counter()
+                    versions.advance(unit, 1, 0, update)
+                    publish_s.append(time.perf_counter() - started)
+                    del versions
             row = {
                 "preset": preset,
                 "codec": name,
@@ -143,6 +153,7 @@ def bench_codec_time(presets: list[str], codecs: list[str]) -> list[dict]:
                 "payload_bytes": sizes,
                 "encode_seconds": sum(encode_s),
                 "decode_seconds": sum(decode_s),
+                "publish_seconds": sum(publish_s),
                 "cpu_round_seconds": None if cpu_step is None else H * cpu_step,
                 "gpu_round_seconds_estimate": gpu_round,
             }
@@ -162,10 +173,14 @@ def headline(results: dict, measured) -> dict:
             figures[f"bytes_ratio_vs_diloco_fp32_1b_{r['codec']}"] = r["ratio_vs_diloco_fp32"]
     if measured(results, "codec_time"):
         for r in results["codec_time"]:
-            share = r["encode_seconds"] / r["gpu_round_seconds_estimate"]
-            figures[f"encode_share_of_gpu_round_{r['preset']}_{r['codec']}"] = share
+            gpu = r["gpu_round_seconds_estimate"]
+            figures[f"encode_share_of_gpu_round_{r['preset']}_{r['codec']}"] = r["encode_seconds"] / gpu
+            if "publish_seconds" in r:
+                coding = (r["encode_seconds"] + r["publish_seconds"]) / gpu
+                figures[f"encode_and_publish_share_of_gpu_round_{r['preset']}_{r['codec']}"] = coding
     if measured(results, "codec_loss"):
-        for length, curves in results["codec_loss"].items():
+        for length in ("short", "long"):
+            curves = results["codec_loss"].get(length, {})
             final = {name: statistics.fmean(c[-1][1] for c in runs) for name, runs in curves.items()}
             for name in ("spes sparseloco k=64", "spes sparseloco k=32"):
                 if name in final:
@@ -220,10 +235,12 @@ def codec_tables(results: dict, row, mib) -> list[str]:
         r = results["codec_bytes"][0]
         out.append(row("DiLoCo fp32 (2 x 3 x 4 B a parameter)", mib(r["diloco_fp32_bytes"] / 2), "", "", ""))
     if "codec_time" in results:
-        heads = ("trained params", "payload MiB", "encode s", "decode s", "CPU round s", "GPU round s (est.)")
-        out += ["", row("preset", "codec", *heads, "encode / GPU round"), row(*["---"] * 9)]
+        heads = ("trained params", "payload MiB", "encode s", "decode s", "publish s", "CPU round s")
+        heads += ("GPU round s (est.)", "encode / GPU round", "encode + publish / GPU round")
+        out += ["", row("preset", "codec", *heads), row(*["---"] * 11)]
         for r in results["codec_time"]:
-            cpu = r["cpu_round_seconds"]
+            cpu, gpu = r["cpu_round_seconds"], r["gpu_round_seconds_estimate"]
+            publish = r.get("publish_seconds")
             out.append(
                 row(
                     r["preset"],
@@ -232,9 +249,11 @@ def codec_tables(results: dict, row, mib) -> list[str]:
                     mib(r["payload_bytes"]),
                     f"{r['encode_seconds']:.3f}",
                     f"{r['decode_seconds']:.3f}",
+                    "" if publish is None else f"{publish:.3f}",
                     "" if cpu is None else f"{cpu:.0f}",
-                    f"{r['gpu_round_seconds_estimate']:.2f}",
-                    f"{r['encode_seconds'] / r['gpu_round_seconds_estimate']:.3f}",
+                    f"{gpu:.2f}",
+                    f"{r['encode_seconds'] / gpu:.3f}",
+                    "" if publish is None else f"{(r['encode_seconds'] + publish) / gpu:.3f}",
                 )
             )
     if "codec_wan" in results:
