@@ -6,8 +6,9 @@
 Sections (each a function below; all figures are measured in this run):
   memory    allocated tensor bytes per peer (weights, gradients, optimizer state, outer-step state) and peak
             process memory, for centralized, DiLoCo, SPES, SPES+BCD and SPES with quantized frozen experts
-  bytes     bytes sent and received per peer per round: DiLoCo fp32, and SPES with each codec, the dense
-            part by all-to-all or reduce-scatter, frozen copies by weights or by changes
+  bytes     bytes sent and received per peer per round: DiLoCo fp32, and SPES with each codec (for updates
+            and frozen copies' changes alike), the dense part by all-to-all or reduce-scatter, frozen copies
+            by weights or by changes
   sync      share of a peer's wall time spent waiting on the sync, with and without overlap (real processes)
   loss      validation loss against tokens: centralized, DiLoCo, SPES (merging on and off), SPES+BCD;
             4 peers, equal total tokens
@@ -160,9 +161,10 @@ DEFAULT_EXCHANGE = "reduce-scatter, changes"
 def swarm_bytes(
     preset: str, codec: str, mode: str, exchange: str, rounds: int = 4, changes: dict | None = None
 ) -> dict:
-    """Bytes per round of 4 in-process peers (2 shards): each peer's total over the run divided by the rounds,
-    median over peers (one round's window is noisy: a peer's bytes land in whichever round it was in when
-    another peer fetched from it). ``changes``: more settings (``section.field``)."""
+    """Bytes per round of 4 in-process peers (2 shards), ``codec`` coding both the updates and the frozen
+    copies' changes: each peer's total over the run divided by the rounds, median over peers (one round's
+    window is noisy: a peer's bytes land in whichever round it was in when another peer fetched from it).
+    ``changes``: more settings (``section.field``)."""
     from spes_p2p.net.memory import MemoryNetwork
     from spes_p2p.peer import Peer
     from spes_p2p.settings import Settings
@@ -173,6 +175,7 @@ def swarm_bytes(
             "model.shards": 2,
             "method.mode": mode,
             "sync.codec": codec,
+            "sync.refresh_codec": codec,
             "method.steps_per_round": 2,
             "merge.enabled": False,
             "method.overlap": False,
