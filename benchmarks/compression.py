@@ -68,17 +68,19 @@ def extend(points: list[tuple], column: int, at: tuple[int, int, int]) -> float:
     return float(torch.tensor(features(*at), dtype=torch.float64) @ weights)
 
 
-def trained_shapes(settings) -> dict[str, dict[str, tuple[int, ...]]]:
+def trained_shapes(settings) -> tuple[dict[str, dict[str, tuple[int, ...]]], dict[str, frozenset[str]]]:
     """A default peer's trained units (the first expert shard and the first dense block) -> tensor shapes,
-    from a model built on the meta device (no memory)."""
+    and the tensors of each that its quantized keepers quantize, from a model built on the meta device (no
+    memory)."""
     from spes_p2p.model import MoETransformer
-    from spes_p2p.model.units import unit_parameters
+    from spes_p2p.model.units import quantized_when_frozen, unit_parameters
 
     layout = layout_of(settings.model)
     with torch.device("meta"):
         model = MoETransformer(settings.model.architecture())
     units = [layout.dense_units[0], layout.expert_units[0]]
-    return {u: {n: tuple(p.shape) for n, p in unit_parameters(model, layout, u).items()} for u in units}
+    shapes = {u: {n: tuple(p.shape) for n, p in unit_parameters(model, layout, u).items()} for u in units}
+    return shapes, quantized_when_frozen(model, layout)
 
 
 def flops_per_token(settings, method: str) -> float:
@@ -112,12 +114,12 @@ def bench_codec_time(presets: list[str], codecs: list[str]) -> list[dict]:
     from spes_p2p.settings import Settings
     from spes_p2p.sync.codecs import CODECS
     from spes_p2p.sync.payload import ErrorFeedback, decode, specs_of
-    from spes_p2p.sync.versions import Versions
+    from spes_p2p.sync.versions import Chains, Versions
 
     rows = []
     for preset in presets:
         settings = Settings().override({"model.preset": preset})
-        shapes = trained_shapes(settings)
+        shapes, quantized = trained_shapes(settings)
         g = torch.Generator().manual_seed(0)
         updates = {
             u: {n: torch.randn(s, generator=g) * 1e-3 for n, s in t.items()} for u, t in shapes.items()
@@ -140,7 +142,7 @@ def bench_codec_time(presets: list[str], codecs: list[str]) -> list[dict]:
                 decode_s.append(time.perf_counter() - started)
                 sizes += len(payload)
                 if unit.startswith("experts/") or settings.model.dense_blocks > 1:  # (others keep copies)
-                    versions = Versions(codec)
+                    versions = Versions(codec, Chains(shapes, quantized))
                     versions.start(unit, 0, {n: torch.zeros_like(t) for n, t in update.items()})
                     started = time.perf_counter()
                     versions.advance(unit, 1, 0, update)

@@ -10,7 +10,14 @@ from hypothesis import strategies as st
 
 from spes_p2p.errors import ConfigError
 from spes_p2p.model import MoETransformer, UnitLayout, get_preset
-from spes_p2p.model.units import balanced_starts, dense_partition, layout_of, read_unit
+from spes_p2p.model.units import (
+    balanced_starts,
+    dense_partition,
+    layout_of,
+    named_weights,
+    quantized_when_frozen,
+    read_unit,
+)
 from spes_p2p.net.memory import FakeClock, MemoryNetwork
 from spes_p2p.peer.frozen import FrozenCopies
 from spes_p2p.peer.setup import member_config
@@ -19,7 +26,7 @@ from spes_p2p.sim import run, simulation
 from spes_p2p.sim.summary import read_rows
 from spes_p2p.swarm.claims import block_permutation, carry_block, holders_at_epoch
 from spes_p2p.swarm.member import SwarmMember
-from spes_p2p.sync.versions import Download, Want
+from spes_p2p.sync.versions import Chains, Download, Want
 from spes_p2p.train.config import TrainConfig
 from spes_p2p.train.optim import tensor_bytes
 from spes_p2p.train.trainer import Trainer
@@ -218,35 +225,55 @@ def test_switch_state_cpu_parks_and_restores_the_state_of_a_block():
 
 
 class FakeSync:
-    """The sync's record of which frozen copies are exact versions: here every copy is the version before."""
+    """The sync's record of which frozen copies are versions of their chain: here every copy is the version
+    before (``on_chain``), or none is."""
 
-    def __init__(self, round_: int) -> None:
-        self.round, self.landed = round_, []
+    def __init__(self, round_: int, chains: Chains, on_chain: bool = True) -> None:
+        self.round, self.chains, self.on_chain, self.landed = round_, chains, on_chain, []
 
     def copy_version(self, unit):
-        return (self.round, "hash")
+        return (self.round, "hash") if self.on_chain else None
 
     def copy_landed(self, unit, download, held, stored):
         self.landed.append((unit, stored))
 
 
 @pytest.mark.parametrize("refresh", ["changes", "weights"])
-def test_a_dense_block_held_quantized_is_fetched_in_its_own_codec(refresh):
+def test_a_dense_block_held_quantized_follows_its_formats_chain(refresh):
     s = blocks_settings().override({"train.frozen_dense": "nf4", "sync.frozen_refresh": refresh})
     member = SimpleNamespace(me="me", units_held=["dense/1", "experts/0"])
-    every = s.method.refresh_every_rounds
-    sync = FakeSync(10 - every)
-    frozen = FrozenCopies(s, member, sync, layout_of(s.model))
-    for experts in (None, {}):  # an ordinary version round, and a merge (which reads experts only)
-        job = SimpleNamespace(round=10, experts=experts)
-        kind = "version" if refresh == "changes" else "weights"
-        assert frozen._want("dense/2", job) == Want(kind, "nf4")
-        assert frozen._want("dense/1", job) == Want("weights", "none")  # ours: exact
+    every, layout = s.method.refresh_every_rounds, layout_of(s.model)
+    with torch.device("meta"):
+        model = MoETransformer(s.model.architecture())
+    names = {u: read_unit_names(model, layout, u) for u in layout.units}
+    chains = Chains(names, quantized_when_frozen(model, layout))
+    assert chains.of("dense/2") == ("int8", "nf4")  # (its attention is quantized, its norms are not)
+    since = (10 - every, "hash")
+    for on_chain in (True, False):
+        sync = FakeSync(10 - every, chains, on_chain)
+        frozen = FrozenCopies(s, member, sync, layout)
+        for experts in (None, {}):  # an ordinary version round, and a merge (which reads experts only)
+            job = SimpleNamespace(round=10, experts=experts)
+            if refresh == "weights":
+                assert frozen._want("dense/2", job) == Want("weights", "nf4")
+            elif on_chain:  # the change of its chain, in the refresh codec
+                assert frozen._want("dense/2", job) == Want(
+                    "change", s.sync.refresh_codec, since, chain="nf4"
+                )
+            else:  # off it: the chain's version whole, exactly (its norms are float32)
+                assert frozen._want("dense/2", job) == Want("version", "none", chain="nf4")
+            assert frozen._want("dense/1", job) == Want("weights", "none")  # ours: exact
+    sync = FakeSync(10 - every, chains)
+    frozen = FrozenCopies(s, member, sync, layout)
     job = SimpleNamespace(round=10, experts=None)
     if refresh == "changes":  # experts stay in full precision: the change since our copy's version
-        assert frozen._want("experts/1", job) == Want("change", s.sync.refresh_codec, (10 - every, "hash"))
+        assert frozen._want("experts/1", job) == Want("change", s.sync.refresh_codec, since)
     frozen.landed("dense/2", Download(10, Want("version", "none")), {"w": torch.zeros(1)})
     assert sync.landed == [("dense/2", "nf4")]  # (an exact version held in nf4 is none: test_versions.py)
+
+
+def read_unit_names(model, layout, unit) -> list[str]:
+    return [name for name, _, _ in named_weights(model) if layout.unit_of(name) == unit]
 
 
 # ----------------------------------------------------------------------------------- simulated swarms

@@ -15,7 +15,7 @@ from spes_p2p.sync.config import SyncConfig
 from spes_p2p.sync.messages import UpdateRequest, WeightsRequest
 from spes_p2p.sync.payload import decode, specs_of
 from spes_p2p.sync.serving import Outbox, Posted
-from spes_p2p.sync.versions import Versions
+from spes_p2p.sync.versions import Chains, Versions
 
 UNIT = "experts/0"
 
@@ -51,7 +51,7 @@ def test_the_outbox_keeps_payloads_not_tensors():
     weights = {"w1": torch.randn(64, 32), "w2": torch.randn(32)}
     specs = {UNIT: specs_of(weights)}
     codecs = Codecs.of(SyncConfig())
-    outbox = Outbox(transport, specs, codecs, Versions(codecs["int8"]))
+    outbox = Outbox(transport, specs, codecs, Versions(codecs["int8"], Chains.experts_only(specs)))
     outbox.serve_weights(3, UNIT, weights)
     outbox.post_update(3, UNIT, Posted(b"update", b"end", 100, "base"))
     held = outbox.held()

@@ -8,7 +8,7 @@ from spes_p2p.blockwise import int8_sizes, nf4_sizes
 from spes_p2p.model import MoETransformer, UnitLayout, get_preset, read_unit, write_unit
 from spes_p2p.model.moe import SwiGLUExpert
 from spes_p2p.model.quant import QuantizedTensor, frozen_matmul
-from spes_p2p.model.units import hold_frozen
+from spes_p2p.model.units import hold_frozen, quantized_when_frozen
 from spes_p2p.sync.codecs import CODECS
 from spes_p2p.sync.payload import decode, encode, specs_of
 from spes_p2p.train.accounting import weights_bytes
@@ -118,6 +118,8 @@ def held_quantized(model) -> set[str]:
 def test_quantized_frozen_dense_blocks_stay_close_and_pass_gradients_to_the_trained_block(kind):
     full, quantized = dense_models(kind)
     assert held_quantized(quantized) == QUANTIZED  # norms and the router (8 x 64) stay fp32 parameters
+    dense = {u: names for u, names in quantized_when_frozen(full, BLOCKS).items() if u.startswith("dense/")}
+    assert set().union(*(names for u, names in dense.items() if u not in TRAINED)) == QUANTIZED  # (as held)
     assert not {n for n, _ in quantized.named_parameters()} & QUANTIZED
     for model in (full, quantized):
         for name, p in model.named_parameters():

@@ -40,9 +40,9 @@ def pair(codec="int8"):
     return SyncEngine(net.join("holder"), "t", cfg, SPECS), SyncEngine(net.join("peer"), "t", cfg, SPECS)
 
 
-def refresh(peer: SyncEngine, round_: int, want: Want):
+def refresh(peer: SyncEngine, round_: int, want: Want, unit: str = UNIT):
     got = []
-    peer.refresh(round_, {UNIT: ["holder"]}, 2.0, want=want, on_unit=lambda _, fetched: got.append(fetched))
+    peer.refresh(round_, {unit: ["holder"]}, 2.0, want=want, on_unit=lambda _, fetched: got.append(fetched))
     assert got, f"round {round_}: nothing came"
     return got[0]
 
@@ -132,6 +132,50 @@ def test_a_quantized_copy_follows_its_chain_bit_for_bit_and_stays_within_a_round
         assert max(sizes) < 0.5 * len(holder.version(UNIT).chains[stored].payload)
 
 
+def test_a_dense_block_held_quantized_follows_its_chain_with_its_norms_in_float32():
+    """A keeper of a dense block quantizes its large weights and keeps its norms float32: the chain does the
+    same, so the keeper holds its version bit for bit; off it, the version comes whole, exactly."""
+    unit, specs = "dense/1", {"w": TensorSpec((64, 128)), "norm": TensorSpec((64,))}
+    net = MemoryNetwork(seed=0)
+    cfg = SyncConfig(refresh_codec="sparseloco", deadline_min=0.2, deadline_max=2.0, request_timeout=1.0)
+    holder, peer = (
+        SyncEngine(net.join(p), "t", cfg, {unit: specs}, quantized={unit: frozenset({"w"})})
+        for p in ("holder", "peer")
+    )
+    g = torch.Generator().manual_seed(0)
+    weights = {"w": torch.randn(64, 128, generator=g) * 0.02, "norm": torch.ones(64)}
+    holder.start_version(unit, -1, weights)
+
+    def keep(tensors):  # as the keeper's model holds the block
+        return {
+            "w": QuantizedTensor.quantize(tensors["w"], "int8").dequantize(),
+            "norm": tensors["norm"].clone(),
+        }
+
+    copy = keep(weights)
+    peer.start_versions(-1, lambda _: copy, held=[], versioned=lambda _: True)
+    for round_ in range(5):
+        weights = {n: t + 1e-3 * torch.randn(t.shape, generator=g) for n, t in weights.items()}
+        version = holder.advance_version(unit, round_, round_ - 1, weights)
+        fetched = refresh(
+            peer, round_, Want("change", "sparseloco", peer.copy_version(unit), chain="int8"), unit
+        )
+        assert fetched.want.kind == "change", round_
+        copy = keep(fetched.onto(lambda: copy))  # noqa: B023
+        peer.copy_landed(unit, fetched, copy, "int8")
+        assert tensors_hash(copy) == version.chains["int8"].hash, round_
+    assert peer.chains.whole(unit, "int8") == Want("version", "none", chain="int8")
+    got = []
+    peer.refresh(
+        4,
+        {unit: ["holder"]},
+        2.0,
+        want=Want("version", "none", chain="int8"),
+        on_unit=lambda _, f: got.append(f),
+    )
+    assert tensors_hash(got[0].tensors) == version.chains["int8"].hash
+
+
 def test_a_quantized_copy_off_its_chain_gets_the_chains_version_whole():
     holder, peer = pair("sparseloco")
     weights = {"w1": torch.randn(64, 128)}
@@ -163,7 +207,7 @@ def test_a_holder_joining_a_chain_with_a_co_holders_quantized_chains_publishes_t
         assert metadata_of(changes[0]) == metadata_of(changes[1]), chain  # (its buffers' SHA-256 included)
 
 
-@pytest.mark.parametrize(("kind", "codec"), [("weights", "int8"), ("version", "none")])
+@pytest.mark.parametrize(("kind", "codec"), [("weights", "int8"), ("version", "nf4")])
 def test_a_request_for_a_quantized_chain_other_than_its_versions_and_changes_is_malformed(kind, codec):
     request = {"unit": UNIT, "codec": codec, "kind": kind, "chain": "int8"}
     with pytest.raises(BadRequest):
@@ -332,9 +376,11 @@ def test_a_dense_block_changing_hands_keeps_its_version_chain(tmp_path):
 
 
 @pytest.mark.timeout(300)
-def test_peers_holding_frozen_experts_in_int8_receive_sparse_changes(tmp_path):
-    """The default peer keeps the experts it does not train in int8: under ``sparseloco`` they come as
-    changes of the int8 chain from the first round on (never whole), and their holders end bit-identical."""
+def test_peers_holding_frozen_copies_in_int8_receive_sparse_changes(tmp_path):
+    """The default peer keeps the experts and the dense block it does not train in int8: under
+    ``sparseloco`` the experts come as changes of the int8 chain from the first round on (never whole), the
+    dense block too until it rotates (then the block a peer gave up comes whole: its copy was its own
+    weights), and their holders end bit-identical."""
     summary = run(
         simulation(
             {
@@ -357,3 +403,5 @@ def test_peers_holding_frozen_experts_in_int8_receive_sparse_changes(tmp_path):
             if unit.startswith("experts/")
         ]
         assert kinds == ["change"] * 3, (folder.name, kinds)
+        first = read_rows(folder)[0]["refreshed"]
+        assert [kind for unit, kind in first.items() if unit.startswith("dense/")] == ["change"], first

@@ -212,21 +212,36 @@ def hold_frozen(
     dims and at least ``MIN_QUANTIZED`` elements are quantized (embedding, attention, lm_head, a large
     router); norms and small routers stay fp32 parameters, frozen."""
     trained_set = set(trained)
-    for name, module in model.named_modules():
-        if not isinstance(module, QuantizedWeights):
-            continue
-        unit = layout.unit_of(f"{name}.{module.WEIGHTS[0]}")
-        is_expert = unit.startswith("experts/")
-        kind = experts if is_expert else dense
-        if kind == "full" or unit in trained_set or not (is_expert or _worth_quantizing(module)):
+    for unit, _, module in _quantizable(model, layout):
+        kind = experts if unit.startswith("experts/") else dense
+        if kind == "full" or unit in trained_set or not _quantized_when_frozen(unit, module):
             module.dequantize_()
         else:
             module.quantize_(kind)
 
 
-def _worth_quantizing(module: QuantizedWeights) -> bool:
+def quantized_when_frozen(model: nn.Module, layout: UnitLayout) -> dict[str, frozenset[str]]:
+    """For each unit, the weights that ``hold_frozen`` quantizes when the unit is held int8 or nf4 (what a
+    quantized copy's keepers hold quantized, ``sync.versions.Chains``)."""
+    out: dict[str, set[str]] = {u: set() for u in layout.units}
+    for unit, prefix, module in _quantizable(model, layout):
+        if _quantized_when_frozen(unit, module):
+            out[unit] |= {f"{prefix}.{w}" for w in module.WEIGHTS}
+    return {u: frozenset(names) for u, names in out.items()}
+
+
+def _quantizable(model: nn.Module, layout: UnitLayout) -> Iterator[tuple[str, str, QuantizedWeights]]:
+    """(unit, name, module) of every module whose weights may be held quantized."""
+    for name, module in model.named_modules():
+        if isinstance(module, QuantizedWeights):
+            yield layout.unit_of(f"{name}.{module.WEIGHTS[0]}"), name, module
+
+
+def _quantized_when_frozen(unit: str, module: QuantizedWeights) -> bool:
+    """Experts always; a dense weight of 2 or more dims and at least ``MIN_QUANTIZED`` elements."""
     shapes = [module.weight_shape(w) for w in module.WEIGHTS]
-    return all(len(shape) >= 2 and shape.numel() >= MIN_QUANTIZED for shape in shapes)
+    worth = all(len(shape) >= 2 and shape.numel() >= MIN_QUANTIZED for shape in shapes)
+    return unit.startswith("experts/") or worth
 
 
 def set_trainable(model: nn.Module, layout: UnitLayout, units: list[str]) -> list[nn.Parameter]:

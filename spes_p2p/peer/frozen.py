@@ -24,14 +24,7 @@ from spes_p2p.settings import Settings
 from spes_p2p.swarm.member import SwarmMember, SwarmView
 from spes_p2p.sync.aggregate import norm_of
 from spes_p2p.sync.engine import SyncEngine
-from spes_p2p.sync.versions import (
-    EXACT_VERSION,
-    EXACT_WEIGHTS,
-    Download,
-    Want,
-    chains_of,
-    is_version_round,
-)
+from spes_p2p.sync.versions import EXACT_VERSION, EXACT_WEIGHTS, Download, Want, is_version_round
 from spes_p2p.train.merge import merge_experts
 
 if TYPE_CHECKING:
@@ -97,7 +90,8 @@ class FrozenCopies:
         quantized chains holds (a chain that does not come starts from the exact version: keepers of that
         format who ask us are told it is another chain, and fetch its version whole)."""
         got: dict[str, Download] = {}
-        for want in (EXACT_VERSION, *(Want(chain=c).whole for c in chains_of(unit))):
+        chains = self.sync.chains.of(unit)
+        for want in (EXACT_VERSION, *(self.sync.chains.whole(unit, c) for c in chains)):
             self.sync.refresh(
                 since,
                 {unit: holders},
@@ -108,10 +102,10 @@ class FrozenCopies:
         exact = got.pop("full", None)
         if exact is None:
             return
-        chains = {c: d.tensors for c, d in got.items() if d.round == exact.round}
-        if len(chains) < len(chains_of(unit)):
+        held = {c: d.tensors for c, d in got.items() if d.round == exact.round}
+        if len(held) < len(chains):
             logger.info("%s: our quantized chains start anew (a co-holder's did not come)", unit)
-        self.sync.start_version(unit, exact.round, exact.tensors, chains)
+        self.sync.start_version(unit, exact.round, exact.tensors, held)
 
     def versioned(self, unit: str) -> bool:
         """Whether some peers keep a frozen copy of ``unit``: an expert shard, or a dense block of several."""
@@ -163,9 +157,8 @@ class FrozenCopies:
 
     def _want(self, unit: str, job: RoundJob) -> Want:
         """Exact weights of a unit we are about to train. For a frozen copy: the change since its version
-        (or, when it is not one, the exact version); held quantized, the same of its format's chain (a
-        dense block: the version in its format, whole). At a merge, every peer needs this round's version
-        of every expert alike: exact ones."""
+        (or, when it is not one, the exact version); held quantized, the same of its format's chain. At a
+        merge, every peer needs this round's version of every expert alike: exact ones."""
         if unit in self.member.units_held:
             return EXACT_WEIGHTS
         sync, stored = self.settings.sync, self._stored(unit)
@@ -175,12 +168,12 @@ class FrozenCopies:
             return Want("weights", stored if quantized and not merging else sync.refresh_codec)
         if quantized and merging:
             return EXACT_VERSION
-        if quantized and stored not in chains_of(unit):
+        if quantized and stored not in self.sync.chains.of(unit):  # (nothing of it is quantized)
             return Want("version", stored)
         copy = self.sync.copy_version(unit)
         if copy is not None and copy[0] == job.round - self.every:
             return Want("change", sync.refresh_codec, copy, chain=stored)
-        return Want(chain=stored).whole
+        return self.sync.chains.whole(unit, stored)
 
     def _stored(self, unit: str) -> str:
         """How we hold our frozen copy of ``unit``: full, int8 or nf4."""

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from spes_p2p.errors import CheckpointError
-from spes_p2p.model.units import layout_of
+from spes_p2p.model.units import layout_of, quantized_when_frozen
 from spes_p2p.net.reachability import SelfCheck
 from spes_p2p.net.transport import Transport
 from spes_p2p.net.waiting import Deadline, poll
@@ -113,7 +113,8 @@ class Peer:
         self.data = data_claims(settings, transport, data, self.member.live_peers)
         self.local.plan_with(self.data)
         specs = {u: specs_of(self.local.read(u)) for u in self.layout.units}
-        self.sync = sync_engine(settings, transport, specs, self.local.read, self.member)
+        quantized = quantized_when_frozen(self.local.model, self.layout)
+        self.sync = sync_engine(settings, transport, specs, self.local.read, self.member, quantized)
         overlap = settings.method.overlap
         probe = self.local.probe if self.local.compute == "real" else None
         round_sync = RoundSync(settings, self.member, self.sync, self.layout, self.local.read, probe)

@@ -80,7 +80,9 @@ def member_config(settings: Settings) -> MemberConfig:
     )
 
 
-def sync_engine(settings: Settings, transport: Transport, specs: dict, local_copy, roster) -> SyncEngine:
+def sync_engine(
+    settings: Settings, transport: Transport, specs: dict, local_copy, roster, quantized: dict
+) -> SyncEngine:
     return SyncEngine(
         transport,
         settings.swarm.run_id,
@@ -89,6 +91,7 @@ def sync_engine(settings: Settings, transport: Transport, specs: dict, local_cop
         local_copy,
         roster,
         settings.method.aggregate,
+        quantized,
     )
 
 

@@ -35,7 +35,7 @@ from spes_p2p.sync.payload import tensors_hash
 from spes_p2p.sync.reduce_scatter import ReduceScatter
 from spes_p2p.sync.refresh import Refresh, Verify
 from spes_p2p.sync.serving import KEEP_ROUNDS, Outbox
-from spes_p2p.sync.versions import EXACT_WEIGHTS, Copies, Download, Version, Versions, Want
+from spes_p2p.sync.versions import EXACT_WEIGHTS, Chains, Copies, Download, Version, Versions, Want
 
 PARALLEL_FETCHES = 4
 
@@ -52,15 +52,18 @@ class SyncEngine:
         local_copy: Callable[[str], Tensors] | None = None,
         roster: Roster | None = None,
         aggregate: str = "mean",
+        quantized: dict[str, frozenset[str]] | None = None,
     ) -> None:
         """``specs``: every unit's tensors; ``local_copy``: our copy of any unit (for newcomers that find no
         holder ready); ``roster``: who is in the swarm and takes part in a round now; ``aggregate``: the rule
-        that combines a round's updates (``aggregate.combine``)."""
+        that combines a round's updates (``aggregate.combine``); ``quantized``: the tensors of each unit that
+        a peer holding it quantized keeps quantized (``Chains``; default: every tensor of an expert shard)."""
         self.transport, self.cfg, self._specs, self._run_id = transport, cfg, specs, run_id
         codecs = Codecs.of(cfg)
+        self.chains = Chains.experts_only(specs) if quantized is None else Chains(specs, quantized)
         self._abort = threading.Event()  # set when the peer stops: waits end at once, with what has arrived
         self._pool = ThreadPoolExecutor(PARALLEL_FETCHES, thread_name_prefix="spes-fetch")
-        self._versions = Versions(codecs.refresh)  # of the units we hold
+        self._versions = Versions(codecs.refresh, self.chains)  # of the units we hold
         self._copies = Copies()  # which of our frozen copies are versions
         self._outbox = Outbox(transport, specs, codecs, self._versions, local_copy)
         self._ledger = Ledger(cfg, codecs.update)
@@ -70,7 +73,9 @@ class SyncEngine:
         self._all_to_all = AllToAll(*parts, self._gatherer, fetcher)
         self._reduce_scatter = ReduceScatter(*parts, self._gatherer, fetcher)
         live_peers = roster.live_peers if roster is not None else None
-        self._refresh = Refresh(transport, cfg, codecs, specs, self._pool, self._abort, live_peers)
+        self._refresh = Refresh(
+            transport, cfg, codecs, specs, self._pool, self._abort, live_peers, self.chains
+        )
         self._fetcher = fetcher
         self._sample: Callable[[], None] = lambda: None
 

@@ -58,10 +58,12 @@ class WeightsRequest(Message):
     kind: Literal["weights", "version", "change"] = "weights"  # see sync/versions.py
     # only the SHA-256 of what would be served, of exactly that round (another holder's download confirmed)
     digest: bool = False
-    # versions and changes: of the exact chain, or of a quantized format's (a version then in that format)
+    # versions and changes: of the exact chain, or of a quantized format's (a version in that format or exact)
     chain: Literal[("full", *QUANTIZED)] = "full"  # type: ignore[valid-type]
 
     def __post_init__(self) -> None:
-        whole = self.kind == "version" and self.codec == self.chain
+        whole = self.kind == "version" and self.codec in (self.chain, "none")
         if self.chain != "full" and not (whole or self.kind == "change"):
-            raise ValueError("a quantized chain has versions (in its own format) and changes, no weights")
+            raise ValueError(
+                "a quantized chain has versions (in its format or exact) and changes, no weights"
+            )

@@ -41,7 +41,7 @@ from spes_p2p.sync.codecs import Codecs, PayloadError, TensorSpec
 from spes_p2p.sync.config import SyncConfig
 from spes_p2p.sync.messages import NOT_HELD, RPC_WEIGHTS, WeightsRequest
 from spes_p2p.sync.payload import decode, metadata_of, served_digest
-from spes_p2p.sync.versions import ELSEWHERE, NOBODY, Download, Want
+from spes_p2p.sync.versions import ELSEWHERE, NOBODY, Chains, Download, Want
 
 logger = logging.getLogger(__name__)
 
@@ -69,9 +69,11 @@ class Refresh:
         pool: ThreadPoolExecutor,
         abort: threading.Event,
         live_peers=None,
+        chains: Chains | None = None,
     ) -> None:
         self.transport, self.cfg, self.specs, self.pool, self.abort = transport, cfg, specs, pool, abort
         self.codecs = codecs
+        self.chains = Chains.experts_only(specs) if chains is None else chains
         self.live_peers = live_peers
         self.rejected = 0
         self.failed: Counter[str] = Counter()  # holder -> fetches in a row it did not serve
@@ -161,7 +163,7 @@ class Refresh:
                 ):
                     return found
             if want.kind == "change" and (elsewhere or patience.passed()):  # the whole version instead
-                want = want.whole
+                want = self.chains.whole(unit, want.chain)
             if order and not deadline.passed():
                 return None  # holders first, while they may still catch up
             for peer in fallback:

@@ -168,9 +168,16 @@ class Outbox:
             version = self.versions.current(req.unit)
             if version is None or version.round < req.round or req.chain not in ("full", *version.chains):
                 raise Unavailable(f"no version {req.round} of {req.unit} ({req.chain}) here")
-            if req.chain != "full":
-                return version.chains[req.chain].payload
-            return self._coded((version.round, req.unit, "version", req.codec), version.payload)
+            if req.chain == "full":
+                return self._coded((version.round, req.unit, "version", req.codec), version.payload)
+            held = version.chains[req.chain]
+            if req.codec == "none":  # (a keeper of a dense block: its norms are float32)
+                meta = payload_meta(req.unit, version.round, "version")
+                key = (version.round, req.unit, f"version of {req.chain}", "none")
+                return self._cached(key, lambda: encode(version.held(req.chain), EXACT, meta=meta))
+            if held.rest:
+                raise Unavailable(f"{req.unit}'s {req.chain} chain has float32 tensors: ask for it exactly")
+            return held.payload
         with self._lock:
             versions = dict(self._weights.get(req.unit, {}))
         if versions:
@@ -194,11 +201,14 @@ class Outbox:
         round_, unit, kind, codec = key
         if codec == "none":
             return exact
+        meta = payload_meta(unit, round_, kind)
+        return self._cached(key, lambda: encode(tensors_of(exact), self.codecs[codec], meta=meta))
+
+    def _cached(self, key: tuple[int, str, str, str], make: Callable[[], bytes]) -> bytes:
         with self._lock:
             cached = self._encoded.get(key)
         if cached is None:
-            meta = payload_meta(unit, round_, kind)
-            cached = encode(tensors_of(exact), self.codecs[codec], meta=meta)
+            cached = make()
             with self._lock:
                 self._encoded[key] = cached
         return cached

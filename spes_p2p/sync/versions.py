@@ -14,18 +14,20 @@ rounding, however many rounds pass.
 A copy that is not a version (a newcomer's, one that missed a version round, or one whose check failed)
 is replaced by the holders' exact version (``none`` codec) once, and follows the changes from then on.
 
-Peers that hold frozen experts quantized (int8 or nf4) cannot add a change to the exact version before:
+Peers that hold frozen copies quantized (int8 or nf4) cannot add a change to the exact version before:
 they hold only its rounding. Each quantized format has a **chain** of its own, which the holders keep beside
-the exact one, for every expert shard, from the same start:
+the exact one, for every unit that has tensors its keepers quantize (``Chains``: all of an expert shard's;
+a dense block's large weights, not its norms), from the same start:
 
     change_q(r) = code(V(r) - X(r - k))        X(r) = quantize(X(r - k) + decode(change_q(r)))
 
-(``X`` dequantized where it is added to). A keeper whose copy is ``X(r - k)`` (its hash says so) adds the
-change and quantizes, as its model does on writing a copy, and holds ``X(r)`` bit for bit. The change is
-taken against what the keepers hold, not against ``V``, so what quantizing drops is in the next change: the
-copy stays within a rounding of the exact version, in the refresh codec's bytes. A keeper whose copy is not
-in its chain fetches the chain's version whole, in its own format, once. (Dense blocks held quantized, with
-``dense_blocks`` > 1, quantize only some of their tensors: they fetch each version whole in their format.)
+(``X`` dequantized where it is added to, and quantized only in the tensors its keepers quantize). A keeper
+whose copy is ``X(r - k)`` (its hash says so) adds the change and writes the sum, which its model quantizes
+as the holders did, and holds ``X(r)`` bit for bit. The change is taken against what the keepers hold, not
+against ``V``, so what quantizing drops is in the next change: the copy stays within a rounding of the
+exact version, in the refresh codec's bytes. A keeper whose copy is not in its chain fetches the chain's
+version whole once: in its format for an expert shard, exactly for a dense block (whose float32 norms a
+quantized payload cannot carry).
 
 Holders keep the current version of each unit they hold (``Versions``), as the payload it is served as;
 peers keep, for each frozen copy that is a version, its round and hash (``Copies``). A change names the
@@ -40,12 +42,12 @@ back is a ``Download`` (``refresh.Refresh`` fetches them), which makes the unit'
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 import torch
 
-from spes_p2p.sync.codecs import CODECS, EXACT, Codec
+from spes_p2p.sync.codecs import CODECS, EXACT, Codec, TensorSpec
 from spes_p2p.sync.payload import decode, encode, payload_meta, specs_of, tensors_hash, tensors_of
 
 Tensors = dict[str, torch.Tensor]
@@ -58,9 +60,41 @@ def is_version_round(round_: int, every: int) -> bool:
 QUANTIZED = ("int8", "nf4")  # the formats a copy may be held in, each with a chain of versions
 
 
-def chains_of(unit: str) -> tuple[str, ...]:
-    """The quantized chains a unit's holders keep (the module's docstring): those of an expert shard."""
-    return QUANTIZED if unit.startswith("experts/") else ()
+class Chains:
+    """Which tensors of each unit a keeper that holds it quantized keeps quantized (the model decides:
+    ``model.units.quantized_when_frozen``; the others, norms and small weights, stay float32), and so the
+    quantized chains each unit has: none where no tensor is quantized."""
+
+    def __init__(self, names: dict[str, Iterable[str]], quantized: dict[str, frozenset[str]]) -> None:
+        """``names``: every unit's tensors; ``quantized``: those kept quantized, by unit."""
+        self._names = {u: frozenset(n) for u, n in names.items()}
+        self._quantized = quantized
+
+    @classmethod
+    def experts_only(cls, names: dict[str, Iterable[str]]) -> Chains:
+        """Every tensor of an expert shard quantized, none of a dense block (as when every dense weight is
+        too small to quantize)."""
+        return cls(
+            names, {u: frozenset(n) if u.startswith("experts/") else frozenset() for u, n in names.items()}
+        )
+
+    def of(self, unit: str) -> tuple[str, ...]:
+        return QUANTIZED if self._quantized.get(unit) else ()
+
+    def split(self, unit: str, tensors: Tensors) -> tuple[Tensors, Tensors]:
+        """(the tensors a keeper quantizes, the others)."""
+        names = self._quantized.get(unit, frozenset())
+        return {n: t for n, t in tensors.items() if n in names}, {
+            n: t for n, t in tensors.items() if n not in names
+        }
+
+    def whole(self, unit: str, chain: str) -> Want:
+        """A chain's version, whole: in its format when the keeper quantizes every tensor of the unit (an
+        expert shard), else exactly (a dense block, whose norms stay float32)."""
+        if chain == "full":
+            return EXACT_VERSION
+        every = self._quantized.get(unit) == self._names.get(unit)
+        return Want("version", chain if every else "none", chain=chain)
 
 
 @dataclass(frozen=True)
@@ -77,13 +111,8 @@ class Want:
     @property
     def makes_version(self) -> bool:
         """Whether what comes makes the holders' version of its chain exactly (a change, added to our version
-        before; or the version itself, in the chain's own format)."""
-        return self.kind == "change" or self == self.whole
-
-    @property
-    def whole(self) -> Want:
-        """The version of our chain, whole: what to fetch when a change does not come."""
-        return Want("version", "none" if self.chain == "full" else self.chain, chain=self.chain)
+        before; or the version itself, exactly or in the chain's own format)."""
+        return self.kind == "change" or (self.kind == "version" and self.codec in ("none", self.chain))
 
 
 EXACT_WEIGHTS = Want("weights", "none")
@@ -121,10 +150,11 @@ ELSEWHERE = Download(-3, Want())  # a change to another version than ours: that 
 
 @dataclass(frozen=True)
 class Held:
-    """A version as served: its payload (``none``, or a quantized chain's format) and the hash of what it
-    decodes to."""
+    """A quantized chain's version: what its keepers quantize, as the chain's format codes it, the rest
+    (float32; empty when they quantize every tensor), and the hash of what they decode to."""
 
     payload: bytes
+    rest: bytes
     hash: str
 
 
@@ -133,35 +163,48 @@ class Version:
     round: int
     payload: bytes  # its weights, as served: a ``none`` payload
     hash: str
+    specs: dict[str, TensorSpec] = field(default_factory=dict)
     chains: dict[str, Held] = field(default_factory=dict)  # format -> that chain's version
 
     @classmethod
     def of(
-        cls, unit: str, round_: int, weights: Tensors, chains: dict[str, Tensors] | None = None
+        cls,
+        unit: str,
+        round_: int,
+        weights: Tensors,
+        kept: Chains,
+        chains: dict[str, Tensors] | None = None,
     ) -> Version:
-        """Version ``round_`` of ``unit``; each of its quantized chains is ``chains[format]`` quantized (or,
-        where not given, ``weights`` quantized: the chains start where the exact one does)."""
-        meta = payload_meta(unit, round_, "version")
+        """Version ``round_`` of ``unit``; each of its quantized chains is ``chains[format]`` (or, where not
+        given, ``weights``: the chains start where the exact one does), quantized where its keepers
+        quantize."""
+        meta, specs = payload_meta(unit, round_, "version"), specs_of(weights)
         held = {}
-        for chain in chains_of(unit):
-            payload = encode((chains or {}).get(chain, weights), CODECS[chain], meta=meta)
-            held[chain] = Held(payload, tensors_hash(_decoded(payload, chain, weights)))
-        return cls(round_, encode(weights, EXACT, meta=meta), tensors_hash(weights), held)
+        for chain in kept.of(unit):
+            quantized, rest = kept.split(unit, (chains or {}).get(chain, weights))
+            payload = encode(quantized, CODECS[chain], meta=meta)
+            rest_payload = encode(rest, EXACT, meta=meta) if rest else b""
+            decoded = _decoded(Held(payload, rest_payload, ""), chain, specs)
+            held[chain] = Held(payload, rest_payload, tensors_hash(decoded))
+        return cls(round_, encode(weights, EXACT, meta=meta), tensors_hash(weights), specs, held)
 
     @property
     def weights(self) -> Tensors:
         return tensors_of(self.payload)
 
-    def chain(self, chain: str) -> Held:
-        return Held(self.payload, self.hash) if chain == "full" else self.chains[chain]
+    def hash_of(self, chain: str) -> str:
+        return self.hash if chain == "full" else self.chains[chain].hash
 
     def held(self, chain: str) -> Tensors:
         """What a keeper of ``chain`` holds at this version (the exact weights for ``full``)."""
-        return self.weights if chain == "full" else _decoded(self.chains[chain].payload, chain, self.weights)
+        return self.weights if chain == "full" else _decoded(self.chains[chain], chain, self.specs)
 
 
-def _decoded(payload: bytes, codec: str, like: Tensors) -> Tensors:
-    return decode(payload, specs_of(like), CODECS[codec])
+def _decoded(held: Held, chain: str, specs: dict[str, TensorSpec]) -> Tensors:
+    """What a quantized chain's version decodes to, as its keepers hold it."""
+    rest = tensors_of(held.rest) if held.rest else {}
+    quantized = {n: s for n, s in specs.items() if n not in rest}
+    return {**decode(held.payload, quantized, CODECS[chain]), **rest}
 
 
 @dataclass(frozen=True)
@@ -182,8 +225,8 @@ class Versions:
     """The current version of each unit this peer holds, and the change that made it. Thread-safe: the
     sync thread advances; handler threads serve."""
 
-    def __init__(self, codec: Codec) -> None:
-        self.codec = codec  # how a change travels
+    def __init__(self, codec: Codec, chains: Chains) -> None:
+        self.codec, self.chains = codec, chains  # how a change travels; the quantized chains of each unit
         self._lock = threading.Lock()
         self._current: dict[str, Version] = {}
         self._changes: dict[str, Change] = {}  # unit -> the change that made its current version
@@ -193,7 +236,7 @@ class Versions:
     ) -> Version:
         """This peer's version ``round_`` of ``unit`` (the initial model, or a co-holder's exact version and
         its ``chains``)."""
-        version = Version.of(unit, round_, weights, chains)
+        version = Version.of(unit, round_, weights, self.chains, chains)
         with self._lock:
             self._current[unit] = version
             self._changes.pop(unit, None)
@@ -218,23 +261,23 @@ class Versions:
         if before is None or before.round != since:
             return self.start(unit, round_, weights)
         payloads, chains = {}, {}
-        full = before.chain("full")
-        payloads["full"], exact = self._change(unit, round_, since, full, before.weights, weights)
+        payloads["full"], exact = self._change(unit, round_, since, before.hash, before.weights, weights)
         for chain in before.chains:
             payloads[chain], chains[chain] = self._change(
-                unit, round_, since, before.chain(chain), before.held(chain), exact
+                unit, round_, since, before.hash_of(chain), before.held(chain), exact
             )
-        version = Version.of(unit, round_, exact, chains)
+        version = Version.of(unit, round_, exact, self.chains, chains)
         with self._lock:
             self._current[unit] = version
             self._changes[unit] = Change(payloads, version)
         return version
 
     def _change(
-        self, unit: str, round_: int, since: int, held: Held, before: Tensors, target: Tensors
+        self, unit: str, round_: int, since: int, since_hash: str, before: Tensors, target: Tensors
     ) -> tuple[bytes, Tensors]:
-        """The change from ``before`` (what ``held`` decodes to) toward ``target``, and where it lands."""
-        meta = change_meta(unit, round_, since, held.hash)
+        """The change from ``before`` (version ``since``, whose hash is ``since_hash``) toward ``target``,
+        and where it lands."""
+        meta = change_meta(unit, round_, since, since_hash)
         payload = encode({n: target[n] - before[n] for n in target}, self.codec, meta=meta)
         sent = decode(payload, specs_of(target), self.codec, meta=meta)
         return payload, {n: before[n] + sent[n] for n in target}
@@ -244,7 +287,8 @@ class Versions:
         with self._lock:
             return {
                 "versions": [
-                    [v.payload, *(c.payload for c in v.chains.values())] for v in self._current.values()
+                    [v.payload, *(b for c in v.chains.values() for b in (c.payload, c.rest))]
+                    for v in self._current.values()
                 ],
                 "served": [list(c.payloads.values()) for c in self._changes.values()],
             }
