@@ -283,13 +283,14 @@ def codec_tables(results: dict, row, mib) -> list[str]:
         for length in ("short", "long"):
             if length not in loss:
                 continue
-            heads = ("tokens", "final val loss, mean (min to max)", "honest updates refused, peers banned")
+            heads = ("tokens", "final val loss, mean (min to max)", "refused, banned, resynced, missing")
             out += ["", row(f"{length} run: method", *heads), row(*["---"] * 4)]
             for name, runs in loss[length].items():
                 seen = [v for k, v in screening.items() if k.startswith(f"{length}/{name}/")]
-                alarms = f"{sum(s['refused'] for s in seen)}, {sum(len(s['banned']) for s in seen)}"
-                cells = (f"{runs[0][-1][0]:,}", spread([c[-1][1] for c in runs]), alarms if seen else "")
-                out.append(row(name, *cells))
+                counts = (sum(s["refused"] for s in seen), sum(len(s["banned"]) for s in seen))
+                counts += tuple(sum(s.get(k, 0) for s in seen) for k in ("resynced", "missing"))
+                cells = (f"{runs[0][-1][0]:,}", spread([c[-1][1] for c in runs]), ", ".join(map(str, counts)))
+                out.append(row(name, *cells[:2], cells[2] if seen else ""))
         if "long" in loss:
             at = equal_compute(loss, Settings().override({"model.shards": 2}))
             out += ["", row("at a DiLoCo peer's FLOPs of the short run", "val loss, mean (min to max)")]

@@ -403,6 +403,7 @@ def bench_codec_loss(out: Path, rounds: int, steps: int, seeds: tuple[int, ...],
                             **_loss_settings(n, steps),
                             **compression.CODEC_METHODS[name],
                             "train.seed": seed,
+                            **UNCUT,
                         }
                         done[key] = loss_curve(simulate(out, folder, "memory", 4, n, steps, changes))
                     done_path.write_text(json.dumps(done))
@@ -414,16 +415,24 @@ def bench_codec_loss(out: Path, rounds: int, steps: int, seeds: tuple[int, ...],
 
 
 def screening_of(folder: Path) -> dict:
-    """What a swarm's screening refused: the contributions (round, unit, peer) any peer refused, and the
-    peers banned (in an honest swarm, both are false alarms)."""
+    """What went wrong in an honest swarm: the contributions (round, unit, peer) any peer's screening refused,
+    the peers banned (both false alarms here), and the units peers re-synchronized and the participants
+    they went without (each peer's count: a slow peer cut off, whose weights part from its co-holders')."""
     from spes_p2p.sim.summary import read_rows
 
-    refused, banned = set(), set()
+    refused, banned, resynced, missing = set(), set(), 0, 0
     for peer in sorted((folder / "peers").iterdir()):
         for row in read_rows(peer):
             refused |= {(row["round"], u, p) for u, peers in row.get("refused", {}).items() for p in peers}
             banned |= set(row.get("banned", []))
-    return {"refused": len(refused), "banned": sorted(banned)}
+            resynced += len(row.get("resynced", []))
+            missing += sum(len(peers) for peers in row.get("missing", {}).values())
+    return {"refused": len(refused), "banned": sorted(banned), "resynced": resynced, "missing": missing}
+
+
+# codec_loss: a round waits for every participant (up to a minute), so that no peer is cut off for being
+# slow on a busy machine and the loss depends on the codec, not on the machine's load
+UNCUT = {"sync.deadline_min": 60.0, "sync.deadline_max": 120.0}
 
 
 def _loss_settings(rounds: int, steps: int) -> dict:
