@@ -237,6 +237,12 @@ def bench_bytes(presets: list[str]) -> list[dict]:
     return rows
 
 
+# the codec sections' swarms for bytes: virtual compute (real shapes), and coding these tensors takes seconds
+# on 2 cores: no peer is cut off for being slow (its copies would part, and re-synchronizing moves whole
+# weights: another measurement)
+CODEC_SWARM = {"sim.compute": "virtual=0.01", "sync.deadline_min": 30.0}
+
+
 def bench_codec_bytes(codecs: list[str], results: dict) -> list[dict]:
     """What a default SPES peer of the `1b` preset's shapes sends and receives per round, with virtual
     compute, in the default exchange (4 peers, 2 expert shards, as the ``bytes`` section), against a DiLoCo
@@ -262,13 +268,7 @@ def bench_codec_bytes(codecs: list[str], results: dict) -> list[dict]:
         points = []
         for layers, vocab, experts in compression.SHAPE_POINTS:
             shape = {"n_layers": layers, "vocab_size": vocab, "n_experts": experts}
-            changes = {
-                "model.config_json": dataclasses.replace(full, **shape).to_json(),
-                "sim.compute": "virtual=0.01",
-                # coding these tensors takes seconds on 2 cores: no peer is cut off for being slow (its
-                # copies would part, and re-synchronizing moves whole weights: another measurement)
-                "sync.deadline_min": 30.0,
-            }
+            changes = {"model.config_json": dataclasses.replace(full, **shape).to_json(), **CODEC_SWARM}
             r = _in_child("swarm_bytes", "1b", codec, "spes", DEFAULT_EXCHANGE, 4, changes)
             points.append((layers, vocab, experts, r["sent"], r["received"]))
             print(f"codec bytes 1b at {shape}, {codec}: {r['sent']:,.0f} B sent", flush=True)
@@ -560,7 +560,7 @@ def bench_codec_wan(out: Path, results: dict, peers: int, rounds: int, uplink_mb
     if "codec_bytes" not in results:
         raise RuntimeError("codec_wan scales its links by the codec_bytes section's figures: run that first")
     one_b = next(r for r in results["codec_bytes"] if r["codec"] == "sparseloco")
-    small = swarm_bytes("small", "sparseloco", "spes", DEFAULT_EXCHANGE)
+    small = swarm_bytes("small", "sparseloco", "spes", DEFAULT_EXCHANGE, 4, CODEC_SWARM)
     rate_kbit = uplink_mbit * 1000 * small["sent"] / one_b["sent"]
     gpu_round = (
         compression.H
