@@ -262,13 +262,15 @@ def codec_tables(results: dict, row, mib) -> list[str]:
         r = results["codec_wan"]
         out += [
             "",
-            row("codec_wan: 4 small peers, sparseloco, links scaled to a 1b peer's", ""),
+            row("codec_wan: 4 small peers, sparseloco, transfer / compute as a 1b peer's", ""),
             row("---", "---"),
         ]
+        one_b = r["one_b_transfer_seconds_per_round"], r["one_b_round_compute_seconds"]
         out += [
-            row("link (kbit/s, both ways)", f"{r['bandwidth_kbit']:.0f}"),
-            row("a 1b peer's upload per round on 20 Mbit/s (s)", f"{r['transfer_seconds_per_round']:.1f}"),
-            row("a round's compute (s, a 1b peer on a GPU, estimated)", f"{r['round_compute_seconds']:.1f}"),
+            row("a 1b peer's upload per round on 20 Mbit/s (s)", f"{one_b[0]:.1f}"),
+            row("a 1b peer's round of compute (s, on a GPU, estimated)", f"{one_b[1]:.1f}"),
+            row("the scaled swarm's link (kbit/s, both ways)", f"{r['bandwidth_kbit']:.0f}"),
+            row("its round of compute (s)", f"{r['round_compute_seconds']:.1f}"),
             row("round (s, median)", f"{r['round_seconds']:.1f}" if r["round_seconds"] else "failed"),
             row(
                 "sync-wait share (rounds 2 to n - 1 / with the last)",

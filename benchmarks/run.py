@@ -551,38 +551,45 @@ def bench_wan(out: Path, peers: int, rounds: int) -> dict:
 
 
 def bench_codec_wan(out: Path, results: dict, peers: int, rounds: int, uplink_mbit: float = 20.0) -> dict:
-    """The sparse codec's sync-wait share on a `small` swarm whose links are scaled to a `1b` peer's: the
-    bandwidth is ``uplink_mbit`` times what a small peer sends per round over what a 1b peer sends (so a
-    round's transfer takes as long as a 1b peer's on that uplink), and a round's compute is a 1b peer's at
-    H = 100 on a GPU (``compression.GPU_*``, an estimate). Needs ``codec_bytes`` measured first."""
+    """The sparse codec's sync-wait share on a `small` swarm scaled to a `1b` peer on an ``uplink_mbit``
+    uplink: a round's transfer over its compute is what a 1b peer's would be (its bytes a round, from the
+    ``codec_bytes`` section, over that uplink; its compute at H = 100 on a GPU, ``compression.GPU_*``, an
+    estimate). A round's compute is the ``wan`` section's (H = 100 steps of ``WAN_STEP_SECONDS``), and the
+    link is set so that a small peer's bytes a round take that share of it. (Scaling the link alone, to make
+    a small peer's transfer as long as a 1b peer's, left 280 kbit/s: the DHT's own messages, which do not
+    shrink with the model, then starved and the peers lost sight of each other.) A run whose peers did not
+    all exchange is a failure, not a share."""
     from spes_p2p.settings import Settings
 
     if "codec_bytes" not in results:
         raise RuntimeError("codec_wan scales its links by the codec_bytes section's figures: run that first")
     one_b = next(r for r in results["codec_bytes"] if r["codec"] == "sparseloco")
     small = swarm_bytes("small", "sparseloco", "spes", DEFAULT_EXCHANGE, 4, CODEC_SWARM)
-    rate_kbit = uplink_mbit * 1000 * small["sent"] / one_b["sent"]
-    gpu_round = (
+    one_b_compute = (
         compression.H
         * compression.GPU_STEP_TOKENS
         * compression.flops_per_token(Settings().override({"model.preset": "1b"}), "spes")
         / compression.GPU_FLOPS
     )
+    one_b_transfer = one_b["sent"] * 8 / (uplink_mbit * 1e6)
+    compute = WAN_STEPS * WAN_STEP_SECONDS
+    rate_kbit = small["sent"] * 8 / (compute * one_b_transfer / one_b_compute) / 1000
     settings = {
         "model.preset": "small",
         "sync.codec": "sparseloco",
         "sync.refresh_codec": "sparseloco",
         "sim.netns": True,
         "sim.bandwidth": f"{max(1, round(rate_kbit))}kbit",
-        "sim.compute": f"virtual={gpu_round / compression.H:.4f}",
+        "sim.compute": f"virtual={WAN_STEP_SECONDS}",
     }
-    sim = simulate(out, "codec-wan", "hivemind", peers, rounds, compression.H, settings)
+    sim = simulate(out, "codec-wan", "hivemind", peers, rounds, WAN_STEPS, settings)
     result = {
         "bandwidth_kbit": rate_kbit,
         "small_sent_per_round": small["sent"],
         "one_b_sent_per_round": one_b["sent"],
-        "round_compute_seconds": gpu_round,
-        "transfer_seconds_per_round": one_b["sent"] * 8 / (uplink_mbit * 1e6),
+        "one_b_round_compute_seconds": one_b_compute,
+        "one_b_transfer_seconds_per_round": one_b_transfer,
+        "round_compute_seconds": compute,
         **_round_times(sim),
         "sync_wait_fraction": _wait_fraction(sim["rows"].values()),
         "sync_wait_fraction_with_last": _wait_fraction(sim["rows"].values(), with_last=True),
@@ -590,6 +597,8 @@ def bench_codec_wan(out: Path, results: dict, peers: int, rounds: int, uplink_mb
         "failures": sim["summary"]["failures"],
     }
     print(f"codec wan: {result}", flush=True)
+    if result["failures"]:
+        raise RuntimeError(f"the scaled swarm did not work as one: {'; '.join(result['failures'])}")
     return result
 
 
