@@ -172,7 +172,9 @@ def headline(results: dict, measured) -> dict:
     figures = {}
     if measured(results, "codec_bytes"):
         for r in results["codec_bytes"]:
-            figures[f"bytes_ratio_vs_diloco_fp32_1b_{r['codec']}"] = r["ratio_vs_diloco_fp32"]
+            figures[f"bytes_ratio_vs_diloco_fp32_{r.get('preset', '1b')}_{r['codec']}"] = r[
+                "ratio_vs_diloco_fp32"
+            ]
     if measured(results, "codec_time"):
         for r in results["codec_time"]:
             gpu = r["gpu_round_seconds_estimate"]
@@ -229,13 +231,21 @@ def spread(values: list[float]) -> str:
 def codec_tables(results: dict, row, mib) -> list[str]:
     out = []
     if "codec_bytes" in results:
-        heads = ("sent MiB", "received MiB", "vs DiLoCo fp32", "fit's error at the 5th point")
-        out += ["", row("1b, a SPES peer: codec", *heads), row(*["---"] * 5)]
+        heads = (
+            "sent MiB",
+            "received MiB",
+            "vs DiLoCo fp32",
+            "DiLoCo / its formula",
+            "fit's error, 5th point",
+        )
+        out += ["", row("preset", "SPES peer: codec", *heads), row(*["---"] * 7)]
         for r in results["codec_bytes"]:
-            cells = (f"{r['ratio_vs_diloco_fp32']:.4f}", f"{r['check_point_error']:+.3f}")
-            out.append(row(r["codec"], mib(r["sent"]), mib(r["received"]), *cells))
-        r = results["codec_bytes"][0]
-        out.append(row("DiLoCo fp32 (2 x 3 x 4 B a parameter)", mib(r["diloco_fp32_bytes"] / 2), "", "", ""))
+            check = f"{r['formula_check']:.3f}" if "formula_check" in r else ""
+            fit = f"{r['check_point_error']:+.3f}" if "check_point_error" in r else ""
+            ratio = f"{r['ratio_vs_diloco_fp32']:.4f}"
+            out.append(
+                row(r.get("preset", "1b"), r["codec"], mib(r["sent"]), mib(r["received"]), ratio, check, fit)
+            )
     if "codec_time" in results:
         heads = ("trained params", "payload MiB", "encode s", "decode s", "publish s", "CPU round s")
         heads += ("GPU round s (est.)", "encode / GPU round", "encode + publish / GPU round")

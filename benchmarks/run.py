@@ -244,16 +244,37 @@ CODEC_SWARM = {"sim.compute": "virtual=0.01", "sync.deadline_min": 30.0}
 
 
 def bench_codec_bytes(codecs: list[str], results: dict) -> list[dict]:
-    """What a default SPES peer of the `1b` preset's shapes sends and receives per round, with virtual
-    compute, in the default exchange (4 peers, 2 expert shards, as the ``bytes`` section), against a DiLoCo
-    peer's fp32 all-to-all of the full model, 2 x 3 x 4 bytes a parameter a round (checked against the
-    ``bytes`` section's measured DiLoCo runs when it ran).
+    """What a default SPES peer sends and receives per round with each codec (for updates and frozen copies'
+    changes), with virtual compute, in the default exchange (4 peers, 2 expert shards, as the ``bytes``
+    section), against a DiLoCo peer's fp32 all-to-all of the full model: measured for `tiny` and `small`;
+    for `1b`, 2 x 3 x 4 bytes a parameter a round, the formula those two measurements check.
 
     Four 1b peers in one process do not fit this machine's memory (its 151,665-token vocabulary alone is
     233M parameters a copy). A peer's bytes are a sum over its tensors, each coded in a size linear in its
     elements: so the swarm runs with 1b's width and expert size at ``compression.SHAPE_POINTS`` (layers,
     vocabulary, experts), and 1b's figure is ``compression.extend`` of the first four, checked on the
     fifth."""
+    rows = []
+    for preset in ("tiny", "small"):
+        baseline = _in_child("swarm_bytes", preset, "none", "diloco", "all-to-all, weights", 4, CODEC_SWARM)
+        diloco = baseline["sent"] + baseline["received"]
+        formula = 2 * 3 * baseline["model_fp32_bytes"]
+        for codec in codecs:
+            r = _in_child("swarm_bytes", preset, codec, "spes", DEFAULT_EXCHANGE, 4, CODEC_SWARM)
+            ratio = (r["sent"] + r["received"]) / diloco
+            rows.append(
+                {
+                    **r,
+                    "diloco_fp32_bytes": diloco,
+                    "ratio_vs_diloco_fp32": ratio,
+                    "formula_check": diloco / formula,
+                }
+            )
+            print(f"codec bytes {preset}, {codec}: {ratio:.4f} of DiLoCo fp32", flush=True)
+    return rows + [_one_b_bytes(codec) for codec in codecs]
+
+
+def _one_b_bytes(codec: str) -> dict:
     import dataclasses
 
     from spes_p2p.model import MoETransformer
@@ -263,37 +284,26 @@ def bench_codec_bytes(codecs: list[str], results: dict) -> list[dict]:
     with torch.device("meta"):
         params = sum(p.numel() for p in MoETransformer(full).parameters())
     diloco = 2 * 3 * 4 * params
-    rows = []
-    for codec in codecs:
-        points = []
-        for layers, vocab, experts in compression.SHAPE_POINTS:
-            shape = {"n_layers": layers, "vocab_size": vocab, "n_experts": experts}
-            changes = {"model.config_json": dataclasses.replace(full, **shape).to_json(), **CODEC_SWARM}
-            r = _in_child("swarm_bytes", "1b", codec, "spes", DEFAULT_EXCHANGE, 4, changes)
-            points.append((layers, vocab, experts, r["sent"], r["received"]))
-            print(f"codec bytes 1b at {shape}, {codec}: {r['sent']:,.0f} B sent", flush=True)
-        at = (full.n_layers, full.vocab_size, full.n_experts)
-        sent, received = (compression.extend(points, i, at) for i in (3, 4))
-        check = compression.extend(points, 3, points[4][:3]) / points[4][3] - 1
-        rows.append(
-            {
-                "codec": codec,
-                "params": params,
-                "sent": sent,
-                "received": received,
-                "diloco_fp32_bytes": diloco,
-                "ratio_vs_diloco_fp32": (sent + received) / diloco,
-                "points": points,
-                "check_point_error": check,
-            }
-        )
-    for r in results.get("bytes", []):  # the formula against the measured DiLoCo all-to-all
-        if r["mode"] == "diloco" and r["exchange"] == "all-to-all, weights":
-            formula = 2 * 3 * r["model_fp32_bytes"]
-            rows[0].setdefault("diloco_formula_check", {})[r["preset"]] = (
-                r["sent"] + r["received"]
-            ) / formula
-    return rows
+    points = []
+    for layers, vocab, experts in compression.SHAPE_POINTS:
+        shape = {"n_layers": layers, "vocab_size": vocab, "n_experts": experts}
+        changes = {"model.config_json": dataclasses.replace(full, **shape).to_json(), **CODEC_SWARM}
+        r = _in_child("swarm_bytes", "1b", codec, "spes", DEFAULT_EXCHANGE, 4, changes)
+        points.append((layers, vocab, experts, r["sent"], r["received"]))
+        print(f"codec bytes 1b at {shape}, {codec}: {r['sent']:,.0f} B sent", flush=True)
+    at = (full.n_layers, full.vocab_size, full.n_experts)
+    sent, received = (compression.extend(points, i, at) for i in (3, 4))
+    return {
+        "preset": "1b",
+        "codec": codec,
+        "params": params,
+        "sent": sent,
+        "received": received,
+        "diloco_fp32_bytes": diloco,
+        "ratio_vs_diloco_fp32": (sent + received) / diloco,
+        "points": points,
+        "check_point_error": compression.extend(points, 3, points[4][:3]) / points[4][3] - 1,
+    }
 
 
 def _in_child(function: str, *args) -> dict:
@@ -563,7 +573,9 @@ def bench_codec_wan(out: Path, results: dict, peers: int, rounds: int, uplink_mb
 
     if "codec_bytes" not in results:
         raise RuntimeError("codec_wan scales its links by the codec_bytes section's figures: run that first")
-    one_b = next(r for r in results["codec_bytes"] if r["codec"] == "sparseloco")
+    one_b = next(
+        r for r in results["codec_bytes"] if (r.get("preset", "1b"), r["codec"]) == ("1b", "sparseloco")
+    )
     small = swarm_bytes("small", "sparseloco", "spes", DEFAULT_EXCHANGE, 4, CODEC_SWARM)
     one_b_compute = (
         compression.H
