@@ -231,21 +231,14 @@ def spread(values: list[float]) -> str:
 def codec_tables(results: dict, row, mib) -> list[str]:
     out = []
     if "codec_bytes" in results:
-        heads = (
-            "sent MiB",
-            "received MiB",
-            "vs DiLoCo fp32",
-            "DiLoCo / its formula",
-            "fit's error, 5th point",
-        )
-        out += ["", row("preset", "SPES peer: codec", *heads), row(*["---"] * 7)]
+        heads = ("sent MiB", "received MiB", "DiLoCo fp32 MiB", "vs DiLoCo fp32", "DiLoCo / 24 B a param")
+        out += ["", row("preset", "SPES peer: codec", *heads, "fit's error, 5th point"), row(*["---"] * 8)]
         for r in results["codec_bytes"]:
-            check = f"{r['formula_check']:.3f}" if "formula_check" in r else ""
+            check = f"{r['formula_check']:.3f}" if "formula_check" in r else "(the formula)"
             fit = f"{r['check_point_error']:+.3f}" if "check_point_error" in r else ""
+            sizes = (mib(r["sent"]), mib(r["received"]), mib(r["diloco_fp32_bytes"]))
             ratio = f"{r['ratio_vs_diloco_fp32']:.4f}"
-            out.append(
-                row(r.get("preset", "1b"), r["codec"], mib(r["sent"]), mib(r["received"]), ratio, check, fit)
-            )
+            out.append(row(r.get("preset", "1b"), r["codec"], *sizes, ratio, check, fit))
     if "codec_time" in results:
         heads = ("trained params", "payload MiB", "encode s", "decode s", "publish s", "CPU round s")
         heads += ("GPU round s (est.)", "encode / GPU round", "encode + publish / GPU round")
