@@ -166,23 +166,28 @@ class FrozenCopies:
         merging = job.experts is not None and unit.startswith("experts/")
         if sync.frozen_refresh == "weights":  # (a merge: every peer in the same codec)
             return Want("weights", stored if quantized and not merging else sync.refresh_codec)
-        if quantized and merging:
+        chain = self._chain(unit)
+        if chain != "full" and merging:
             return EXACT_VERSION
-        if quantized and stored not in self.sync.chains.of(unit):  # (nothing of it is quantized)
-            return Want("version", stored)
         copy = self.sync.copy_version(unit)
         if copy is not None and copy[0] == job.round - self.every:
-            return Want("change", sync.refresh_codec, copy, chain=stored)
-        return self.sync.chains.whole(unit, stored)
+            return Want("change", sync.refresh_codec, copy, chain=chain)
+        return self.sync.chains.whole(unit, chain)
 
     def _stored(self, unit: str) -> str:
         """How we hold our frozen copy of ``unit``: full, int8 or nf4."""
         train = self.settings.train
         return train.frozen_experts if unit.startswith("experts/") else train.frozen_dense
 
+    def _chain(self, unit: str) -> str:
+        """The version chain our copy of ``unit`` follows: its quantized format's, or the exact one (held
+        in full, or none of its tensors is large enough to quantize)."""
+        stored = self._stored(unit)
+        return stored if stored in self.sync.chains.of(unit) else "full"
+
     def landed(self, unit: str, download: Download, held: Tensors | None) -> None:
         """A refreshed copy was written (``held``: as our model holds it, when it is a version)."""
-        self.sync.copy_landed(unit, download, held, self._stored(unit))
+        self.sync.copy_landed(unit, download, held, self._chain(unit))
 
     def merge(self, job: RoundJob) -> None:
         """The expert-merging warm-up, on every expert's version of this round (ours as we published it,

@@ -84,9 +84,8 @@ class Chains:
     def split(self, unit: str, tensors: Tensors) -> tuple[Tensors, Tensors]:
         """(the tensors a keeper quantizes, the others)."""
         names = self._quantized.get(unit, frozenset())
-        return {n: t for n, t in tensors.items() if n in names}, {
-            n: t for n, t in tensors.items() if n not in names
-        }
+        quantized = {n: t for n, t in tensors.items() if n in names}
+        return quantized, {n: t for n, t in tensors.items() if n not in names}
 
     def whole(self, unit: str, chain: str) -> Want:
         """A chain's version, whole: in its format when the keeper quantizes every tensor of the unit (an
