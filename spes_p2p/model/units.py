@@ -7,7 +7,8 @@ the lm_head), balanced by parameter count. B = 1 (``dense/0`` is the whole dense
 
 A unit's tensors are a flat ``name -> tensor`` dict keyed by parameter names; this is what the swarm moves.
 Frozen copies held quantized (``hold_frozen``) keep their names: ``read_unit`` dequantizes them,
-``write_unit`` re-quantizes.
+``write_unit`` re-quantizes; ``quantized_when_frozen`` says which tensors of each unit that is (the sync's
+quantized version chains quantize the same ones).
 """
 
 from __future__ import annotations
