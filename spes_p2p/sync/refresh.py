@@ -68,12 +68,11 @@ class Refresh:
         specs: dict[str, dict[str, TensorSpec]],
         pool: ThreadPoolExecutor,
         abort: threading.Event,
-        live_peers=None,
-        chains: Chains | None = None,
+        live_peers,
+        chains: Chains,
     ) -> None:
         self.transport, self.cfg, self.specs, self.pool, self.abort = transport, cfg, specs, pool, abort
-        self.codecs = codecs
-        self.chains = Chains.experts_only(specs) if chains is None else chains
+        self.codecs, self.chains = codecs, chains
         self.live_peers = live_peers
         self.rejected = 0
         self.failed: Counter[str] = Counter()  # holder -> fetches in a row it did not serve

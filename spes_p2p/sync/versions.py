@@ -183,7 +183,7 @@ class Version:
             quantized, rest = kept.split(unit, (chains or {}).get(chain, weights))
             payload = encode(quantized, CODECS[chain], meta=meta)
             rest_payload = encode(rest, EXACT, meta=meta) if rest else b""
-            decoded = _decoded(Held(payload, rest_payload, ""), chain, specs)
+            decoded = _decoded(payload, rest_payload, chain, specs)
             held[chain] = Held(payload, rest_payload, tensors_hash(decoded))
         return cls(round_, encode(weights, EXACT, meta=meta), tensors_hash(weights), specs, held)
 
@@ -196,14 +196,18 @@ class Version:
 
     def held(self, chain: str) -> Tensors:
         """What a keeper of ``chain`` holds at this version (the exact weights for ``full``)."""
-        return self.weights if chain == "full" else _decoded(self.chains[chain], chain, self.specs)
+        if chain == "full":
+            return self.weights
+        held = self.chains[chain]
+        return _decoded(held.payload, held.rest, chain, self.specs)
 
 
-def _decoded(held: Held, chain: str, specs: dict[str, TensorSpec]) -> Tensors:
-    """What a quantized chain's version decodes to, as its keepers hold it."""
-    rest = tensors_of(held.rest) if held.rest else {}
-    quantized = {n: s for n, s in specs.items() if n not in rest}
-    return {**decode(held.payload, quantized, CODECS[chain]), **rest}
+def _decoded(payload: bytes, rest: bytes, chain: str, specs: dict[str, TensorSpec]) -> Tensors:
+    """What a quantized chain's version decodes to, as its keepers hold it: ``payload`` in the chain's
+    format, ``rest`` (its float32 tensors, if any) exactly."""
+    exact = tensors_of(rest) if rest else {}
+    quantized = {n: s for n, s in specs.items() if n not in exact}
+    return {**decode(payload, quantized, CODECS[chain]), **exact}
 
 
 @dataclass(frozen=True)
