@@ -109,19 +109,18 @@ def _banned_within(rows: list[dict], attacker: str, rounds: int) -> bool:
 @pytest.mark.parametrize("backend", ["hivemind", "libp2p"])
 def test_records_forged_under_the_others_ids_move_nobody(tmp_path, backend):
     """forge needs signatures to attack: real peer processes. Its tombstones, were they read, would remove
-    every honest peer from the others' views and release their claims."""
+    every honest peer from the others' views and release their claims: each would train alone. What the
+    attack aims at is membership, so that is what is checked (no clean run to compare losses with)."""
     # 6 rounds: a peer held up on a busy machine may skip rounds (it catches up by download), and the two
     # honest peers must still meet after round 0
     swarm = {**SWARM, "swarm.backend": backend, "sim.peers": 3, "run.rounds": 6}
-    clean = run(simulation({"run.out": str(tmp_path / "clean"), **swarm}))
-    summary = run(simulation({"run.out": str(tmp_path / "forge"), "sim.byzantine": ("2:forge",), **swarm}))
-    assert not clean["failures"] and not summary["failures"]
-    report = summary["byzantine"]
-    assert abs(report["honest_final_val_loss"] - clean["final_val_loss"]) <= NOISE, (report, clean)
+    summary = run(simulation({"run.out": str(tmp_path), "sim.byzantine": ("2:forge",), **swarm}))
+    assert not summary["failures"]
+    assert summary["byzantine"]["honest_final_val_loss"] < summary["initial_loss"], summary
     assert all(p["final_round"] == 6 for p in summary["peers"] if p["name"] != "peer2")
     # Every peer holds the dense part: the honest peers kept meeting in its exchange after the tombstones
     # were stored (at the attacker's join), where they would have vanished from each other's views.
-    rows = {name: read_rows(tmp_path / "forge" / "peers" / name) for name in ("peer0", "peer1")}
+    rows = {name: read_rows(tmp_path / "peers" / name) for name in ("peer0", "peer1")}
     ids = {name: next(row["peer"] for row in rs if "peer" in row) for name, rs in rows.items()}
     for name, other in (("peer0", "peer1"), ("peer1", "peer0")):
         dense = [(row["round"], row.get("participants", {}).get("dense/0", ())) for row in rows[name]]

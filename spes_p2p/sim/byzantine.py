@@ -42,6 +42,7 @@ from safetensors.torch import load, save
 from spes_p2p.model.units import layout_of
 from spes_p2p.net.transport import Entry, Handler, Transport, TransportError
 from spes_p2p.net.wire import RecordError
+from spes_p2p.settings import Settings
 from spes_p2p.sim.config import BYZANTINE_MODES as MODES
 from spes_p2p.swarm.gossip import Told
 from spes_p2p.swarm.records import Announcement, Holding, PeerRecord, peers_key
@@ -53,7 +54,9 @@ logger = logging.getLogger(__name__)
 SLOW_SECONDS = 8.0
 SYBILS = 8
 SILENT_SECONDS = 120.0  # how long a silent peer holds a request before dropping it
-COPY_WAIT_SECONDS = 10.0  # how long a copier waits for an update to copy before it sends its own
+# how long a copier waits for an update to copy before it sends its own: at most this, and no longer than
+# twice the longest the honest peers wait for any update (a copy announced after that is never fetched)
+COPY_WAIT_SECONDS = 10.0
 _REWRITES = {
     "nan": lambda t: t * float("nan"),
     "scale": lambda t: t * 1000,
@@ -85,13 +88,15 @@ def _changed(buffer: torch.Tensor, change, codes) -> torch.Tensor:
 
 
 class ByzantineTransport(Transport):
-    """The transport of a malicious peer: the inner one, with ``mode``'s attack on top. ``units`` are every
-    unit of the model (what ``late`` injects into)."""
+    """The transport of a malicious peer of a swarm of ``settings``: the inner one, with ``mode``'s attack on
+    top."""
 
-    def __init__(self, inner: Transport, mode: str, units: list[str]) -> None:
+    def __init__(self, inner: Transport, mode: str, settings: Settings) -> None:
         if mode not in MODES:
             raise ValueError(f"unknown byzantine mode {mode!r}; choose one of {', '.join(MODES)}")
-        self.inner, self.mode, self.units = inner, mode, units
+        self.inner, self.mode = inner, mode
+        self.units = layout_of(settings.model).units  # (what ``late`` injects into)
+        self.copy_wait = min(COPY_WAIT_SECONDS, 2 * settings.sync.deadline_max)
         self.peer_id, self.stats, self.guard = inner.peer_id, inner.stats, inner.guard
         self.handlers: dict[str, Handler] = {}
         self.forged: dict[tuple[int, str, int], bytes] = {}  # (round, unit, part) -> the payload it serves
@@ -215,7 +220,7 @@ class ByzantineTransport(Transport):
         pieces) as its own: ``fields`` are made to announce the copy."""
         key = f"{self.run_id}/updates/{round_}/{unit}"
         parts = len(fields["pieces"])
-        for _ in range(int(COPY_WAIT_SECONDS / 0.2)):
+        for _ in range(int(self.copy_wait / 0.2)):
             for holder, entry in sorted(self.inner.read(key).items()):
                 theirs = Announcement.decode(entry.value) if holder != self.peer_id else None
                 if theirs is None or len(theirs.pieces) != parts or theirs.base != fields["base"]:
@@ -346,7 +351,7 @@ def main(argv: list[str]) -> int:
 
     def attacking(settings) -> ByzantineTransport:
         transport = open_transport(settings, new_swarm=settings.run.new_swarm)
-        return ByzantineTransport(transport, argv[2], layout_of(settings.model).units)
+        return ByzantineTransport(transport, argv[2], settings)
 
     return peer_main(argv[:2], attacking)
 

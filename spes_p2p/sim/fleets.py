@@ -16,7 +16,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from spes_p2p.errors import SpesError
-from spes_p2p.model.units import layout_of
 from spes_p2p.settings import Settings
 from spes_p2p.sim.config import name_of
 from spes_p2p.sim.processes import kill_all, still_running, stop_process_groups, tree_of
@@ -201,7 +200,7 @@ class MemoryFleet(Fleet):
         if mode:
             from spes_p2p.sim.byzantine import ByzantineTransport
 
-            transport = ByzantineTransport(transport, mode, layout_of(self.settings.model).units)
+            transport = ByzantineTransport(transport, mode, self.settings)
         try:
             live(settings, life.stop, Tracked(), transport=transport)
         except Exception as exc:  # a killed peer may fail in any way; a live one must not
