@@ -299,7 +299,8 @@ def status_tables(summary: dict) -> list[Table]:
         ),
     )
     peers.add_column("peer", overflow="fold")
-    columns = ("units", "round", "tokens/s", "loss", "val loss", "sent / received", "reachable", "version")
+    columns = ("units", "round", "tokens/s", "loss", "val loss", "sent / received", "DHT / round")
+    columns = (*columns, "reachable", "version")
     for col in (*columns, "seen", "score", "banned by"):
         peers.add_column(col)
     for p in summary["peers"]:
@@ -316,6 +317,7 @@ def status_tables(summary: dict) -> list[Table]:
             loss,
             val,
             f"{_mib(p['bytes_sent'])} / {_mib(p['bytes_received'])}",
+            f"{p['dht_ops']} ops, {p['dht_bytes'] / 1024:.0f} KiB",
             reach,
             p["version"],
             seen,
@@ -389,6 +391,14 @@ def print_simulation(console: Console, summary: dict, out: Path) -> None:
         f"[green]done[/] in {summary['seconds']:.0f}s: {summary['rounds_completed']} rounds, {loss}, "
         f"uncovered unit-rounds {summary['uncovered_unit_rounds']}, "
         f"rejected payloads {summary['rejected_payloads']}",
+        highlight=False,
+    )
+    dht = summary["dht"]
+    busiest = next(iter(dht["served_bytes_per_round"].items()), None)
+    console.print(
+        f"DHT per peer and round (median): {dht['ops_per_peer_round']:.0f} reads and writes, "
+        f"{dht['bytes_per_peer_round'] / 1024:.1f} KiB"
+        + (f"; busiest key {busiest[0]}: {busiest[1] / 1024:.1f} KiB served a round" if busiest else ""),
         highlight=False,
     )
     apart = summary.get("holders_apart", {})

@@ -117,7 +117,8 @@ def joined():
     founder.join()
     other.join()
     founder.transport.stats.bytes_sent = 12345
-    founder.member.report(2, Progress(tokens_per_s=100.0, loss=3.5, val_loss=3.25, tokens=8192))
+    progress = Progress(tokens_per_s=100.0, loss=3.5, val_loss=3.25, tokens=8192, dht_ops=37, dht_bytes=20480)
+    founder.member.report(2, progress)
     founder.member.heartbeat()
     work = founder.data.take()
     founder.data.record(work, 3, done=True)  # its dataset's one training shard, read to its end
@@ -150,6 +151,7 @@ def test_the_api_serves_the_status_the_page_and_prometheus_metrics(joined):
             founder_entry = next(p for p in served["peers"] if p["peer_id"] == "founder")
             assert founder_entry["round"] == 2 and founder_entry["val_loss"] == 3.25
             assert founder_entry["tokens"] == 8192 and founder_entry["bytes_sent"] == 12345
+            assert (founder_entry["dht_ops"], founder_entry["dht_bytes"]) == (37, 20480)
 
             page = json.loads(get(board.url + "api/dashboard")[2])
             assert page["error"] is None and page["history"]["loss"] == [None, 3.5]  # (round 0: other)
@@ -164,6 +166,8 @@ def test_the_api_serves_the_status_the_page_and_prometheus_metrics(joined):
             assert metrics["spes_swarm_peers", ()] == 2 and metrics["spes_dashboard_read_ok", ()] == 1
             sent = metrics["spes_peer_sent_bytes_total", (("peer", "founder"),)]
             assert sent == founder_entry["bytes_sent"]
+            assert metrics["spes_peer_dht_ops", (("peer", "founder"),)] == 37
+            assert metrics["spes_peer_dht_bytes", (("peer", "founder"),)] == 20480
             holders = {dict(k[1])["unit"]: v for k, v in metrics.items() if k[0] == "spes_unit_holders"}
             assert holders == {u: len(h) for u, h in served["units"].items()}
             data = {

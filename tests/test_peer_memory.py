@@ -112,6 +112,11 @@ def test_peers_train_and_agree(tmp_path, changes):
         ):
             assert key in rows[-1]
         assert rows[-1]["loss"] < rows[0]["loss"] - 0.1
+        for r in rows:  # each round's DHT reads and writes, by kind of key, add up to its totals
+            kinds = r["dht"].values()
+            assert r["dht_ops"] == sum(c["reads"] + c["writes"] for c in kinds) > 0
+            assert r["dht_bytes"] == sum(c["read_bytes"] + c["written_bytes"] for c in kinds)
+            assert r["dht"]["peers"]["entries"] >= r["dht"]["peers"]["reads"] >= 1
         assert "val_loss" in rows[-1]
         assert sorted(rows[-1]["participants"]["dense/0"]) == ["p0", "p1", "p2", "p3"]
         held = p.member.units_held

@@ -1,6 +1,7 @@
-"""What a simulation's summary says of newcomers and of a swarm that split, from the peers' rows alone."""
+"""What a simulation's summary says of newcomers, of a swarm that split and of its DHT traffic, from the
+peers' rows alone."""
 
-from spes_p2p.sim.summary import newcomers, splits
+from spes_p2p.sim.summary import dht_traffic, newcomers, splits
 
 
 def row(peer, round_, **participants):
@@ -54,3 +55,32 @@ def test_peers_that_share_no_unit_or_only_adopted_are_not_a_split():
         "peer2": [row("C", 5, **{"dense/0": ["A", "B"]})],
     }
     assert splits(adopted) == []
+
+
+def dht_row(peers_reads: int, peer_bytes: int, updates_reads: int) -> dict:
+    kinds = {
+        "peers": {"reads": peers_reads, "entries": 4 * peers_reads, "read_bytes": peer_bytes, "writes": 1},
+        "updates": {"reads": updates_reads, "entries": updates_reads, "read_bytes": 100, "writes": 2},
+    }
+    kinds = {k: {"written_bytes": 0, **c} for k, c in kinds.items()}
+    ops = sum(c["reads"] + c["writes"] for c in kinds.values())
+    return {"dht": kinds, "dht_ops": ops, "dht_bytes": peer_bytes + 100}
+
+
+def test_the_dht_traffic_is_the_median_peer_round_and_the_busiest_keys():
+    rows = {"peer0": [dht_row(3, 3000, 2), dht_row(4, 4000, 2)], "peer1": [dht_row(5, 5000, 4)]}
+    traffic = dht_traffic(rows, completed=2, served=None)
+    assert traffic["ops_per_peer_round"] == 9 and traffic["bytes_per_peer_round"] == 4100
+    assert traffic["by_kind"]["peers"] == {
+        "reads": 4,
+        "entries": 16,
+        "read_bytes": 4000,
+        "writes": 1,
+        "written_bytes": 0,
+    }
+    # no store counted: what the readers got, by kind of key, per round
+    assert traffic["served_counted_at"] == "readers"
+    assert traffic["served_bytes_per_round"] == {"peers": 6000.0, "updates": 150.0}
+    counted = dht_traffic(rows, completed=2, served={"run/peers": 13000, "run/manifest": 10})
+    assert counted["served_counted_at"] == "store"
+    assert counted["served_bytes_per_round"] == {"run/peers": 6500.0, "run/manifest": 5.0}

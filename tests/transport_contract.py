@@ -36,6 +36,7 @@ from spes_p2p.net.transport import (
     Transport,
     TransportError,
     Unavailable,
+    key_kind,
 )
 from spes_p2p.peer.setup import backend_class
 
@@ -126,7 +127,11 @@ def check_records_are_read_by_every_peer(net: Net) -> None:
         assert t.publish(KEY, t.peer_id.encode(), t.now() + 60)
     for reader in (a, b, c):
         assert values(reader.read(KEY)) == {t.peer_id: t.peer_id.encode() for t in (a, b, c)}
-    assert a.stats.dht_ops == 2 and a.stats.dht_seconds >= 0
+    # counted by the kind of key, with the value bytes of what was stored and what came back
+    counts = a.stats.dht_snapshot()[key_kind(KEY)]
+    assert (counts.writes, counts.written_bytes) == (1, len(a.peer_id))
+    assert (counts.reads, counts.entries) == (1, 3) and counts.seconds >= 0
+    assert counts.read_bytes == sum(len(t.peer_id) for t in (a, b, c)) and a.stats.dht_ops == 2
 
 
 def check_the_later_expiry_wins_and_entries_expire(net: Net) -> None:

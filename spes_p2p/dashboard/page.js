@@ -58,6 +58,7 @@ function drawPeers(status) {
     cell(row, bytes(p.bytes_sent), "num");
     cell(row, bytes(p.bytes_received), "num");
     cell(row, p.rejected, "num");
+    cell(row, `${p.dht_ops} / ${bytes(p.dht_bytes)}`, "num").title = "DHT reads and writes of its last round, and their bytes";
     cell(row, number(p.score, 2), "num");
     cell(row, p.client_mode ? "client (no)" : p.reachable);
     cell(row, `${number(p.seen_seconds_ago)} s ago`, "num");

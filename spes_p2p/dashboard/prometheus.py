@@ -15,6 +15,8 @@ PEER_GAUGES = {  # status field -> (metric name, help)
     "loss": ("spes_peer_loss", "Mean training loss of the peer's last round."),
     "val_loss": ("spes_peer_val_loss", "Validation loss at the peer's last evaluation."),
     "seen_seconds_ago": ("spes_peer_seen_seconds", "Seconds since the peer last wrote its record."),
+    "dht_ops": ("spes_peer_dht_ops", "DHT reads and writes of the peer's last round."),
+    "dht_bytes": ("spes_peer_dht_bytes", "Value bytes of the DHT reads and writes of the peer's last round."),
     "score": (
         "spes_peer_score",
         "Median score of its contributions, by the peers that scored them (0-1).",

@@ -13,6 +13,7 @@ from __future__ import annotations
 import random
 import threading
 import time
+from collections import Counter
 from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
@@ -72,6 +73,11 @@ class MemoryNetwork:
         self.log: list[
             tuple[str, str, str, bytes, int]
         ] = []  # (caller, target, name, request, response bytes)
+        self.served: Counter[str] = Counter()  # DHT key -> the value bytes its reads returned, exactly
+
+    def serve_bytes(self, key: str, size: int) -> None:
+        with self.lock:
+            self.served[key] += size
 
     def join(self, peer_id: str) -> MemoryTransport:
         with self.lock:
@@ -123,8 +129,8 @@ class MemoryTransport(Transport):
 
     def publish(self, key: str, value: bytes, expires_at: float) -> bool:
         self._check_alive()
-        self.stats.dht_op(time.perf_counter())  # (in memory: no latency to speak of)
         check_record_size(value)
+        self.stats.dht_write(key, time.perf_counter(), len(value))  # (in memory: no latency to speak of)
         with self.network.lock:
             entries = self.network.records.setdefault(key, {})
             old = entries.get(self.peer_id)
@@ -135,15 +141,15 @@ class MemoryTransport(Transport):
 
     def read(self, key: str) -> dict[str, Entry]:
         self._check_alive()
-        self.stats.dht_op(time.perf_counter())
-        now = self.now()
+        started, now = time.perf_counter(), self.now()
         with self.network.lock:
             entries = dict(self.network.records.get(key, {}))
-        return {
-            peer: entry
-            for peer, entry in entries.items()
-            if self.readable(peer, entry, now) and self.network.connected(self.peer_id, peer)
+        served = {
+            p: e for p, e in entries.items() if e.expires_at > now and self.network.connected(self.peer_id, p)
         }
+        self.network.serve_bytes(key, sum(len(e.value) for e in served.values()))
+        self.stats.dht_read(key, started, (len(e.value) for e in served.values()))
+        return {peer: entry for peer, entry in served.items() if self.readable(peer, entry, now)}
 
     def serve(self, name: str, handler: Handler, *, max_request_bytes: int) -> None:
         self.handlers[name] = (handler, max_request_bytes)

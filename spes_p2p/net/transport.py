@@ -31,6 +31,7 @@ Errors (all ``TransportError``, a ``SpesError``)::
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import socket
 import threading
@@ -39,7 +40,7 @@ from abc import ABC, abstractmethod
 from collections import Counter
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import ClassVar
 
 from spes_p2p.errors import SpesError
@@ -105,21 +106,69 @@ class Unavailable(RemoteError):
     """A handler's polite refusal (e.g. an update that is not ready yet); callers see a RemoteError."""
 
 
+def key_kind(key: str) -> str:
+    """What a DHT key is counted under: its second part (keys are ``<run id>/<kind>/...``)."""
+    parts = key.split("/", 2)
+    return parts[1] if len(parts) > 1 else key
+
+
+@dataclass
+class DhtCounts:
+    """One kind of key's DHT operations: reads with the entries and value bytes they returned, writes with
+    the value bytes they stored, and the seconds all of them took."""
+
+    reads: int = 0
+    entries: int = 0
+    read_bytes: int = 0
+    writes: int = 0
+    written_bytes: int = 0
+    seconds: float = 0.0
+
+    def since(self, earlier: DhtCounts | None) -> DhtCounts:
+        """What was counted after ``earlier`` (a snapshot of these counts)."""
+        earlier = earlier or DhtCounts()
+        return DhtCounts(**{f: getattr(self, f) - getattr(earlier, f) for f in self.__dataclass_fields__})
+
+
 @dataclass
 class TransportStats:
-    """Payload bytes this peer moved through requests (records not counted), and its DHT operations."""
+    """Payload bytes this peer moved through requests (records not counted), and its DHT operations by the
+    kind of key (``key_kind``). Thread-safe."""
 
     bytes_sent: int = 0
     bytes_received: int = 0
     requests_sent: int = 0
     requests_served: int = 0
-    dht_ops: int = 0  # stores and reads
-    dht_seconds: float = 0.0  # their total latency
+    dht: dict[str, DhtCounts] = field(default_factory=dict)
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
 
-    def dht_op(self, started: float) -> None:
-        """Counts one DHT operation that began at ``started`` (time.perf_counter())."""
-        self.dht_ops += 1
-        self.dht_seconds += time.perf_counter() - started
+    def dht_read(self, key: str, started: float, sizes: Iterable[int]) -> None:
+        """Counts a read of ``key`` that began at ``started`` (time.perf_counter()) and returned entries of
+        ``sizes`` bytes (every entry that came, readable or not)."""
+        sizes = list(sizes)
+        with self._lock:
+            counts = self.dht.setdefault(key_kind(key), DhtCounts())
+            counts.reads += 1
+            counts.entries += len(sizes)
+            counts.read_bytes += sum(sizes)
+            counts.seconds += time.perf_counter() - started
+
+    def dht_write(self, key: str, started: float, size: int) -> None:
+        """Counts a store of ``size`` bytes under ``key`` that began at ``started``."""
+        with self._lock:
+            counts = self.dht.setdefault(key_kind(key), DhtCounts())
+            counts.writes += 1
+            counts.written_bytes += size
+            counts.seconds += time.perf_counter() - started
+
+    def dht_snapshot(self) -> dict[str, DhtCounts]:
+        with self._lock:
+            return {kind: dataclasses.replace(c) for kind, c in self.dht.items()}
+
+    @property
+    def dht_ops(self) -> int:
+        """Reads and writes, every key."""
+        return sum(c.reads + c.writes for c in self.dht_snapshot().values())
 
 
 @dataclass(frozen=True)

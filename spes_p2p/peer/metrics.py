@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import time
+from dataclasses import asdict
 
-from spes_p2p.net.transport import Transport
+from spes_p2p.net.transport import DhtCounts, Transport
 from spes_p2p.peer.job import RoundJob
 from spes_p2p.swarm.records import Progress
 
@@ -22,15 +23,16 @@ class RoundMetrics:
         self.peer_id, self.stats, self.guard = transport.peer_id, transport.stats, transport.guard
         self._last = self._now()
 
-    def _now(self) -> tuple[int, int, int, float]:
-        s = self.stats
-        return s.bytes_sent, s.bytes_received, s.dht_ops, s.dht_seconds
+    def _now(self) -> tuple[int, int, dict[str, DhtCounts]]:
+        return self.stats.bytes_sent, self.stats.bytes_received, self.stats.dht_snapshot()
 
     def row(self, job: RoundJob, step: int, tokens: int, rejected: int) -> dict:
         m = job.metrics
-        (sent0, received0, ops0, dht0), now = self._last, self._now()
+        (sent0, received0, dht0), now = self._last, self._now()
         self._last = now
-        sent, received, ops, dht = now
+        sent, received, dht = now
+        dht = {kind: c.since(dht0.get(kind)) for kind, c in sorted(dht.items())}
+        ops = sum(c.reads + c.writes for c in dht.values())
         return {
             "peer": self.peer_id,
             "round": job.round,
@@ -46,8 +48,16 @@ class RoundMetrics:
             "sync_seconds": time.perf_counter() - m["sync_started"],  # from the round's end until landed
             "sync_wait_seconds": m.get("sync_wait_seconds", 0.0),  # of which training was blocked
             "compute_seconds": m["compute_seconds"],
-            "dht_ms": 1000 * (dht - dht0) / max(1, ops - ops0),  # mean latency of a store or read
-            "dht_ops": ops - ops0,  # stores and reads since the last row
+            # DHT reads and writes since the last row: in all, their mean latency, their value bytes, and
+            # by the kind of key (net.transport.DhtCounts)
+            "dht_ops": ops,
+            "dht_ms": 1000 * sum(c.seconds for c in dht.values()) / max(1, ops),
+            "dht_bytes": sum(c.read_bytes + c.written_bytes for c in dht.values()),
+            "dht": {
+                kind: {**asdict(c), "seconds": round(c.seconds, 4)}
+                for kind, c in dht.items()
+                if c.reads or c.writes
+            },
             "units": job.units,
             "participants": {u: r.participants for u, r in job.results.items()},
             "missing": {u: r.missing for u, r in job.results.items() if r.missing},
@@ -75,4 +85,6 @@ def progress(row: dict, last: Progress) -> Progress:
         tokens=row["tokens"],
         data_epoch=row["data"]["epoch"],
         shards=row["data"]["shards_done"],
+        dht_ops=row["dht_ops"],
+        dht_bytes=row["dht_bytes"],
     )

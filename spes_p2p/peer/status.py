@@ -87,6 +87,8 @@ def swarm_summary(transport: Transport, run_id: str, manifest: Manifest) -> dict
                 "bytes_sent": p.progress.sent,
                 "bytes_received": p.progress.received,
                 "rejected": p.progress.rejected,
+                "dht_ops": p.progress.dht_ops,  # of its last round
+                "dht_bytes": p.progress.dht_bytes,
                 "version": p.version,
                 "addresses": p.addresses,
                 "client_mode": p.client_mode,

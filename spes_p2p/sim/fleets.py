@@ -116,6 +116,11 @@ class Fleet(ABC):
     def faults(self) -> dict[str, int]:
         return {}
 
+    def served(self) -> dict[str, int] | None:
+        """The value bytes each DHT key's reads returned, counted at the store (the memory backend); None
+        where the store is out of reach (a real backend's keepers: its readers count instead)."""
+        return None
+
     def finished(self) -> bool:
         return not any(self.alive(i) for i in self.started)
 
@@ -234,6 +239,9 @@ class MemoryFleet(Fleet):
 
     def faults(self) -> dict[str, int]:
         return dict(self.net.faults)
+
+    def served(self) -> dict[str, int]:
+        return dict(self.net.served)
 
     def failures(self) -> list[str]:
         return list(self.errors)

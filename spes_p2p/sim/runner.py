@@ -86,7 +86,9 @@ def _run(settings: Settings, on_tick: Callable[[dict], None] | None) -> dict:
     names = [name_of(i) for i in fleet.started]
     killed = {name_of(i) for i in fleet.killed}
     seconds = time.monotonic() - started
-    summary = summarize(settings, fleet.peers_dir, events, names, killed, seconds, failures, leftovers)
+    summary = summarize(
+        settings, fleet.peers_dir, events, names, killed, seconds, failures, leftovers, fleet.served()
+    )
     plot_losses(fleet.peers_dir, events, out / "loss.png")
     return summary
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import statistics
+from collections import Counter
 from pathlib import Path
 
 from safetensors.torch import load_file
@@ -36,9 +37,11 @@ def summarize(
     seconds: float,
     failures: list[str],
     leftovers: list[str] = (),
+    served: dict[str, int] | None = None,
 ) -> dict:
     """The simulation's summary, from its peers' run folders; also written to OUT/summary.json.
-    ``leftovers``: what of the run still ran after it (processes, threads): a failure."""
+    ``leftovers``: what of the run still ran after it (processes, threads): a failure. ``served``: the
+    bytes each DHT key's reads returned, where the store counted them (``Fleet.served``)."""
     rows = {name: read_rows(peers_dir / name) for name in names}
     completed = 1 + max((r["round"] for rs in rows.values() for r in rs), default=-1)
     summary = {
@@ -54,6 +57,7 @@ def summarize(
             n: {"sent": sum(r["bytes_sent"] for r in rs), "received": sum(r["bytes_received"] for r in rs)}
             for n, rs in rows.items()
         },
+        "dht": dht_traffic(rows, completed, served),
         "rejected_payloads": sum(
             max((r.get("rejected_payloads", 0) for r in rs), default=0) for rs in rows.values()
         ),
@@ -66,6 +70,39 @@ def summarize(
     summary["failures"] = _failures(settings, rows, failures, summary["churn"], leftovers)
     (Path(settings.run.out) / "summary.json").write_text(json.dumps(summary, indent=1))
     return summary
+
+
+DHT_FIELDS = ("reads", "entries", "read_bytes", "writes", "written_bytes")
+BUSIEST_KEYS = 5
+
+
+def dht_traffic(rows: dict[str, list[dict]], completed: int, served: dict[str, int] | None) -> dict:
+    """The swarm's DHT traffic: the median peer-round's reads and writes and their value bytes, in all and
+    by kind of key (``net.transport.key_kind``); and the bytes the busiest keys served per round, counted at
+    the store where it could be (``served``), else as the bytes the readers' reads returned, by kind of key
+    (a real backend's keepers of a key serve at least that: a read may ask several of them)."""
+    each = [r for rs in rows.values() for r in rs if "dht" in r]
+    kinds = sorted({k for r in each for k in r["dht"]})
+    if served is None:
+        served, counted = Counter(), "readers"
+        for r in each:
+            served.update({kind: c["read_bytes"] for kind, c in r["dht"].items()})
+    else:
+        counted = "store"
+    busiest = sorted(served.items(), key=lambda kv: (-kv[1], kv[0]))[:BUSIEST_KEYS]
+    return {
+        "ops_per_peer_round": _median([r["dht_ops"] for r in each]),
+        "bytes_per_peer_round": _median([r["dht_bytes"] for r in each]),
+        "by_kind": {
+            k: {f: _median([r["dht"].get(k, {}).get(f, 0) for r in each]) for f in DHT_FIELDS} for k in kinds
+        },
+        "served_counted_at": counted,  # "store": by key; "readers": by kind of key
+        "served_bytes_per_round": {key: n / max(1, completed) for key, n in busiest},
+    }
+
+
+def _median(values: list[float]) -> float:
+    return statistics.median(values) if values else 0.0
 
 
 def data_split(rows: dict[str, list[dict]]) -> dict:

@@ -69,6 +69,8 @@ class Progress(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     rejected: Count = 0  # messages of other peers it refused (records, requests, payloads)
     data_epoch: Count = 0  # the epoch of the dataset it trains (swarm/datawork.py)
     shards: Count = 0  # data shards it trained to their end, since it started
+    dht_ops: Count = 0  # DHT reads and writes of its last round
+    dht_bytes: Count = 0  # the value bytes they moved
 
     def __post_init__(self) -> None:
         if not all(math.isfinite(x) for x in (self.tokens_per_s, self.loss or 0.0, self.val_loss or 0.0)):

@@ -207,7 +207,7 @@ class HivemindTransport(Transport):
             logger.warning("DHT store of %s timed out after %.0fs", key, DHT_TIMEOUT)
             return False
         finally:
-            self.stats.dht_op(started)
+            self.stats.dht_write(key, started, len(value))
 
     def read(self, key: str) -> dict[str, Entry]:
         started = time.perf_counter()
@@ -216,18 +216,18 @@ class HivemindTransport(Transport):
             found = future.result(timeout=DHT_TIMEOUT)
         except TimeoutError:
             logger.warning("DHT get of %s timed out after %.0fs", key, DHT_TIMEOUT)
-            return {}
-        finally:
-            self.stats.dht_op(started)
-        if found is None or not isinstance(found.value, dict):
+            self.stats.dht_read(key, started, ())
             return {}
         entries = []
-        for subkey, item in found.value.items():
+        for subkey, item in (
+            found.value if found is not None and isinstance(found.value, dict) else {}
+        ).items():
             peer, value = _owner_peer_id(subkey), _as_bytes(item.value)
             if peer is None or value is None:
                 logger.debug("ignoring an unsigned or unreadable entry under %s", key)
                 continue
             entries.append((peer, Entry(value, item.expiration_time)))
+        self.stats.dht_read(key, started, (len(e.value) for _, e in entries))
         return self.latest_readable(entries, self.now())
 
     # --------------------------------------------------------------------------------------- streams

@@ -251,7 +251,7 @@ class Libp2pTransport(Transport):
             logger.warning("DHT store of %s failed: %s", key, exc)
             return False
         finally:
-            self.stats.dht_op(started)
+            self.stats.dht_write(key, started, len(value))
 
     def read(self, key: str) -> dict[str, Entry]:
         started = time.perf_counter()
@@ -259,9 +259,9 @@ class Libp2pTransport(Transport):
             found = self._loop.call(self._records.read, key, timeout=DHT_TIMEOUT)
         except (TimeoutError, LoopClosed) as exc:
             logger.warning("DHT get of %s failed: %s", key, exc)
+            self.stats.dht_read(key, started, ())
             return {}
-        finally:
-            self.stats.dht_op(started)
+        self.stats.dht_read(key, started, (len(e.value) for _, e in found))
         return self.latest_readable(((w, Entry(e.value, e.expires_at)) for w, e in found), self.now())
 
     # ------------------------------------------------------------------------------------- streams
