@@ -1,7 +1,8 @@
-"""`spes simulate --churn P`: which peers the director kills and restarts, round by round (a fake fleet, no
-training), and what the summary says of the restarts."""
+"""`spes simulate --churn P` and `--kill`: which peers the director kills and restarts, round by round (a fake
+fleet, no training), and what the summary says of the restarts."""
 
-from spes_p2p.sim.director import CHURN_TAIL_ROUNDS, Churn
+from spes_p2p.sim import simulation
+from spes_p2p.sim.director import CHURN_TAIL_ROUNDS, Churn, Director
 from spes_p2p.sim.summary import churn
 
 
@@ -20,6 +21,9 @@ class FakeFleet:
 
     def in_swarm(self, index: int) -> bool:
         return True
+
+    def rounds(self) -> dict[int, int]:
+        return {i: 0 for i in self.join_rounds if self.alive(i)}  # (no rows: nobody is a sole holder yet)
 
     def kill(self, index: int) -> None:
         self.down.add(index)
@@ -141,3 +145,21 @@ def test_a_drawn_peer_that_enters_the_swarm_only_after_its_round_passed_is_kille
     for swarm_round in range(3, 13):
         churn_.tick(swarm_round)
     assert [(e["type"], e["peer"]) for e in events[1:]] == [("restart", "peer2")]
+
+
+def test_each_kill_fires_at_its_own_round_whatever_waits_before_it(tmp_path):
+    """A sole kill that finds no sole holder waits up to 2 rounds past its own; the kills queued after it
+    fire at their rounds all the same (they used to wait behind it)."""
+    settings = simulation({"sim.peers": 5, "sim.kills": ("sole@1", "4@1", "3@2", "4@3")})
+    fleet = FakeFleet(tmp_path, 5)
+    director = Director(settings, fleet)
+    fired = {}
+    for swarm_round in range(6):
+        director.tick(swarm_round)
+        fired[swarm_round] = [
+            (e["type"], e.get("peer")) for e in director.events if e["round"] == swarm_round
+        ]
+    assert fleet.log == [("kill", 4), ("kill", 3)]
+    assert fired[1] == [("kill", "peer4")] and fired[2] == [("kill", "peer3")]
+    skipped = {e["round"]: e["reason"] for e in director.events if e["type"] == "kill skipped"}
+    assert skipped == {1: "no sole holder", 3: "peer4 is down already"}

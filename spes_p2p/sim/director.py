@@ -55,19 +55,24 @@ class Director:
         self._partition(swarm_round, swarm_round if slowest is None else slowest)
 
     def _kill(self, swarm_round: int) -> None:
-        while self.kills and self.kills[0].round <= swarm_round:
-            at = self.kills[0].round
+        """Fires every kill whose round has come, each on its own: a ``sole`` kill that finds no sole holder
+        (claims are settling) tries again at the next tick, for up to 2 rounds past its own, and holds up
+        none of the kills after it."""
+        waiting = []
+        for kill in self.kills:
+            due = kill.round <= swarm_round
             index = (
-                _sole_holder(self.fleet, swarm_round) if self.kills[0].count == SOLE else self.kills[0].count
+                (_sole_holder(self.fleet, swarm_round) if kill.count == SOLE else kill.count) if due else None
             )
-            if index is None and swarm_round <= at + 2:
-                return  # no sole holder right now (claims are settling): try again at the next tick
-            self.kills.pop(0)
-            if index is None:
-                self.events.append({"type": "kill skipped", "reason": "no sole holder", "round": at})
-                continue
-            self.fleet.kill(index)
-            self.events.append({"type": "kill", "peer": name_of(index), "round": swarm_round})
+            if not due or (index is None and swarm_round <= kill.round + 2):
+                waiting.append(kill)
+            elif index is None or not self.fleet.alive(index):
+                reason = "no sole holder" if index is None else f"{name_of(index)} is down already"
+                self.events.append({"type": "kill skipped", "reason": reason, "round": kill.round})
+            else:
+                self.fleet.kill(index)
+                self.events.append({"type": "kill", "peer": name_of(index), "round": swarm_round})
+        self.kills = waiting
 
     def _partition(self, swarm_round: int, slowest: int) -> None:
         if self.active and swarm_round > self.active.end:
