@@ -145,10 +145,11 @@ def swarm(tmp_path):
 
 def test_three_peers_cover_the_shards_survive_a_kill_and_leave_cleanly(swarm):
     (swarm.root / "peers.toml").write_text(QUICK_ROUNDS)
-    swarm.start("a", "--new-swarm")
+    ttl = ["--heartbeat", "1", "--record-ttl", "8"]  # (the killed peer's records are gone 8 s after it)
+    swarm.start("a", "--new-swarm", *ttl)
     first = swarm.address("a")
-    swarm.start("b", "--peers", first)
-    swarm.start("c", "--peers", first)
+    swarm.start("b", "--peers", first, *ttl)
+    swarm.start("c", "--peers", first, *ttl)
     ids = {n: swarm.peer_id(n) for n in "abc"}
 
     # every peer was dialed back at its address (the first, alone at start, once the others came)

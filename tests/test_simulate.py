@@ -259,16 +259,16 @@ def test_resume_after_kill_keeps_the_peer_id(tmp_path):
 @pytest.mark.parametrize("backend", ["hivemind"])
 def test_late_joins_reach_the_main_swarm(tmp_path, backend):
     """A scenario that used to lose newcomers (they started a swarm of their own, or arrived after the
-    end): the founder, the swarm's first DHT node, is killed at round 2; two newcomers join at round 4.
-    Every newcomer must count in the main swarm within 2 rounds of its join round (so by round 6 of 8), and
+    end): the founder, the swarm's first DHT node, is killed at round 1; two newcomers join at round 2.
+    Every newcomer must count in the main swarm within 2 rounds of its join round (so by round 4 of 6), and
     nothing may split."""
-    args = "--num-peers 3 --shards 2 --rounds 8 --steps-per-round 10 --batch-size 4 --seq-len 64"
-    events = f" --max-corpus-mb 1 --kill 0@2 --join 2@4 --backend {backend}"
+    args = "--num-peers 3 --shards 2 --rounds 6 --steps-per-round 10 --batch-size 4 --seq-len 64"
+    events = f" --max-corpus-mb 1 --kill 0@1 --join 2@2 --backend {backend}"
     summary, _ = simulate_cli(args + events, tmp_path)
-    assert not summary["failures"] and summary["rounds_completed"] == 8, summary["failures"]
+    assert not summary["failures"] and summary["rounds_completed"] == 6, summary["failures"]
     assert len(summary["newcomers"]) == 2
     for newcomer in summary["newcomers"]:
-        assert newcomer["join_round"] == 4 and newcomer["first_counted_round"] is not None, newcomer
+        assert newcomer["join_round"] == 2 and newcomer["first_counted_round"] is not None, newcomer
         assert newcomer["rounds_late"] <= 2, newcomer
 
 
@@ -310,9 +310,10 @@ def test_churn_with_real_processes_restarts_peers_with_their_ids_and_leaves_no_p
     """Seed 8 draws one kill, of peer2 in round 1: its whole process tree dies, and a new process with
     --resume (its run folder, its identity key) comes back with the same peer id. Nothing of the run is
     left running afterwards. Rounds of 20 steps: with fewer, the two others finish the run before a restart
-    is back."""
+    is back. Virtual compute: the processes and their ids are under test, not the training (rounds take 1 s
+    of compute and leave the cores to the processes' start-ups)."""
     out = tmp_path / "sim"
-    args = "--num-peers 3 --shards 1 --rounds 11 --steps-per-round 20 --batch-size 4 --seq-len 64"
+    args = "--num-peers 3 --shards 1 --rounds 11 --steps-per-round 20 --compute virtual=0.05"
     summary, _ = simulate_cli(args + f" --max-corpus-mb 1 --churn 0.15 --seed 8 --backend {backend}", out)
     assert not summary["failures"] and not summary["leftovers"], summary["failures"]
     assert summary["churn"]["restarts"] == summary["churn"]["back_with_id"] >= 1, summary["churn"]
@@ -322,7 +323,6 @@ def test_churn_with_real_processes_restarts_peers_with_their_ids_and_leaves_no_p
     rows = read_rows(out / "peers" / name)
     assert len({r["peer"] for r in rows}) == 1  # its id before and after
     assert (out / "keys" / f"{name}.addr").read_text().split()[0].endswith("/p2p/" + rows[0]["peer"])
-    assert summary["final_loss"] < summary["initial_loss"]
     # every process of the run (peers, DHT processes, p2pd daemons) names a file of OUT in its command line
     left = [
         p.info
