@@ -20,6 +20,7 @@ from spes_p2p.net.transport import (
 from spes_p2p.net.waiting import Deadline, poll
 from spes_p2p.peer.setup import member_config
 from spes_p2p.settings import Settings
+from spes_p2p.swarm.claims import tiebreak
 from spes_p2p.swarm.manifest import ManifestServer, manifest_key
 from spes_p2p.swarm.member import SwarmMember, SwarmMismatch, read_view
 from spes_p2p.swarm.records import peers_key
@@ -253,6 +254,32 @@ def test_silent_peer_expires_and_its_sole_unit_is_taken_over(member, net, clock)
     for m in survivors:
         m.rebalance()
     assert all(n >= 1 for n in coverage(survivors[0]).values())
+
+
+def test_an_uncovered_shard_is_not_left_to_a_peer_that_stopped_refreshing_its_record(member, net, clock):
+    """Both holders of a shard die; so does, a little later, the holder of the other shard that every plan
+    picks to move to it. Its record lives on for up to a TTL: a plan that still moved it would move nobody,
+    and leave the shard uncovered until that record expired. It is stale (half a TTL without a refresh), so
+    another peer moves."""
+    members = {f"p{i}": member(net, f"p{i}") for i in range(5)}
+    for m in members.values():
+        m.join()
+    holders = members["p0"].view().holders
+    crowded, other = sorted(("experts/0", "experts/1"), key=lambda u: -len(holders[u]))
+    assert [len(holders[crowded]), len(holders[other])] == [3, 2]
+    planned = min(holders[crowded], key=lambda p: tiebreak(p, other))  # whom every plan would move
+    survivors = [members[p] for p in sorted(holders[crowded] - {planned})]
+    clock.advance(TTL / 2 - 1)
+    for m in [*survivors, members[planned]]:
+        m.heartbeat()  # (the last refresh of the planned peer, which then dies)
+    clock.advance(TTL / 2 + 2)  # the other shard's holders have expired; the planned peer is stale
+    for m in survivors:
+        m.heartbeat()
+    view = survivors[0].view()
+    assert view.holders[other] == set() and planned in view.peers and view.stale == {planned}
+    for m in survivors:
+        m.rebalance(first_round=3)  # (a boundary well after everyone's claims)
+    assert len(survivors[0].view().holders[other]) == 1
 
 
 def test_leaving_releases_claims_at_once(member, net):

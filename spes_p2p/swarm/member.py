@@ -14,6 +14,7 @@ claims (``epoch``, dense blocks).
 from __future__ import annotations
 
 import logging
+import math
 import threading
 import time
 from collections import Counter
@@ -92,6 +93,9 @@ class SwarmView:
     since: dict[str, dict[str, int]] = field(default_factory=dict)  # unit -> holder -> first round it trains
     until: dict[str, dict[str, int]] = field(default_factory=dict)  # unit -> former holder -> last round
     epochs: dict[str, dict[str, int]] = field(default_factory=dict)  # unit -> holder -> its record's epoch
+    # peers whose record was last refreshed over half a record TTL ago: they missed a heartbeat, and may be
+    # dead (a killed peer's record outlives it by up to a TTL); claims plan no move for them
+    stale: set[str] = field(default_factory=set)
 
     def uncovered(self) -> list[str]:
         return [u for u, h in self.holders.items() if not h]
@@ -104,15 +108,19 @@ class SwarmView:
         return current | former
 
 
-def read_view(transport: Transport, run_id: str, units: list[str], manifest: str = "") -> SwarmView:
+def read_view(
+    transport: Transport, run_id: str, units: list[str], manifest: str = "", stale_after: float = math.inf
+) -> SwarmView:
     """Live peers (those sharing ``manifest``, when given) and, for every unit, its live holders (one DHT
-    read); invalid records are skipped and reported to the transport's guard."""
+    read); invalid records are skipped and reported to the transport's guard. Records older than
+    ``stale_after`` seconds are stale (``SwarmView.stale``)."""
     peers = read_peers(transport, run_id)
     peers = {p: r for p, r in peers.items() if not manifest or r.manifest == manifest}
     for peer, record in peers.items():
         transport.learn(peer, record.addresses)  # (a signed record: the peer itself says where it is)
     over = over_capacity(peers, transport.guard)
-    view = SwarmView(peers, {})
+    now = transport.now()
+    view = SwarmView(peers, {}, stale={p for p, r in peers.items() if now - r.seen > stale_after})
     for unit in units:
         live = {p: r.holds[unit] for p, r in peers.items() if unit in r.holds and p not in over}
         view.until[unit] = {p: h.until for p, h in live.items() if h.until is not None}
@@ -183,9 +191,10 @@ class ClaimChoice:
         """The units to hold from ``first_round`` on, and the rotation epoch of those claims (``epoch``:
         that of ``held``). Expert shards count only the holders that deliver them (``Delivery``). Peers
         that claimed since ``first_round`` are not moved again, but for
-        ``founding`` (before the first round, when every claim is that new)."""
+        ``founding`` (before the first round, when every claim is that new); nor are stale ones (a plan that
+        moves a dead peer moves nobody)."""
         settled = {p for since in view.since.values() for p, s in since.items() if s >= first_round}
-        settled = set() if founding else settled
+        settled = (set() if founding else settled) | view.stale
         delivering = delivery.delivering(view.holders, held)
         experts = choose_units(
             me=self.me,
@@ -349,7 +358,8 @@ class SwarmMember:
     def view(self) -> SwarmView:
         """The swarm now (one DHT read). Once this peer's record is out, every read finds it: one that does
         not (a DHT timeout, on a saturated machine) must not read as "everyone left": the last view stands."""
-        view = read_view(self.transport, self.cfg.swarm.run_id, self.units, self.manifest.hash)
+        ttl = self.cfg.swarm.record_ttl_seconds
+        view = read_view(self.transport, self.cfg.swarm.run_id, self.units, self.manifest.hash, ttl / 2)
         if self._published and self.me not in view.peers:
             logger.warning("a read of the swarm's records found nobody; using the last view")
             return self.last_view
