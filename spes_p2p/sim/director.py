@@ -60,12 +60,12 @@ class Director:
         none of the kills after it."""
         waiting = []
         for kill in self.kills:
-            due = kill.round <= swarm_round
-            index = (
-                (_sole_holder(self.fleet, swarm_round) if kill.count == SOLE else kill.count) if due else None
-            )
-            if not due or (index is None and swarm_round <= kill.round + 2):
+            if kill.round > swarm_round:
                 waiting.append(kill)
+                continue
+            index = _sole_holder(self.fleet, swarm_round) if kill.count == SOLE else kill.count
+            if index is None and swarm_round <= kill.round + 2:
+                waiting.append(kill)  # no sole holder right now: try again at the next tick
             elif index is None or not self.fleet.alive(index):
                 reason = "no sole holder" if index is None else f"{name_of(index)} is down already"
                 self.events.append({"type": "kill skipped", "reason": reason, "round": kill.round})

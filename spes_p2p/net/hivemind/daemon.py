@@ -218,10 +218,9 @@ class HivemindTransport(Transport):
             logger.warning("DHT get of %s timed out after %.0fs", key, DHT_TIMEOUT)
             self.stats.dht_read(key, started, ())
             return {}
+        values = found.value if found is not None and isinstance(found.value, dict) else {}
         entries = []
-        for subkey, item in (
-            found.value if found is not None and isinstance(found.value, dict) else {}
-        ).items():
+        for subkey, item in values.items():
             peer, value = _owner_peer_id(subkey), _as_bytes(item.value)
             if peer is None or value is None:
                 logger.debug("ignoring an unsigned or unreadable entry under %s", key)
