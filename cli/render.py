@@ -395,10 +395,11 @@ def print_simulation(console: Console, summary: dict, out: Path) -> None:
     )
     dht = summary["dht"]
     busiest = next(iter(dht["served_bytes_per_round"].items()), None)
+    what = "key" if dht["served_counted_at"] == "store" else "kind of key (as its readers counted it)"
     console.print(
         f"DHT per peer and round (median): {dht['ops_per_peer_round']:.0f} reads and writes, "
         f"{dht['bytes_per_peer_round'] / 1024:.1f} KiB"
-        + (f"; busiest key {busiest[0]}: {busiest[1] / 1024:.1f} KiB served a round" if busiest else ""),
+        + (f"; busiest {what} {busiest[0]}: {busiest[1] / 1024:.1f} KiB served a round" if busiest else ""),
         highlight=False,
     )
     apart = summary.get("holders_apart", {})
