@@ -124,6 +124,10 @@ class DhtCounts:
     written_bytes: int = 0
     seconds: float = 0.0
 
+    @property
+    def ops(self) -> int:
+        return self.reads + self.writes
+
     def since(self, earlier: DhtCounts | None) -> DhtCounts:
         """What was counted after ``earlier`` (a snapshot of these counts)."""
         earlier = earlier or DhtCounts()
@@ -168,7 +172,7 @@ class TransportStats:
     @property
     def dht_ops(self) -> int:
         """Reads and writes, every key."""
-        return sum(c.reads + c.writes for c in self.dht_snapshot().values())
+        return sum(c.ops for c in self.dht_snapshot().values())
 
 
 @dataclass(frozen=True)

@@ -32,7 +32,7 @@ class RoundMetrics:
         self._last = now
         sent, received, dht = now
         dht = {kind: c.since(dht0.get(kind)) for kind, c in sorted(dht.items())}
-        ops = sum(c.reads + c.writes for c in dht.values())
+        ops = sum(c.ops for c in dht.values())
         return {
             "peer": self.peer_id,
             "round": job.round,
@@ -53,11 +53,7 @@ class RoundMetrics:
             "dht_ops": ops,
             "dht_ms": 1000 * sum(c.seconds for c in dht.values()) / max(1, ops),
             "dht_bytes": sum(c.read_bytes + c.written_bytes for c in dht.values()),
-            "dht": {
-                kind: {**asdict(c), "seconds": round(c.seconds, 4)}
-                for kind, c in dht.items()
-                if c.reads or c.writes
-            },
+            "dht": {kind: {**asdict(c), "seconds": round(c.seconds, 4)} for kind, c in dht.items() if c.ops},
             "units": job.units,
             "participants": {u: r.participants for u, r in job.results.items()},
             "missing": {u: r.missing for u, r in job.results.items() if r.missing},

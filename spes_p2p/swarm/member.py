@@ -285,9 +285,8 @@ class SwarmMember:
         that differ while others share ours are left out of this peer's views (one stranger's record does
         not lock newcomers out)."""
         live = read_peers(self.transport, self.cfg.swarm.run_id)
-        me = self.me
         records = manifests.read_records(self.transport, self.cfg.swarm.run_id)
-        others = {p: r for p, r in records.items() if p != me and p in live}
+        others = {p: r for p, r in records.items() if p != self.me and p in live}
         differ = {p: r for p, r in sorted(others.items()) if r.hash != self.manifest.hash}
         if differ and len(differ) == len(others):
             peer, theirs = next(iter(differ.items()))
