@@ -111,20 +111,21 @@ def test_records_forged_under_the_others_ids_move_nobody(tmp_path, backend):
     """forge needs signatures to attack: real peer processes. Its tombstones, were they read, would remove
     every honest peer from the others' views and release their claims: each would train alone. What the
     attack aims at is membership, so that is what is checked (no clean run to compare losses with)."""
-    # 6 rounds: a peer held up on a busy machine may skip rounds (it catches up by download), and the two
-    # honest peers must still meet after round 0
-    swarm = {**SWARM, "swarm.backend": backend, "sim.peers": 3, "run.rounds": 6}
+    swarm = {**SWARM, "swarm.backend": backend, "sim.peers": 3, "run.rounds": 4}
     summary = run(simulation({"run.out": str(tmp_path), "sim.byzantine": ("2:forge",), **swarm}))
     assert not summary["failures"]
     assert summary["byzantine"]["honest_final_val_loss"] < summary["initial_loss"], summary
-    assert all(p["final_round"] == 6 for p in summary["peers"] if p["name"] != "peer2")
-    # Every peer holds the dense part: the honest peers kept meeting in its exchange after the tombstones
-    # were stored (at the attacker's join), where they would have vanished from each other's views.
+    assert all(p["final_round"] == 4 for p in summary["peers"] if p["name"] != "peer2")
+    # Every peer holds the dense part: in the last round, long after the tombstones were stored (at the
+    # attacker's join, to expire in an hour), each honest peer still expected the other in its exchange (met
+    # it, or waited for it in vain) where the other would have vanished from its view. Whether they met is up
+    # to the machine's load: a peer held up may skip rounds.
     rows = {name: read_rows(tmp_path / "peers" / name) for name in ("peer0", "peer1")}
     ids = {name: next(row["peer"] for row in rs if "peer" in row) for name, rs in rows.items()}
     for name, other in (("peer0", "peer1"), ("peer1", "peer0")):
-        dense = [(row["round"], row.get("participants", {}).get("dense/0", ())) for row in rows[name]]
-        assert any(r >= 1 and ids[other] in met for r, met in dense), (name, dense)
+        last = rows[name][-1]
+        expected = [*last["participants"].get("dense/0", ()), *last.get("missing", {}).get("dense/0", ())]
+        assert ids[other] in expected, (name, last["round"], expected)
 
 
 def test_byzantine_settings_are_checked():
