@@ -261,8 +261,8 @@ def test_late_joins_reach_the_main_swarm(tmp_path, backend):
     """A scenario that used to lose newcomers (they started a swarm of their own, or arrived after the
     end): the founder, the swarm's first DHT node, is killed at round 1; two newcomers join at round 2.
     Every newcomer must count in the main swarm within 2 rounds of its join round (so by round 4 of 6), and
-    nothing may split."""
-    args = "--num-peers 3 --shards 2 --rounds 6 --steps-per-round 10 --batch-size 4 --seq-len 64"
+    nothing may split. Virtual compute: joins are under test, not training."""
+    args = "--num-peers 3 --shards 2 --rounds 6 --steps-per-round 10 --compute virtual=0.1"
     events = f" --max-corpus-mb 1 --kill 0@1 --join 2@2 --backend {backend}"
     summary, _ = simulate_cli(args + events, tmp_path)
     assert not summary["failures"] and summary["rounds_completed"] == 6, summary["failures"]
@@ -275,10 +275,11 @@ def test_late_joins_reach_the_main_swarm(tmp_path, backend):
 def test_churn_on_the_memory_backend_brings_every_killed_peer_back_with_its_id(tmp_path):
     """Seed 163 draws kills of peer1 at round 2 and peer0 at round 3. With one shard and one dense block
     every peer trains every unit, and churn never takes the last peer in the swarm: no unit-round can go
-    uncovered."""
+    uncovered. Virtual compute: the peers' ids and claims are under test, not their training."""
     summary = run(
         simulation(
             {
+                "sim.compute": "virtual=0.1",
                 "sim.peers": 4,
                 "model.shards": 1,
                 "model.dense_blocks": 1,
@@ -298,7 +299,6 @@ def test_churn_on_the_memory_backend_brings_every_killed_peer_back_with_its_id(t
     for name in restarted:  # one peer id in all its rows, before and after its restart
         assert len({r["peer"] for r in read_rows(tmp_path / "peers" / name)}) == 1
     assert summary["uncovered_unit_rounds"] == 0 and summary["rounds_completed"] == 10
-    assert summary["loss_fell"] and summary["final_loss"] < summary["initial_loss"]
     assert all(not p["killed"] for p in summary["peers"])  # everyone is back at the end
 
 
