@@ -57,6 +57,7 @@ MODES = {
         "sync": {"rounds": 4, "steps": 10},
         "scale": {"peers": [4, 8], "rounds": 3, "steps": 10},
         "wan": {"peers": 4, "rounds": 3},
+        "catch_up": {"rounds": 4},
         "backends": {"rounds": 4, "steps": 10},
         "codec_presets": ["tiny"],
         "codec_loss": {"seeds": (0,), "longer": 2},
@@ -69,6 +70,7 @@ MODES = {
         "sync": {"rounds": 8, "steps": 20},
         "scale": {"peers": [4, 8, 16, 32], "rounds": 6, "steps": 20},
         "wan": {"peers": 4, "rounds": 8},
+        "catch_up": {"rounds": 4},
         "backends": {"rounds": 8, "steps": 20},
         "codec_presets": ["tiny", "small", "1b"],
         "codec_loss": {"seeds": compression.LOSS_SEEDS, "longer": 4},
@@ -87,6 +89,7 @@ SECTIONS = (
     "codec_time",
     "codec_loss",
     "codec_wan",
+    "catch_up",
 )
 BACKENDS = ("hivemind", "libp2p")
 SCALE_STEP_SECONDS = 0.5  # virtual compute in the scale section: 10 s of "training" a round at 20 steps
@@ -101,6 +104,8 @@ SCALE_GROUP = 4  # holders of each expert shard, and peers averaging each dense 
 # estimate: its 1,024-token step is a few GFLOPs, so kernel launches, not FLOPs, set its time on a GPU)
 WAN_STEPS, WAN_STEP_SECONDS, WAN_BANDWIDTH = 100, 0.02, "50mbit"
 CODECS = ["none", "fp16", "int8", "nf4", "topk", "sparseloco"]
+# catch_up: a newcomer downloads a `small` model (about 60 MiB) over WAN_BANDWIDTH links from 1 peer or 4
+CATCH_UP_PRESET, CATCH_UP_HOLDERS, CATCH_UP_STEP_SECONDS = "small", 4, 0.5
 
 
 # ---------------------------------------------------------------------------------------------- memory
@@ -560,6 +565,41 @@ def bench_wan(out: Path, peers: int, rounds: int) -> dict:
     return result
 
 
+def bench_catch_up(out: Path, rounds: int) -> dict:
+    """A newcomer downloading the swarm's model, each peer in its own namespace behind a ``WAN_BANDWIDTH``
+    link: from the one peer of a swarm, and from a swarm of ``CATCH_UP_HOLDERS`` peers that all hold every
+    unit (one expert shard, one dense block). Its seconds from the round boundary it joins at to the model
+    downloaded (``startup.json``)."""
+    result: dict = {"bandwidth": WAN_BANDWIDTH, "preset": CATCH_UP_PRESET}
+    for holders in (1, CATCH_UP_HOLDERS):
+        sim = simulate(
+            out,
+            f"catch-up-{holders}",
+            "hivemind",
+            holders,
+            rounds,
+            WAN_STEPS // 10,
+            {
+                "sim.netns": True,
+                "sim.bandwidth": WAN_BANDWIDTH,
+                "sim.compute": f"virtual={CATCH_UP_STEP_SECONDS}",
+                "sim.joins": ("1@2",),
+                "model.preset": CATCH_UP_PRESET,
+                "model.shards": 1,
+                "model.dense_blocks": 1,
+            },
+        )
+        (newcomer,) = sim["summary"]["newcomers"]
+        marks = newcomer["startup_seconds"]
+        result[f"holders_{holders}"] = {
+            "seconds": marks["caught_up"] - marks["boundary"],
+            "failures": sim["summary"]["failures"],
+        }
+        print(f"catch_up from {holders}: {result[f'holders_{holders}']}", flush=True)
+    result["ratio"] = result[f"holders_{CATCH_UP_HOLDERS}"]["seconds"] / result["holders_1"]["seconds"]
+    return result
+
+
 def bench_codec_wan(out: Path, results: dict, peers: int, rounds: int, uplink_mbit: float = 20.0) -> dict:
     """The sparse codec's sync-wait share on a `small` swarm scaled to a `1b` peer on an ``uplink_mbit``
     uplink: a round's transfer over its compute is what a 1b peer's would be (its bytes a round, from the
@@ -840,7 +880,7 @@ def _section(name: str) -> str:
 
 def missing(name: str) -> str | None:
     """What this machine lacks to run section ``name`` (one line), or None."""
-    if name in ("wan", "codec_wan"):
+    if name in ("wan", "codec_wan", "catch_up"):
         from spes_p2p.sim.netns import missing_tools
 
         return missing_tools(nat=True)
@@ -923,6 +963,7 @@ def main() -> int:
         "codec_time": lambda: compression.bench_codec_time(mode["codec_presets"], ["int8", "sparseloco"]),
         "codec_loss": lambda: bench_codec_loss(args.out, **mode["loss"], **mode["codec_loss"]),
         "codec_wan": lambda: bench_codec_wan(args.out, results, **mode["wan"]),
+        "catch_up": lambda: bench_catch_up(args.out, **mode["catch_up"]),
     }
     chosen = {name: sections[name] for name in args.only or SECTIONS}
     lacks = lambda name: mode["full_only"].get(name) or missing(name)  # noqa: E731

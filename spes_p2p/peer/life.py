@@ -159,7 +159,7 @@ def _join(peer: Peer, stop: threading.Event, ui: Frontend, startup: Startup) -> 
     if run.join_round:
         with ui.phase(f"Waiting for the swarm to reach round {run.join_round}..."):
             joining.wait_for_round(peer.member, run.join_round, run.wait_seconds, stop)
-    status = peer.join(resume=run.resume)
+    status = peer.join(resume=run.resume, mark=startup.mark)
     startup.mark("joined")
     logger.info("start-up, seconds since launch: %s", startup.marks)
     if run.out:

@@ -137,17 +137,21 @@ class Peer:
 
     # --------------------------------------------------------------------------------------- joining
 
-    def join(self, resume: bool = False) -> PeerStatus:
+    def join(self, resume: bool = False, mark: Callable[[str], None] = lambda milestone: None) -> PeerStatus:
         """Checks the swarm identity, downloads the swarm's current model (a newcomer), then claims units
-        and starts heartbeats. With ``resume``, first restores the newest checkpoint of its run folder."""
+        and starts heartbeats. With ``resume``, first restores the newest checkpoint of its run folder.
+        ``mark`` is told when the swarm's round boundary came ("boundary") and when a newcomer had
+        downloaded the swarm's model ("caught_up")."""
         self.member.check_manifest()
         checkpoint = self._restore() if resume else None
         view = joining.at_round_boundary(self.member, self.sync.longest_wait())
+        mark("boundary")
         training = joining.is_training(view, self.me)
         if not checkpoint:  # (a newcomer starts in the oldest epoch the swarm still trains)
             self.data.start_in([p.progress.data_epoch for p in view.peers.values() if p.peer_id != self.me])
         if training:
             self._catch_up(view)
+            mark("caught_up")
         elif not checkpoint and self.initial_units != self.manifest.initial_units:
             # the founder's model came from --init, or another torch drew this one
             differ = {u: h for u, h in self.manifest.initial_units.items() if self.initial_units.get(u) != h}

@@ -7,7 +7,8 @@ Answers are payloads (``spes_p2p.sync.payload``): safetensors whose metadata nam
                                   that part, when we own it ("reduced"; see ``sync/reduce_scatter.py``)
     spes/weights  WeightsRequest -> our weights of a unit, as of ``round`` when we still have it; or its
                                   current version, or the change that made version ``round``, of the
-                                  exact chain or a quantized one
+                                  exact chain or a quantized one; or only the SHA-256 of that, or its
+                                  index or one of its chunks (``sync/chunks.py``)
 
 A request that is too large, not msgpack, of the wrong schema (a missing or unknown field, a wrong type, an
 unknown unit or codec) is a ``BadRequest``: the server answers with a failure, never an exception of its own.
@@ -21,6 +22,7 @@ import msgspec
 
 from spes_p2p.net.wire import BadRequest, Strict
 from spes_p2p.swarm.records import MAX_PARTS, Round, Unit
+from spes_p2p.sync.chunks import MAX_CHUNKS
 from spes_p2p.sync.codecs import CODECS
 from spes_p2p.sync.versions import QUANTIZED
 
@@ -60,8 +62,15 @@ class WeightsRequest(Message):
     digest: bool = False
     # versions and changes: of the exact chain, or of a quantized format's (a version in that format or exact)
     chain: Literal[("full", *QUANTIZED)] = "full"  # type: ignore[valid-type]
+    # only the index of what would be served (sync/chunks.py), or one chunk of it, of exactly that round
+    index: bool = False
+    chunk: Annotated[int, msgspec.Meta(ge=-1, lt=MAX_CHUNKS)] = -1
 
     def __post_init__(self) -> None:
+        if self.digest + self.index + (self.chunk >= 0) > 1 or (
+            self.any_copy and (self.index or self.chunk >= 0)
+        ):
+            raise ValueError("ask for one of digest, index or chunk, and not of a peer's own copy")
         whole = self.kind == "version" and self.codec in (self.chain, "none")
         if self.chain != "full" and not (whole or self.kind == "change"):
             raise ValueError(

@@ -37,6 +37,7 @@ import torch
 
 from spes_p2p.net.transport import Transport, TransportError
 from spes_p2p.net.waiting import MIN_REQUEST_SECONDS, Deadline, poll
+from spes_p2p.sync.chunks import CHUNK_BYTES, ChunkIndex, fetch_chunks
 from spes_p2p.sync.codecs import Codecs, PayloadError, TensorSpec
 from spes_p2p.sync.config import SyncConfig
 from spes_p2p.sync.messages import NOT_HELD, RPC_WEIGHTS, WeightsRequest
@@ -152,6 +153,10 @@ class Refresh:
                 if not order and not fallback:
                     return NOBODY
             elsewhere = False
+            if want.kind != "change" and len(order) > 1 and self._limit(unit, want) > CHUNK_BYTES:
+                found = self._chunked(unit, order, want, min_round, deadline, verify)
+                if found is not None:
+                    return found
             for peer in order:
                 found = self._fetch(peer, unit, want, min_round, False, deadline, verify)
                 elsewhere |= found is ELSEWHERE
@@ -263,22 +268,90 @@ class Refresh:
         """What we want of ``unit`` from ``peer``, or None when it cannot serve it (yet)."""
         # the round to match (refreshes: every peer then gets the same version), or the newest (catch-up)
         request = _request(unit, want, max(min_round, -1), any_copy=any_copy)
-        timeout = min(self.cfg.request_timeout, max(deadline.remaining(), MIN_REQUEST_SECONDS))
-        codec = self.codecs[want.codec]
-        limit = codec.max_bytes(self.specs[unit])
         try:
-            payload = self.transport.request(
-                peer, RPC_WEIGHTS, request, timeout=timeout, max_response_bytes=limit
-            )
+            payload = self._ask(peer, request, self._limit(unit, want), deadline)
         except TransportError as exc:
             logger.debug("%s of %s from %s: %s", want.kind, unit, peer, exc)
             with self._lock:
                 self.failed[peer] += 1
             return None
+        return self._check(peer, unit, want, min_round, payload, verify)
+
+    def _chunked(
+        self,
+        unit: str,
+        order: list[str],
+        want: Want,
+        min_round: int,
+        deadline: Deadline,
+        verify: Verify | None,
+    ) -> Download | None:
+        """What we want of ``unit``, in chunks from every holder in ``order`` at once (``sync/chunks.py``),
+        once two of them agree on its index; None otherwise (it is then asked of one at a time)."""
+        agreed = self._agreed_index(unit, order, want, min_round, deadline)
+        if agreed is None:
+            return None
+        index, source, confirmer = agreed
+        request = functools.partial(_request, unit, want, index.round)
+        payload = fetch_chunks(
+            index,
+            [confirmer, source, *(p for p in order if p not in (source, confirmer))],
+            lambda peer, chunk: self._ask(peer, request(chunk=chunk), CHUNK_BYTES, deadline),
+            lambda peer, why: self._refuse(peer, f"chunk of {unit}", why),
+            deadline,
+        )
+        return None if payload is None else self._check(source, unit, want, min_round, payload, verify)
+
+    def _agreed_index(
+        self, unit: str, order: list[str], want: Want, min_round: int, deadline: Deadline
+    ) -> tuple[ChunkIndex, str, str] | None:
+        """The index the first holder that answers gives, of a round we want, and the next holder that
+        answers agrees on: (index, its source, the holder that agreed); None when they differ."""
+        first: tuple[str, ChunkIndex] | None = None
+        for peer in order:
+            index = self._index(
+                peer, unit, want, max(min_round, -1) if first is None else first[1].round, deadline
+            )
+            if index is None:
+                continue
+            if first is not None:
+                return (first[1], first[0], peer) if index.agrees(first[1]) else None
+            if not min_round <= index.round <= max(min_round, 0) + ROUNDS_AHEAD:
+                return None  # (not of a round we want: asked again at the next pass)
+            first = (peer, index)
+        return None
+
+    def _index(self, peer: str, unit: str, want: Want, round_: int, deadline: Deadline) -> ChunkIndex | None:
+        """``peer``'s index of what it serves of ``unit`` for ``want`` (of ``round_`` or later)."""
+        try:
+            index = ChunkIndex.decode(
+                self._ask(peer, _request(unit, want, round_, index=True), ChunkIndex.MAX_BYTES, deadline)
+            )
+            if len(index.header) + index.size > self._limit(unit, want):
+                raise PayloadError(f"its index is of {index.size} bytes, over {self._limit(unit, want)}")
+        except TransportError as exc:
+            logger.debug("index of %s from %s: %s", unit, peer, exc)
+            return None
+        except PayloadError as exc:
+            self._refuse(peer, f"index of {unit}", str(exc))
+            return None
+        return index
+
+    def _ask(self, peer: str, request: bytes, limit: int, deadline: Deadline) -> bytes:
+        timeout = min(self.cfg.request_timeout, max(deadline.remaining(), MIN_REQUEST_SECONDS))
+        return self.transport.request(peer, RPC_WEIGHTS, request, timeout=timeout, max_response_bytes=limit)
+
+    def _limit(self, unit: str, want: Want) -> int:
+        return self.codecs[want.codec].max_bytes(self.specs[unit])
+
+    def _check(
+        self, peer: str, unit: str, want: Want, min_round: int, payload: bytes, verify: Verify | None
+    ) -> Download | None:
+        """``payload`` of ``unit`` from ``peer``, checked; None when refused or not of a round wanted."""
         decoder = functools.partial(
             decode,
             expected=self.specs[unit],
-            codec=codec,
+            codec=self.codecs[want.codec],
             meta={"unit": unit, "kind": want.kind},
         )
         try:

@@ -26,6 +26,7 @@ import torch
 
 from spes_p2p.net.transport import Transport, Unavailable
 from spes_p2p.net.wire import BadRequest
+from spes_p2p.sync.chunks import ChunkIndex, chunk_of
 from spes_p2p.sync.codecs import EXACT, Codecs, TensorSpec
 from spes_p2p.sync.messages import (
     MAX_REQUEST_BYTES,
@@ -76,6 +77,7 @@ class Outbox:
         self._weights: dict[str, dict[int, bytes]] = {}  # unit -> round -> weights served (none codec)
         self._encoded: dict[tuple[int, str, str, str], bytes] = {}  # (round, unit, kind, codec) -> payload
         self._reduced: dict[tuple[int, str, int, int], bytes] = {}  # (round, unit, part, parts) -> payload
+        self._indexes: dict[tuple, bytes] = {}  # (round, unit, kind, codec, chain, digest) -> ChunkIndex
         transport.serve(RPC_UPDATE, self.rpc_update, max_request_bytes=MAX_REQUEST_BYTES)
         transport.serve(RPC_WEIGHTS, self.rpc_weights, max_request_bytes=MAX_REQUEST_BYTES)
 
@@ -116,6 +118,7 @@ class Outbox:
                 if k[0] > horizon
             }
             self._encoded = {k: v for k, v in self._encoded.items() if k[0] > horizon}
+            self._indexes = {k: v for k, v in self._indexes.items() if k[0] > horizon}
             self._reduced = {k: v for k, v in self._reduced.items() if k[0] > horizon}
 
     # ------------------------------------------------------------------------------------- serving
@@ -143,7 +146,13 @@ class Outbox:
 
     def rpc_weights(self, caller: str, request: bytes) -> bytes:
         req = self._parse(WeightsRequest, caller, request)
-        return self._digest(req) if req.digest else self._weights_payload(req)
+        if req.digest:
+            return self._digest(req)
+        if req.index:
+            return self._index(req)
+        if req.chunk >= 0:
+            return self._chunk(req)
+        return self._weights_payload(req)
 
     def _digest(self, req: WeightsRequest) -> bytes:
         """``payload.served_digest`` of what we serve for ``req``, of exactly its round; empty when we hold
@@ -157,6 +166,26 @@ class Outbox:
         except Unavailable:
             return b""
         return served_digest(payload).encode() if int(metadata_of(payload)["round"]) == req.round else b""
+
+    def _index(self, req: WeightsRequest) -> bytes:
+        """The index of what we serve for ``req`` (of its round, or a later one), computed once and kept."""
+        payload = self._weights_payload(req)
+        round_ = int(metadata_of(payload)["round"])
+        key = (round_, req.unit, req.kind, req.codec, req.chain, served_digest(payload))
+        with self._lock:
+            index = self._indexes.get(key)
+        if index is None:
+            index = ChunkIndex.of(payload, round_).encode()
+            with self._lock:
+                self._indexes[key] = index
+        return index
+
+    def _chunk(self, req: WeightsRequest) -> bytes:
+        """A chunk of what we serve for ``req``, of exactly its round (as another holder's index has it)."""
+        payload = self._weights_payload(req)
+        if int(metadata_of(payload)["round"]) != req.round:
+            raise Unavailable(f"{req.unit} of round {req.round} is not served here (any more)")
+        return chunk_of(payload, req.chunk)
 
     def _weights_payload(self, req: WeightsRequest) -> bytes:
         if req.kind == "change":
