@@ -32,9 +32,11 @@ under "failed" with its error, the run goes on, and the script exits 1 at the en
 from __future__ import annotations
 
 import argparse
+import ast
 import json
 import os
 import platform
+import re
 import resource
 import shutil
 import statistics
@@ -57,7 +59,7 @@ MODES = {
         "sync": {"rounds": 4, "steps": 10},
         "scale": {"peers": [4, 8], "rounds": 3, "steps": 10},
         "wan": {"peers": 4, "rounds": 3},
-        "catch_up": {"rounds": 4},
+        "catch_up": {"rounds": 5},
         "backends": {"rounds": 4, "steps": 10},
         "codec_presets": ["tiny"],
         "codec_loss": {"seeds": (0,), "longer": 2},
@@ -70,7 +72,7 @@ MODES = {
         "sync": {"rounds": 8, "steps": 20},
         "scale": {"peers": [4, 8, 16, 32], "rounds": 6, "steps": 20},
         "wan": {"peers": 4, "rounds": 8},
-        "catch_up": {"rounds": 4},
+        "catch_up": {"rounds": 5},
         "backends": {"rounds": 8, "steps": 20},
         "codec_presets": ["tiny", "small", "1b"],
         "codec_loss": {"seeds": compression.LOSS_SEEDS, "longer": 4},
@@ -104,8 +106,11 @@ SCALE_GROUP = 4  # holders of each expert shard, and peers averaging each dense 
 # estimate: its 1,024-token step is a few GFLOPs, so kernel launches, not FLOPs, set its time on a GPU)
 WAN_STEPS, WAN_STEP_SECONDS, WAN_BANDWIDTH = 100, 0.02, "50mbit"
 CODECS = ["none", "fp16", "int8", "nf4", "topk", "sparseloco"]
-# catch_up: a newcomer downloads a `small` model (about 60 MiB) over WAN_BANDWIDTH links from 1 peer or 4
-CATCH_UP_PRESET, CATCH_UP_HOLDERS, CATCH_UP_STEP_SECONDS = "small", 4, 0.5
+# catch_up: a newcomer downloads a `small` model (60 MiB) from 1 peer or 4, over home links of 50 Mbit/s up
+# and rounds of H = 100 steps of 0.3 s: the holders' exchanges (15 MiB to each co-holder) take their uplinks
+# a quarter of the time, as a swarm that waits little on its sync does
+CATCH_UP_PRESET, CATCH_UP_HOLDERS, CATCH_UP_STEP_SECONDS = "small", 4, 0.3
+CATCH_UP_BANDWIDTH, CATCH_UP_DEADLINE = "50mbit/500mbit", 120.0  # (a download's wait: 10 s at the least)
 
 
 # ---------------------------------------------------------------------------------------------- memory
@@ -566,31 +571,39 @@ def bench_wan(out: Path, peers: int, rounds: int) -> dict:
 
 
 def bench_catch_up(out: Path, rounds: int) -> dict:
-    """A newcomer downloading the swarm's model, each peer in its own namespace behind a ``WAN_BANDWIDTH``
-    link: from the one peer of a swarm, and from a swarm of ``CATCH_UP_HOLDERS`` peers that all hold every
-    unit (one expert shard, one dense block). Its seconds from the round boundary it joins at to the model
-    downloaded (``startup.json``)."""
-    result: dict = {"bandwidth": WAN_BANDWIDTH, "preset": CATCH_UP_PRESET}
+    """A newcomer downloading the swarm's model, each peer in its own namespace behind a home link
+    (``CATCH_UP_BANDWIDTH``: its uplink a tenth of its downlink): from the one peer of a swarm, and from a
+    swarm of ``CATCH_UP_HOLDERS`` peers that all hold every unit (one expert shard, one dense block), which
+    meanwhile exchange their updates over the same uplinks. Its seconds from the round boundary it joins
+    at to the model downloaded (``startup.json``), with every unit downloaded (its log says which)."""
+    result: dict = {"bandwidth": CATCH_UP_BANDWIDTH, "preset": CATCH_UP_PRESET}
     for holders in (1, CATCH_UP_HOLDERS):
+        name = f"catch-up-{holders}"
         sim = simulate(
             out,
-            f"catch-up-{holders}",
+            name,
             "hivemind",
             holders,
             rounds,
-            WAN_STEPS // 10,
+            WAN_STEPS,
             {
                 "sim.netns": True,
-                "sim.bandwidth": WAN_BANDWIDTH,
+                "sim.bandwidth": CATCH_UP_BANDWIDTH,
                 "sim.compute": f"virtual={CATCH_UP_STEP_SECONDS}",
                 "sim.joins": ("1@2",),
                 "model.preset": CATCH_UP_PRESET,
                 "model.shards": 1,
                 "model.dense_blocks": 1,
+                "sync.deadline_max": CATCH_UP_DEADLINE,
             },
         )
         (newcomer,) = sim["summary"]["newcomers"]
         marks = newcomer["startup_seconds"]
+        log = (out / name / "logs" / f"{newcomer['name']}.log").read_text()
+        downloaded = re.findall(r"caught up at round \d+: downloaded (\{.*?\})", log)
+        units = sorted(ast.literal_eval(downloaded[0])) if downloaded else []
+        if "caught_up" not in marks or units != sorted(sim["summary"]["units"]):
+            raise RuntimeError(f"the newcomer downloaded {units} only: {sim['summary']['failures']}")
         result[f"holders_{holders}"] = {
             "seconds": marks["caught_up"] - marks["boundary"],
             "failures": sim["summary"]["failures"],

@@ -58,6 +58,14 @@ def test_a_unit_comes_in_chunks_from_every_holder_bit_for_bit():
     assert max(sizes) <= CHUNK_BYTES and sum(sizes) < 6.1 * 2**20 + 2 * CHUNK_BYTES
 
 
+def test_a_unit_of_one_holder_comes_in_chunks_too():
+    """(A request for the whole unit would have to fit within one request timeout, on the holder's uplink.)"""
+    net, engines, weights = swarm()
+    got = download(engines["newcomer"], ["h0"])
+    assert all(torch.equal(got[n], weights[n]) for n in weights)
+    assert chunks_served(net) == {"h0": [0, 1, 2, 3]}
+
+
 def liar(engine: SyncEngine, corrupt) -> None:
     """``engine`` serves chunks as ``corrupt`` makes them."""
     handler = engine.transport.handlers[RPC_WEIGHTS]

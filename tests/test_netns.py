@@ -43,7 +43,7 @@ def send(ns: Namespaces, index: int, host: str, nbytes: int = 1) -> bool:
 
 @pytest.fixture
 def swarm_net():
-    ns = Namespaces(Layout(f"t{os.getpid():x}", 4, frozenset({2, 3}), "20mbit"))
+    ns = Namespaces(Layout(f"t{os.getpid():x}", 4, frozenset({2, 3}), "40mbit/20mbit"))  # (upload/download)
     ns.create()
     servers = [
         subprocess.Popen(
@@ -80,7 +80,8 @@ def test_both_ends_of_a_link_shape_to_the_rate(swarm_net):
     upload = qdisc(lay.peer(0), "eth0")  # peer 0's upload
     download = qdisc(lay.hub, "p1")  # peer 1's download
     behind_nat = qdisc(lay.router(2), "lan")  # a NATed peer's download, on its router
-    for shown in (upload, download, behind_nat):
+    assert "tbf" in upload and "rate 40Mbit" in upload
+    for shown in (download, behind_nat):
         assert "tbf" in shown and "rate 20Mbit" in shown
     for shown in (upload, download):
         sent = int(shown.split("Sent ")[1].split()[0])

@@ -43,6 +43,9 @@ def test_event_parsing():
         simulation({"swarm.backend": "memory", "sim.netns": True})
     with pytest.raises(ConfigError, match="netns is needed for bandwidth and nat"):
         simulation({"swarm.backend": "libp2p", "sim.nat": 1})
+    assert SimConfig(netns=True, bandwidth="50mbit/500mbit").bandwidth == "50mbit/500mbit"
+    with pytest.raises(ConfigError, match="UP/DOWN"):
+        SimConfig(netns=True, bandwidth="50mbit/fast")
 
 
 def test_late_join_and_a_killed_sole_holder_on_the_memory_backend(tmp_path):

@@ -31,6 +31,7 @@ BYZANTINE_MODES = (
     "silent",
     "slow",
 )
+RATE = r"\d+(\.\d+)?[kmg]?bit"  # a tc rate
 _COMPUTE = "takes real, virtual, or virtual=SECONDS (seconds per step, e.g. virtual=0.05)"
 SOLE = -1  # --kill sole@ROUND: whichever live peer is then the only holder of a unit
 
@@ -103,7 +104,10 @@ class SimConfig(Section):
         False, "Hivemind backend, as root: each peer in its own network namespace, on a bridge."
     )
     bandwidth: str = setting(
-        "", "With --netns: cap each peer's upload and download (tc rate, e.g. 50mbit).", metavar="RATE"
+        "",
+        "With --netns: cap each peer's upload and download (a tc rate, e.g. 50mbit), or each apart (UP/DOWN, "
+        "e.g. 50mbit/500mbit: a home link).",
+        metavar="RATE",
     )
     nat: int = setting(0, "With --netns: the last K peers sit behind a NAT nobody can dial.", metavar="K")
     compute: str = setting(
@@ -136,9 +140,9 @@ class SimConfig(Section):
         check(self.delay_ms >= 0, "delay_ms", "must be at least 0")
         check(not (self.bandwidth or self.nat) or self.netns, "netns", "is needed for bandwidth and nat")
         check(
-            not self.bandwidth or re.fullmatch(r"\d+(\.\d+)?[kmg]?bit", self.bandwidth) is not None,
+            not self.bandwidth or re.fullmatch(rf"{RATE}(/{RATE})?", self.bandwidth) is not None,
             "bandwidth",
-            f"takes a tc rate such as 50mbit, 800kbit or 1gbit; got {self.bandwidth!r}",
+            f"takes a tc rate such as 50mbit or 800kbit, or UP/DOWN (50mbit/500mbit); got {self.bandwidth!r}",
         )
         check(
             0 <= self.nat < self.peers,

@@ -1,5 +1,5 @@
 """Network namespaces for a simulated swarm: each peer on its own address, with a bandwidth cap, and some
-behind a NAT that nobody can dial (``spes simulate --netns [--bandwidth RATE] [--nat K]``; Linux, root).
+behind a NAT that nobody can dial (``spes simulate --netns [--bandwidth UP[/DOWN]] [--nat K]``; Linux, root).
 
 The layout of one run (``T`` is the run's tag)::
 
@@ -11,7 +11,8 @@ The layout of one run (``T`` is the run's tag)::
 
 Every peer behind a NAT has a router of its own (as volunteers at different homes do), so two NATed peers
 cannot reach each other directly either. ``--bandwidth`` puts a token bucket (``tc tbf``) on both ends of
-each peer's link: its upload on its own eth0, its download on the other end.
+each peer's link: its upload on its own eth0, its download on the other end (the same rate, or UP/DOWN: a
+home link's uplink is a fraction of its downlink).
 
 Nothing of a run touches the host's network: the bridge lives in the hub namespace, and the simulator
 itself (in the host's namespace) talks to its peers through files only. A run's namespaces, and the
@@ -201,10 +202,11 @@ class Namespaces:
         _run("ip", "-n", near_ns, "link", "set", near, "up")
 
     def _cap(self, near_ns: str, near: str, far_ns: str, far: str) -> None:
-        """The peer's upload (its own end) and download (the other end) at ``--bandwidth``."""
+        """The peer's upload (its own end) and download (the other end) at ``--bandwidth`` (UP[/DOWN])."""
         if self.layout.bandwidth:
-            for ns, dev in ((far_ns, far), (near_ns, near)):
-                _run("tc", "-n", ns, "qdisc", "add", "dev", dev, "root", *tbf(self.layout.bandwidth))
+            up, _, down = self.layout.bandwidth.partition("/")
+            _run("tc", "-n", far_ns, "qdisc", "add", "dev", far, "root", *tbf(up))
+            _run("tc", "-n", near_ns, "qdisc", "add", "dev", near, "root", *tbf(down or up))
 
     def exec_prefix(self, index: int) -> list[str]:
         """What runs a command in peer ``index``'s namespace."""

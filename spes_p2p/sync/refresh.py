@@ -7,7 +7,9 @@ version, or the change that made that version (``sync/versions.py``), until one 
 passes; holders whose records vanished are skipped. When no holder serves the change our copy needs, its
 chain's version is asked for whole instead. A unit that no holder can serve may come from a ``fallback``
 peer's own copy (newcomers). Every answer is a checked payload; a bad one is counted and the next holder
-is asked.
+is asked. Weights and versions larger than a chunk come in chunks from every holder at once instead, once
+two holders agree on their index (``sync/chunks.py``: that agreement confirms them), or the one holder
+that answers has nobody to confirm it.
 
 What one holder served is then **confirmed** by another, asked only for the SHA-256 of what it would serve
 for the same request, of the same round (``WeightsRequest.digest``; a change: with the version it applies
@@ -153,7 +155,7 @@ class Refresh:
                 if not order and not fallback:
                     return NOBODY
             elsewhere = False
-            if want.kind != "change" and len(order) > 1 and self._limit(unit, want) > CHUNK_BYTES:
+            if want.kind != "change" and self._limit(unit, want) > CHUNK_BYTES:
                 found = self._chunked(unit, order, want, min_round, deadline, verify)
                 if found is not None:
                     return found
@@ -287,7 +289,8 @@ class Refresh:
         verify: Verify | None,
     ) -> Download | None:
         """What we want of ``unit``, in chunks from every holder in ``order`` at once (``sync/chunks.py``),
-        once two of them agree on its index; None otherwise (it is then asked of one at a time)."""
+        once two of them agree on its index (or one, when no other answers); None otherwise (it is then
+        asked of one at a time)."""
         agreed = self._agreed_index(unit, order, want, min_round, deadline)
         if agreed is None:
             return None
@@ -295,7 +298,7 @@ class Refresh:
         request = functools.partial(_request, unit, want, index.round)
         payload = fetch_chunks(
             index,
-            [confirmer, source, *(p for p in order if p not in (source, confirmer))],
+            list(dict.fromkeys([confirmer, source, *order])),
             lambda peer, chunk: self._ask(peer, request(chunk=chunk), CHUNK_BYTES, deadline),
             lambda peer, why: self._refuse(peer, f"chunk of {unit}", why),
             deadline,
@@ -306,7 +309,8 @@ class Refresh:
         self, unit: str, order: list[str], want: Want, min_round: int, deadline: Deadline
     ) -> tuple[ChunkIndex, str, str] | None:
         """The index the first holder that answers gives, of a round we want, and the next holder that
-        answers agrees on: (index, its source, the holder that agreed); None when they differ."""
+        answers agrees on: (index, its source, the holder that agreed: the source itself when no other
+        answered, as a payload with nobody to confirm it is kept); None when they differ."""
         first: tuple[str, ChunkIndex] | None = None
         for peer in order:
             index = self._index(
@@ -319,7 +323,7 @@ class Refresh:
             if not min_round <= index.round <= max(min_round, 0) + ROUNDS_AHEAD:
                 return None  # (not of a round we want: asked again at the next pass)
             first = (peer, index)
-        return None
+        return None if first is None else (first[1], first[0], first[0])
 
     def _index(self, peer: str, unit: str, want: Want, round_: int, deadline: Deadline) -> ChunkIndex | None:
         """``peer``'s index of what it serves of ``unit`` for ``want`` (of ``round_`` or later)."""
