@@ -314,6 +314,10 @@ def test_spes_join_trains_and_holders_agree(swarm, backend):
 
     models = {n: load_file(swarm.root / f"out-{n}" / "model.safetensors") for n in "abc"}
     states = {n: json.loads((swarm.root / f"out-{n}" / "state.json").read_text()) for n in "abc"}
+    rows = {
+        n: [json.loads(x) for x in (swarm.root / f"out-{n}" / "metrics.jsonl").read_text().splitlines()]
+        for n in "abc"
+    }
     assert all(s["round"] == 3 for s in states.values())
     layout = UnitLayout(8, 2)
     for unit in layout.units:
@@ -321,17 +325,20 @@ def test_spes_join_trains_and_holders_agree(swarm, backend):
         assert holders, unit
         names = [k for k in models["a"] if layout.unit_of(k) == unit]
         for n in "abc":
+            # a frozen copy is the holders' last version, within int8 rounding, when it came in the last
+            # round (a refresh that runs out of time keeps the copy of the round before, on a busy machine)
+            refreshed = [r["round"] for r in rows[n] if unit in r["refreshed"]]
+            assert n in holders or refreshed, (unit, n)
             for k in names:
                 ref = models[holders[0]][k]
                 if n in holders:
                     assert torch.equal(models[n][k], ref), (unit, n, k)
-                else:
+                elif refreshed[-1] == 2:
                     assert (models[n][k] - ref).abs().max() <= 0.02 * ref.abs().max(), (unit, n, k)
-    for n in "abc":
-        rows = [json.loads(x) for x in (swarm.root / f"out-{n}" / "metrics.jsonl").read_text().splitlines()]
-        assert [r["round"] for r in rows] == [0, 1, 2]
-        assert rows[-1]["loss"] < rows[0]["loss"]
-        assert rows[-1]["bytes_sent"] > 0 and rows[-1]["bytes_received"] > 0
+    for mine in rows.values():
+        assert [r["round"] for r in mine] == [0, 1, 2]
+        assert mine[-1]["loss"] < mine[0]["loss"]
+        assert mine[-1]["bytes_sent"] > 0 and mine[-1]["bytes_received"] > 0
 
 
 def test_a_volunteer_joins_with_nothing_but_the_invite(swarm, tmp_path):

@@ -101,8 +101,7 @@ class _Chunks:
     def __init__(self, index: ChunkIndex, ask: Ask, refuse: Refuse, deadline: Deadline) -> None:
         self.index, self.ask, self.refuse, self.deadline = index, ask, refuse, deadline
         self.got: dict[int, bytes] = {}
-        self.asked: dict[int, set[str]] = {}  # chunk -> the holders asked for it and not failed
-        self.failed: set[tuple[str, int]] = set()
+        self.asked: dict[int, set[str]] = {}  # chunk -> the holders it is on its way from
         self.lock = threading.Lock()
 
     def fetch(self, sources: list[str]) -> bytes | None:
@@ -119,13 +118,7 @@ class _Chunks:
             waiting = [i for i in range(len(self.index.sha256)) if i not in self.got]
             if not waiting:
                 return None
-            open_ = [
-                i
-                for i in waiting
-                if len(self.asked.get(i, ())) < RACED
-                and (holder, i) not in self.failed
-                and holder not in self.asked.get(i, ())
-            ]
+            open_ = [i for i in waiting if len(self.asked.get(i, ())) < RACED]
             if not open_:
                 return -1  # (a chunk on its way from two others may fail, and come back)
             chunk = min(open_, key=lambda i: (len(self.asked.get(i, ())), i))
@@ -141,10 +134,9 @@ class _Chunks:
                 self.deadline.sleep(POLL_SECONDS)
                 continue
             problem = self._one(holder, chunk)
+            with self.lock:
+                self.asked[chunk].discard(holder)
             if problem is not None:
-                with self.lock:
-                    self.failed.add((holder, chunk))
-                    self.asked[chunk].discard(holder)
                 if problem:
                     self.refuse(holder, problem)
                 return  # (this holder is asked no more)
