@@ -742,6 +742,8 @@ def headline(results: dict) -> dict:
         figures["val_loss_ratio_vs_diloco"] = final["spes"] / final["diloco"]
     if _measured(results, "sync"):
         figures["sync_wait_fraction"] = results["sync"]["overlap"]["sync_wait_fraction"]
+    if _measured(results, "catch_up"):
+        figures["catch_up_ratio_4_holders_vs_1"] = results["catch_up"]["ratio"]
     figures.update(compression.headline(results, _measured))
     return figures
 
@@ -798,6 +800,11 @@ def tables(results: dict) -> str:
             out.append(row(f"{name}: all peers", *_shares(r), *times))
         natted = wan["nat"]["natted"]
         out.append(row(f"nat: {natted['peer']} (behind NAT)", *_shares(natted), "", ""))
+    catch_up = results.get("catch_up")
+    if catch_up:
+        out += ["", row("catch_up: holders of each unit", "seconds to download the model"), row("---", "---")]
+        for holders in (1, CATCH_UP_HOLDERS):
+            out.append(row(holders, f"{catch_up[f'holders_{holders}']['seconds']:.2f}"))
     backends = results.get("backends")
     if backends:
         heads = ("start s", "join s", "DHT write ms", "DHT read ms", "stream MiB/s", "round s", "vs hivemind")
