@@ -4,8 +4,9 @@ Holders of a unit serve the same tensors, byte for byte, for the same request of
 header may differ: safetensors writes its metadata in no fixed order). So a peer that downloads a unit (a
 newcomer catching up, a peer that starts training it) asks one holder for the payload's **index**: its
 round, its header, the size of its tensor data and the SHA-256 of each ``CHUNK_BYTES`` chunk of that data;
-and another holder for its index of that round. Only when the two agree on round, size and chunks does it
-fetch the chunks, from every holder at once (``fetch_chunks``): each holder is asked for the next chunk
+and another holder for its index of that round. Only when the two agree on round, size and chunks (or no
+other holder answers: a unit then need not fit in one request's timeout either) does it fetch the chunks,
+from every holder at once (``download``): each holder is asked for the next chunk
 nobody has been asked for as soon as it has served its last one, so a fast holder serves more of the unit,
 and a slow one holds up only the chunk it has; once every chunk has been asked for, an idle holder is asked
 too for a chunk still on its way from another. Every chunk is checked against the index: one that does not
@@ -22,6 +23,7 @@ import math
 import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Annotated
 
 import msgspec
@@ -85,21 +87,63 @@ def _data_start(payload: bytes) -> int:
     return 8 + int.from_bytes(payload[:8], "little")
 
 
-Ask = Callable[[str, int], bytes]  # (holder, chunk) -> its bytes; raises TransportError
-Refuse = Callable[[str, str], None]  # (holder, why): a chunk that does not match the index
+@dataclass(frozen=True)
+class Asking:
+    """How to ask holders for one unit's payload: ``ask`` sends a request to a holder, with a bound on the
+    answer's bytes, and raises ``TransportError``; ``request`` makes a request of a round (with ``index`` or
+    ``chunk``); ``refuse`` counts a holder's bad answer (what, why) toward its ban; ``limit`` bounds the
+    payload."""
+
+    ask: Callable[[str, bytes, int], bytes]
+    request: Callable[..., bytes]
+    refuse: Callable[[str, str, str], None]
+    limit: int
+    deadline: Deadline
 
 
-def fetch_chunks(
-    index: ChunkIndex, sources: list[str], ask: Ask, refuse: Refuse, deadline: Deadline
-) -> bytes | None:
-    """The payload ``index`` describes, put together from ``sources`` (module docstring); None when they
-    could not serve all of it before the deadline."""
-    return _Chunks(index, ask, refuse, deadline).fetch(sources[:MAX_SOURCES])
+def download(asking: Asking, holders: list[str], min_round: int, max_round: int) -> tuple[str, bytes] | None:
+    """The payload of a round from ``min_round`` to ``max_round``, in chunks from ``holders`` (module
+    docstring), and the holder whose header it has; None when the first two holders that answer disagree
+    on its index, or its chunks did not all come in time. With no other holder to agree, the first one's
+    index is used (as a payload with nobody to confirm it is kept)."""
+    first: tuple[str, ChunkIndex] | None = None
+    for holder in holders:
+        index = _index(asking, holder, min_round if first is None else first[1].round)
+        if index is None:
+            continue
+        if first is not None:  # (the holder that agrees is asked first, the index's source last)
+            return _fetch(asking, first, [holder, *holders]) if index.agrees(first[1]) else None
+        if not min_round <= index.round <= max_round:
+            return None  # (not of a round we want: asked again later)
+        first = (holder, index)
+    return None if first is None else _fetch(asking, first, holders)
+
+
+def _index(asking: Asking, holder: str, round_: int) -> ChunkIndex | None:
+    """``holder``'s index of what it serves of round ``round_`` (or later)."""
+    try:
+        index = ChunkIndex.decode(
+            asking.ask(holder, asking.request(round_, index=True), ChunkIndex.MAX_BYTES)
+        )
+        if len(index.header) + index.size > asking.limit:
+            raise PayloadError(f"its index is of {len(index.header) + index.size} bytes, over {asking.limit}")
+    except TransportError:
+        return None
+    except PayloadError as exc:
+        asking.refuse(holder, "index", str(exc))
+        return None
+    return index
+
+
+def _fetch(asking: Asking, first: tuple[str, ChunkIndex], holders: list[str]) -> tuple[str, bytes] | None:
+    source, index = first
+    payload = _Chunks(index, asking).fetch(list(dict.fromkeys([*holders, source]))[:MAX_SOURCES])
+    return None if payload is None else (source, payload)
 
 
 class _Chunks:
-    def __init__(self, index: ChunkIndex, ask: Ask, refuse: Refuse, deadline: Deadline) -> None:
-        self.index, self.ask, self.refuse, self.deadline = index, ask, refuse, deadline
+    def __init__(self, index: ChunkIndex, asking: Asking) -> None:
+        self.index, self.asking, self.deadline = index, asking, asking.deadline
         self.got: dict[int, bytes] = {}
         self.asked: dict[int, set[str]] = {}  # chunk -> the holders it is on its way from
         self.lock = threading.Lock()
@@ -138,20 +182,20 @@ class _Chunks:
                 self.asked[chunk].discard(holder)
             if problem is not None:
                 if problem:
-                    self.refuse(holder, problem)
+                    self.asking.refuse(holder, "chunk", problem)
                 return  # (this holder is asked no more)
 
     def _one(self, holder: str, chunk: int) -> str | None:
         """None: the chunk came; '': the holder did not serve it; else why it does not match the index."""
         try:
-            data = self.ask(holder, chunk)
+            data = self.asking.ask(holder, self.asking.request(self.index.round, chunk=chunk), CHUNK_BYTES)
         except TransportError:
             return ""
         if (
             len(data) != self.index.chunk_size(chunk)
             or hashlib.sha256(data).hexdigest() != self.index.sha256[chunk]
         ):
-            return f"chunk {chunk} does not match the index two holders agree on"
+            return f"chunk {chunk} does not match its index"
         with self.lock:
             self.got.setdefault(chunk, data)
         return None

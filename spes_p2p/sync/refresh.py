@@ -39,7 +39,7 @@ import torch
 
 from spes_p2p.net.transport import Transport, TransportError
 from spes_p2p.net.waiting import MIN_REQUEST_SECONDS, Deadline, poll
-from spes_p2p.sync.chunks import CHUNK_BYTES, ChunkIndex, fetch_chunks
+from spes_p2p.sync.chunks import CHUNK_BYTES, Asking, download
 from spes_p2p.sync.codecs import Codecs, PayloadError, TensorSpec
 from spes_p2p.sync.config import SyncConfig
 from spes_p2p.sync.messages import NOT_HELD, RPC_WEIGHTS, WeightsRequest
@@ -288,58 +288,17 @@ class Refresh:
         deadline: Deadline,
         verify: Verify | None,
     ) -> Download | None:
-        """What we want of ``unit``, in chunks from every holder in ``order`` at once (``sync/chunks.py``),
-        once two of them agree on its index (or one, when no other answers); None otherwise (it is then
-        asked of one at a time)."""
-        agreed = self._agreed_index(unit, order, want, min_round, deadline)
-        if agreed is None:
-            return None
-        index, source, confirmer = agreed
-        request = functools.partial(_request, unit, want, index.round)
-        payload = fetch_chunks(
-            index,
-            list(dict.fromkeys([confirmer, source, *order])),
-            lambda peer, chunk: self._ask(peer, request(chunk=chunk), CHUNK_BYTES, deadline),
-            lambda peer, why: self._refuse(peer, f"chunk of {unit}", why),
-            deadline,
+        """What we want of ``unit``, in chunks from every holder in ``order`` at once (``sync/chunks.py``);
+        None when that cannot be (it is then asked of one holder at a time)."""
+        asking = Asking(
+            ask=lambda peer, request, limit: self._ask(peer, request, limit, deadline),
+            request=functools.partial(_request, unit, want),
+            refuse=lambda peer, what, why: self._refuse(peer, f"{what} of {unit}", why),
+            limit=self._limit(unit, want),
+            deadline=deadline,
         )
-        return None if payload is None else self._check(source, unit, want, min_round, payload, verify)
-
-    def _agreed_index(
-        self, unit: str, order: list[str], want: Want, min_round: int, deadline: Deadline
-    ) -> tuple[ChunkIndex, str, str] | None:
-        """The index the first holder that answers gives, of a round we want, and the next holder that
-        answers agrees on: (index, its source, the holder that agreed: the source itself when no other
-        answered, as a payload with nobody to confirm it is kept); None when they differ."""
-        first: tuple[str, ChunkIndex] | None = None
-        for peer in order:
-            index = self._index(
-                peer, unit, want, max(min_round, -1) if first is None else first[1].round, deadline
-            )
-            if index is None:
-                continue
-            if first is not None:
-                return (first[1], first[0], peer) if index.agrees(first[1]) else None
-            if not min_round <= index.round <= max(min_round, 0) + ROUNDS_AHEAD:
-                return None  # (not of a round we want: asked again at the next pass)
-            first = (peer, index)
-        return None if first is None else (first[1], first[0], first[0])
-
-    def _index(self, peer: str, unit: str, want: Want, round_: int, deadline: Deadline) -> ChunkIndex | None:
-        """``peer``'s index of what it serves of ``unit`` for ``want`` (of ``round_`` or later)."""
-        try:
-            index = ChunkIndex.decode(
-                self._ask(peer, _request(unit, want, round_, index=True), ChunkIndex.MAX_BYTES, deadline)
-            )
-            if len(index.header) + index.size > self._limit(unit, want):
-                raise PayloadError(f"its index is of {index.size} bytes, over {self._limit(unit, want)}")
-        except TransportError as exc:
-            logger.debug("index of %s from %s: %s", unit, peer, exc)
-            return None
-        except PayloadError as exc:
-            self._refuse(peer, f"index of {unit}", str(exc))
-            return None
-        return index
+        got = download(asking, order, max(min_round, -1), max(min_round, 0) + ROUNDS_AHEAD)
+        return None if got is None else self._check(got[0], unit, want, min_round, got[1], verify)
 
     def _ask(self, peer: str, request: bytes, limit: int, deadline: Deadline) -> bytes:
         timeout = min(self.cfg.request_timeout, max(deadline.remaining(), MIN_REQUEST_SECONDS))
