@@ -4,9 +4,9 @@ A newcomer to a swarm that has not trained yet starts from the initial model, wh
 swarm's seed, or downloads from the peers when that is not the manifest's (the founder's came from
 ``--init``). A newcomer to a swarm that trains waits (bounded) until the swarm lands the round in progress,
 then downloads every unit, uncompressed, as of the swarm's last landed round, from its holders (in chunks
-from all of them at once: ``sync/chunks.py``; a unit no live holder can serve, from any peer's own copy), and takes the swarm's round. A peer that falls more
-than ``staleness`` rounds behind does the same. A peer that starts training a unit fetches that unit's last
-round exactly.
+from all of them at once: ``sync/chunks.py``; a unit no live holder can serve, from any peer's own copy),
+and takes the swarm's round. A peer that falls more than ``staleness`` rounds behind does the same. A peer
+that starts training a unit fetches that unit's last round exactly.
 """
 
 from __future__ import annotations
