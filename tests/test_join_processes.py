@@ -320,21 +320,24 @@ def test_spes_join_trains_and_holders_agree(swarm, backend):
     }
     assert all(s["round"] == 3 for s in states.values())
     layout = UnitLayout(8, 2)
+    copies = 0
     for unit in layout.units:
         holders = [n for n in "abc" if unit in states[n]["units"]]
         assert holders, unit
         names = [k for k in models["a"] if layout.unit_of(k) == unit]
         for n in "abc":
             # a frozen copy is the holders' last version, within int8 rounding, when it came in the last
-            # round (a refresh that runs out of time keeps the copy of the round before, on a busy machine)
-            refreshed = [r["round"] for r in rows[n] if unit in r["refreshed"]]
-            assert n in holders or refreshed, (unit, n)
+            # round (a refresh that runs out of time keeps the copy of the round before, on a busy machine;
+            # a peer that gave the unit up at the last boundary still has its own)
+            fresh = n not in holders and unit in rows[n][-1]["refreshed"]
+            copies += fresh
             for k in names:
                 ref = models[holders[0]][k]
                 if n in holders:
                     assert torch.equal(models[n][k], ref), (unit, n, k)
-                elif refreshed[-1] == 2:
+                elif fresh:
                     assert (models[n][k] - ref).abs().max() <= 0.02 * ref.abs().max(), (unit, n, k)
+    assert copies, "no frozen copy came in the last round"
     for mine in rows.values():
         assert [r["round"] for r in mine] == [0, 1, 2]
         assert mine[-1]["loss"] < mine[0]["loss"]
