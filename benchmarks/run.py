@@ -63,7 +63,10 @@ MODES = {
         "backends": {"rounds": 4, "steps": 10},
         "codec_presets": ["tiny"],
         "codec_loss": {"seeds": (0,), "longer": 2},
-        "full_only": {"codec_bytes": "full mode only: five swarms of 1b-wide tensors, minutes each"},
+        "full_only": {
+            "codec_bytes": "full mode only: five swarms of 1b-wide tensors, minutes each",
+            "catch_up": "full mode only: two swarms of small peers in namespaces, 7 minutes",
+        },
     },
     "full": {
         "memory_preset": "small",
