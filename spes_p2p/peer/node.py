@@ -138,10 +138,8 @@ class Peer:
     # --------------------------------------------------------------------------------------- joining
 
     def join(self, resume: bool = False, mark: Callable[[str], None] = lambda milestone: None) -> PeerStatus:
-        """Checks the swarm identity, downloads the swarm's current model (a newcomer), then claims units
-        and starts heartbeats. With ``resume``, first restores the newest checkpoint of its run folder.
-        ``mark`` is told when the swarm's round boundary came ("boundary") and when a newcomer had
-        downloaded the swarm's model ("caught_up")."""
+        """Checks the swarm identity, downloads the swarm's current model (a newcomer), then claims units and
+        starts heartbeats (``resume``: from its newest checkpoint). ``mark`` hears "boundary", "caught_up"."""
         self.member.check_manifest()
         checkpoint = self._restore() if resume else None
         view = joining.at_round_boundary(self.member, self.sync.longest_wait())
@@ -155,8 +153,8 @@ class Peer:
         elif not checkpoint and self.initial_units != self.manifest.initial_units:
             # the founder's model came from --init, or another torch drew this one
             differ = {u: h for u, h in self.manifest.initial_units.items() if self.initial_units.get(u) != h}
-            seconds = self.sync.longest_wait()
-            joining.download_initial_model(view, self.me, self.sync, self.local.write, seconds, differ)
+            wait = self.sync.longest_wait()
+            joining.download_initial_model(view, self.me, self.sync, self.local.write, wait, differ)
         self.member.report(self.round, Progress())
         # in a swarm that is training, the others read their participants before we can claim: our first
         # round is not counted, we adopt its result
@@ -186,10 +184,8 @@ class Peer:
         return checkpoint
 
     def _catch_up(self, view: SwarmView) -> None:
-        seconds = self.sync.longest_wait()
-        round_ = joining.catch_up(view, self.me, self.sync, self.local.write, seconds)
-        if round_ is not None:
-            self.round = round_
+        round_ = joining.catch_up(view, self.me, self.sync, self.local.write, self.sync.longest_wait())
+        self.round = self.round if round_ is None else round_
 
     def drain(self, timeout: float) -> bool:
         """After the last round: keeps serving until every live peer has landed that round too (or timeout),

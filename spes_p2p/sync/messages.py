@@ -16,7 +16,7 @@ unknown unit or codec) is a ``BadRequest``: the server answers with a failure, n
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import TYPE_CHECKING, Annotated, Literal
 
 import msgspec
 
@@ -25,6 +25,9 @@ from spes_p2p.swarm.records import MAX_PARTS, Round, Unit
 from spes_p2p.sync.chunks import MAX_CHUNKS
 from spes_p2p.sync.codecs import CODECS
 from spes_p2p.sync.versions import QUANTIZED
+
+if TYPE_CHECKING:
+    from spes_p2p.sync.versions import Want
 
 RPC_UPDATE = "spes/update"
 RPC_WEIGHTS = "spes/weights"
@@ -76,3 +79,10 @@ class WeightsRequest(Message):
             raise ValueError(
                 "a quantized chain has versions (in its format or exact) and changes, no weights"
             )
+
+
+def weights_request(unit: str, want: Want, round_: int, **flags: bool) -> bytes:
+    """The request for ``want`` of ``unit`` as of ``round_`` (with ``digest``, ``index``, ``chunk``...)."""
+    return WeightsRequest(
+        unit=unit, codec=want.codec, round=round_, kind=want.kind, chain=want.chain, **flags
+    ).encode()

@@ -11,17 +11,7 @@ is asked. Weights and versions larger than a chunk come in chunks from every hol
 two holders agree on their index (``sync/chunks.py``: that agreement confirms them), or the one holder
 that answers has nobody to confirm it.
 
-What one holder served is then **confirmed** by another, asked only for the SHA-256 of what it would serve
-for the same request, of the same round (``WeightsRequest.digest``; a change: with the version it applies
-to, the one we asked for). Holders of a unit hold the same weights, bit for bit, and answer alike: the
-first that agrees confirms the payload; one that two other holders agree against is refused (not toward a
-ban: honest holders can differ, one whose version chain split from the others' for instance), and the next
-holder asked. With nobody else to ask, or only one that disagrees (of two holders, nobody can tell which is
-right), the payload is kept and the disagreement logged. A holder that is not of that round yet says so,
-which confirms nothing. Holders are asked to confirm in turn, the least recently asked first; one that says
-``NOT_HELD``, or leaves a whole ``request_timeout`` unanswered, ``UNCONFIRMED_LIMIT`` times in a row (a fake
-holder, or one that declared more capacity than it has) is reported by ``failing`` (claims then do not
-count it), and asked again, last, once every ``UNCONFIRMED_LIMIT`` confirmations of the unit.
+What one holder served is then confirmed by another (``sync/confirm.py``).
 """
 
 from __future__ import annotations
@@ -42,16 +32,14 @@ from spes_p2p.net.waiting import MIN_REQUEST_SECONDS, Deadline, poll
 from spes_p2p.sync.chunks import CHUNK_BYTES, Asking, download
 from spes_p2p.sync.codecs import Codecs, PayloadError, TensorSpec
 from spes_p2p.sync.config import SyncConfig
-from spes_p2p.sync.messages import NOT_HELD, RPC_WEIGHTS, WeightsRequest
-from spes_p2p.sync.payload import decode, metadata_of, served_digest
+from spes_p2p.sync.confirm import Confirmations
+from spes_p2p.sync.messages import RPC_WEIGHTS, weights_request
+from spes_p2p.sync.payload import decode, metadata_of
 from spes_p2p.sync.versions import ELSEWHERE, NOBODY, Chains, Download, Want
 
 logger = logging.getLogger(__name__)
 
 POLL_SECONDS = 0.1
-UNCONFIRMED_LIMIT = 3  # asks in a row a holder leaves unanswered before its claim is not believed
-MAX_DIGEST_BYTES = 256
-OUTVOTED = "two other holders serve other weights"
 ROUNDS_AHEAD = 16  # what a holder serves is of the round asked for, or a few later: not of round 10^9
 
 Tensors = dict[str, torch.Tensor]
@@ -79,19 +67,11 @@ class Refresh:
         self.live_peers = live_peers
         self.rejected = 0
         self.failed: Counter[str] = Counter()  # holder -> fetches in a row it did not serve
-        self.unconfirmed: Counter[tuple[str, str]] = Counter()  # (unit, holder) -> asks in a row unanswered
-        self._asked: dict[tuple[str, str], int] = {}  # (unit, holder) -> the confirmation it was last asked
-        self._confirmations: Counter[str] = Counter()  # unit -> confirmations asked of its holders
         self._lock = threading.Lock()
+        self.confirmations = Confirmations(transport, cfg, self._refuse)
 
     def failing(self) -> dict[str, set[str]]:
-        """Unit -> its holders that left ``UNCONFIRMED_LIMIT`` asks to confirm it in a row unanswered."""
-        with self._lock:
-            out: dict[str, set[str]] = {}
-            for (unit, peer), misses in self.unconfirmed.items():
-                if misses >= UNCONFIRMED_LIMIT:
-                    out.setdefault(unit, set()).add(peer)
-            return out
+        return self.confirmations.failing()
 
     def run(
         self,
@@ -107,7 +87,7 @@ class Refresh:
         fetched, for the units obtained. ``want``: one for every unit, or unit -> what (default: weights in
         the refresh codec). ``verify``: a check of what a peer served beyond its payload's (a peer that
         fails it is refused and counted, and the next one asked)."""
-        self._forget_gone(holders)
+        self.confirmations.forget_gone(holders)
         default = Want("weights", self.cfg.refresh_codec)
         wants = want if isinstance(want, dict) else {u: want or default for u in holders}
         deadline, patience = Deadline(seconds, self.abort), Deadline(seconds / 2, self.abort)
@@ -165,7 +145,7 @@ class Refresh:
                 if (
                     found is not None
                     and found is not ELSEWHERE
-                    and self._confirmed(unit, found, peer, order, deadline)
+                    and self.confirmations.confirmed(unit, found, peer, order, deadline)
                 ):
                     return found
             if want.kind == "change" and (elsewhere or patience.passed()):  # the whole version instead
@@ -185,72 +165,6 @@ class Refresh:
             logger.info("no holder had %s of round >= %d in time; keeping the old copy", unit, min_round)
         return None if found is NOBODY else found
 
-    def _forget_gone(self, holders: dict[str, list[str]]) -> None:
-        """Drops what we kept of the holders that no longer hold a unit we refresh."""
-        with self._lock:
-            for key in [k for k in self._asked if k[0] in holders and k[1] not in holders[k[0]]]:
-                self._asked.pop(key)
-                self.unconfirmed.pop(key, None)
-
-    def _confirmed(
-        self, unit: str, found: Download, source: str, holders: list[str], deadline: Deadline
-    ) -> bool:
-        """Whether what ``source`` served stands, asked of the other ``holders`` (the module's docstring)."""
-        since = ":".join(map(str, found.want.since)) if found.want.kind == "change" else ""
-        ours = served_digest(found.payload, since)
-        request = _request(unit, found.want, found.round, digest=True)
-        against: Counter[str] = Counter()
-        for peer in self._confirmers(unit, source, holders):
-            if deadline.passed():
-                break
-            answer = self._digest(peer, unit, request, deadline)
-            if answer == ours:
-                return True
-            if answer and answer.split("/")[0] == since:  # (a change: to the same version)
-                against[answer] += 1
-                if against[answer] == 2:
-                    # (not toward a ban: honest holders may differ, e.g. one whose version chain split)
-                    self._refuse(source, f"{found.want.kind} of {unit}", OUTVOTED, ban=False)
-                    return False
-        if against:
-            logger.warning(
-                "%s: %s and another holder serve different weights; keeping %s's", unit, source, source
-            )
-        return True
-
-    def _confirmers(self, unit: str, source: str, holders: list[str]) -> list[str]:
-        """The other holders, the least recently asked first; failing ones last, and only once every
-        ``UNCONFIRMED_LIMIT`` confirmations of the unit."""
-        with self._lock:
-            self._confirmations[unit] += 1
-            now = self._confirmations[unit]
-            others = [p for p in holders if p != source]
-            asked = {p: self._asked.get((unit, p), 0) for p in others}
-            failing = {p for p in others if self.unconfirmed[(unit, p)] >= UNCONFIRMED_LIMIT}
-            due = [p for p in failing if now - asked[p] >= UNCONFIRMED_LIMIT]
-            return sorted((p for p in others if p not in failing), key=asked.get) + sorted(due, key=asked.get)
-
-    def _digest(self, peer: str, unit: str, request: bytes, deadline: Deadline) -> str | None:
-        """What ``peer`` says it serves for ``request`` (None: no answer; '': it holds the unit, but not of
-        that round yet). It misses an ask when it says it does not hold the unit, or does not answer within
-        a whole ``request_timeout``."""
-        with self._lock:
-            self._asked[(unit, peer)] = self._confirmations[unit]
-        timeout = min(self.cfg.request_timeout, max(deadline.remaining(), MIN_REQUEST_SECONDS))
-        try:
-            answer = self.transport.request(
-                peer, RPC_WEIGHTS, request, timeout=timeout, max_response_bytes=MAX_DIGEST_BYTES
-            ).decode("ascii", "replace")
-        except TransportError as exc:
-            logger.debug("confirming %s with %s: %s", unit, peer, exc)
-            answer = NOT_HELD if timeout >= self.cfg.request_timeout else None
-        with self._lock:
-            if answer == NOT_HELD:
-                self.unconfirmed[(unit, peer)] += 1
-            elif answer:
-                self.unconfirmed.pop((unit, peer), None)
-        return None if answer == NOT_HELD else answer
-
     def _refuse(self, peer: str, what: str, why: str, ban: bool = True) -> None:
         self.transport.guard.reject(peer, what, why, counts_toward_ban=ban)
         with self._lock:
@@ -269,7 +183,7 @@ class Refresh:
     ) -> Download | None:
         """What we want of ``unit`` from ``peer``, or None when it cannot serve it (yet)."""
         # the round to match (refreshes: every peer then gets the same version), or the newest (catch-up)
-        request = _request(unit, want, max(min_round, -1), any_copy=any_copy)
+        request = weights_request(unit, want, max(min_round, -1), any_copy=any_copy)
         try:
             payload = self._ask(peer, request, self._limit(unit, want), deadline)
         except TransportError as exc:
@@ -292,7 +206,7 @@ class Refresh:
         None when that cannot be (it is then asked of one holder at a time)."""
         asking = Asking(
             ask=lambda peer, request, limit: self._ask(peer, request, limit, deadline),
-            request=functools.partial(_request, unit, want),
+            request=functools.partial(weights_request, unit, want),
             refuse=lambda peer, what, why: self._refuse(peer, f"{what} of {unit}", why),
             limit=self._limit(unit, want),
             deadline=deadline,
@@ -332,16 +246,10 @@ class Refresh:
         self.transport.guard.accept(peer)
         with self._lock:
             self.failed.pop(peer, None)
-            self.unconfirmed.pop((unit, peer), None)
+        self.confirmations.served(unit, peer)
         if want.kind == "change" and (since != ":".join(map(str, want.since)) or round_ != min_round):
             return ELSEWHERE
         return Download(round_, want, payload, decoder) if round_ >= min_round else None
-
-
-def _request(unit: str, want: Want, round_: int, **flags: bool) -> bytes:
-    return WeightsRequest(
-        unit=unit, codec=want.codec, round=round_, kind=want.kind, chain=want.chain, **flags
-    ).encode()
 
 
 def _round_of(payload: bytes) -> int:
