@@ -110,7 +110,6 @@ class Net:
     def close(self) -> None:
         for transport in reversed(self.peers):
             transport.shutdown(timeout=3)
-        self.memory.handlers.shutdown(wait=False, cancel_futures=True)
 
 
 def values(entries) -> dict[str, bytes]:

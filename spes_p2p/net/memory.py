@@ -38,6 +38,8 @@ from spes_p2p.net.transport import (
     check_record_size,
 )
 
+SERVER_WORKERS = 32  # requests a peer answers at once (a caller holds at most MAX_STREAMS_PER_PEER)
+
 
 class FakeClock:
     """A clock that moves only when told to."""
@@ -69,7 +71,6 @@ class MemoryNetwork:
         self.gossip_drop = 0.0  # probability that a gossip message does not reach one of its subscribers
         self.topics: dict[str, dict[str, GossipHandler]] = {}  # topic -> subscriber -> its handler
         self.faults = {"dropped": 0, "corrupted": 0, "partitioned": 0, "gossip dropped": 0}
-        self.handlers = ThreadPoolExecutor(64, thread_name_prefix="spes-memory-handler")  # as a server's
         self.log: list[
             tuple[str, str, str, bytes, int]
         ] = []  # (caller, target, name, request, response bytes)
@@ -111,6 +112,8 @@ class MemoryTransport(Transport):
     def __init__(self, network: MemoryNetwork, peer_id: str) -> None:
         self.network, self.peer_id = network, peer_id
         self.handlers: dict[str, tuple[Handler, int]] = {}
+        # its own workers, as a server has: a peer whose handlers hang (a slow attacker) holds up no other
+        self.workers = ThreadPoolExecutor(SERVER_WORKERS, thread_name_prefix=f"spes-memory-{peer_id}")
         self.streams = StreamSlots()
         self.guard = Guard()
         self.stats = TransportStats()
@@ -207,7 +210,7 @@ class MemoryTransport(Transport):
         me = self.peer_id
         if not self.streams.acquire(caller):
             raise RemoteError(f"{me} refused {name}: too many requests in progress from this peer")
-        future = self.network.handlers.submit(handler, caller, payload)
+        future = self.workers.submit(handler, caller, payload)
         future.add_done_callback(lambda _: self.streams.release(caller))
         try:
             return future.result(timeout=max(timeout, 0.0))
@@ -261,6 +264,7 @@ class MemoryTransport(Transport):
             self.network.peers.pop(self.peer_id, None)
             for subscribers in self.network.topics.values():
                 subscribers.pop(self.peer_id, None)
+        self.workers.shutdown(wait=False, cancel_futures=True)
 
 
 def _flip_one_byte(data: bytes, net: MemoryNetwork) -> bytes:
