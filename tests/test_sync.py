@@ -1,6 +1,7 @@
 """One round of the sync protocol on the memory backend: 4 peers, 2 expert shards, replication 2."""
 
 import threading
+import time
 
 import pytest
 import torch
@@ -290,6 +291,29 @@ def test_different_start_weights_are_resynced_by_averaging_end_weights():
         assert results[peer].resynced
         torch.testing.assert_close(results[peer].new_weights["w1"], expected)
     assert torch.equal(results["p0"].new_weights["w1"], results["p2"].new_weights["w1"])
+
+
+def test_end_weights_for_a_resync_may_take_longer_than_the_round_deadline():
+    """A deadline sized for compressed updates cut off every fetch of whole end weights on slow uplinks,
+    and holders that had parted ways never came back together. Here each end-weights answer takes 1 s,
+    the round's deadline 0.3 s."""
+    _, engines = make_swarm("int8", deadline=0.3, peers=("p0", "p2"))
+    for engine in engines.values():
+        handler, limit = engine.transport.handlers[RPC_UPDATE]
+
+        def slow_ends(caller, request, handler=handler):
+            if UpdateRequest.decode(request).kind == "end":
+                time.sleep(1.0)
+            return handler(caller, request)
+
+        engine.transport.handlers[RPC_UPDATE] = (slow_ends, limit)
+    starts = {"p0": tensors(0)["experts/0"], "p2": tensors(9)["experts/0"]}  # p2 drifted
+    ends = {p: tensors(i + 20)["experts/0"] for i, p in enumerate(engines)}
+    results = exchange_concurrently(engines, 0, "experts/0", starts, ends, ["p0", "p2"])
+    expected = (100 * ends["p0"]["w1"] + 300 * ends["p2"]["w1"]) / 400
+    for peer in ("p0", "p2"):
+        assert results[peer].resynced
+        torch.testing.assert_close(results[peer].new_weights["w1"], expected)
 
 
 def test_dense_groups_are_bounded_and_consistent():

@@ -99,8 +99,11 @@ class UpdateFetcher:
         return dict(zip(owners, self.pool.map(ask, owners), strict=True))
 
     def ends(self, round_: int, unit: str, of: list[Contribution], deadline: Deadline) -> list[Contribution]:
-        """The end weights behind the given participants' updates (in parallel); those that came in time."""
-        cutoff = self._cutoff(deadline)
+        """The end weights behind the given participants' updates (in parallel); those that came in time.
+        Each may take a whole request's time (``sync.request_timeout``), even past the round's deadline: the
+        deadline is sized for compressed updates, and end weights are whole, uncompressed units; cut off by
+        it, holders that parted ways would never come back together."""
+        cutoff = Deadline(max(deadline.remaining(), self.cfg.request_timeout), self.abort)
         ends = self.pool.map(lambda c: self._end(round_, unit, c, cutoff), of)
         return [e for e in ends if e is not None]
 
