@@ -118,7 +118,7 @@ def joined():
     other.join()
     founder.transport.stats.bytes_sent = 12345
     progress = Progress(tokens_per_s=100.0, loss=3.5, val_loss=3.25, tokens=8192, dht_ops=37, dht_bytes=20480)
-    founder.member.report(2, progress)
+    founder.member.report(2, progress, 0)
     founder.member.heartbeat()
     work = founder.data.take()
     founder.data.record(work, 3, done=True)  # its dataset's one training shard, read to its end

@@ -10,7 +10,7 @@ from spes_p2p.net.transport import Entry, RemoteError
 from spes_p2p.net.wire import RecordError
 from spes_p2p.settings import Settings
 from spes_p2p.swarm.manifest import Manifest, ManifestError, ManifestRecord
-from spes_p2p.swarm.records import Announcement, Holding, PeerRecord, Progress, parse_peers
+from spes_p2p.swarm.records import Announcement, Holding, PeerRecord, Progress, ProgressRecord, parse_peers
 from spes_p2p.sync.codecs import CODECS
 from spes_p2p.sync.config import SyncConfig
 from spes_p2p.sync.engine import SyncEngine
@@ -31,8 +31,10 @@ def peer(**changes) -> dict:
         (PeerRecord, peer(holds={"experts/x": {}}), "matching regex"),
         (PeerRecord, peer(holds={"experts/0": {"since": 0, "until": "later"}}), "Expected `int | null`"),
         (PeerRecord, peer(round=-1), ">= 0"),
-        (PeerRecord, peer(progress={"loss": float("nan")}), "finite"),
-        (PeerRecord, peer(progress={"sent": -1}), ">= 0"),
+        (ProgressRecord, {"peer_id": "p", "progress": {"loss": float("nan")}}, "finite"),
+        (ProgressRecord, {"peer_id": "p", "progress": {"sent": -1}}, ">= 0"),
+        (ProgressRecord, {"peer_id": "p", "scores": {"q": 1.5}}, "<= 1"),
+        (PeerRecord, peer(progress={"loss": 2.5}), "unknown field"),  # (progress has a key of its own)
         (PeerRecord, peer(admin=True), "unknown field"),
         (PeerRecord, {"addresses": [], "holds": {}}, "missing required field `peer_id`"),
         (PeerRecord, peer(addresses=["a"] * 17), "length <= 16"),
@@ -56,9 +58,13 @@ def test_records_round_trip_and_oversized_or_foreign_bytes_are_refused(manifest_
         addresses=["/ip4/1.2.3.4/tcp/5/p2p/p"],
         holds={"dense/0": Holding(since=1), "experts/1": Holding(since=0, until=2)},
         round=3,
-        progress=Progress(loss=2.5, val_loss=2.75, tokens=4096, sent=10, received=20, rejected=1),
+        trained=True,
+        data_epoch=1,
     )
     assert PeerRecord.decode(record.encode()) == record and record.units == ["dense/0"]
+    progress = Progress(loss=2.5, val_loss=2.75, tokens=4096, sent=10, received=20, rejected=1)
+    shown = ProgressRecord(peer_id="p", round=3, progress=progress, scores={"q": 0.25})
+    assert ProgressRecord.decode(shown.encode()) == shown
     manifest = manifest_of(Settings())
     assert Manifest.decode(manifest.encode()) == manifest and manifest.record().hash == manifest.hash
     with pytest.raises(ManifestError, match="unknown field"):

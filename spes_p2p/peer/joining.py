@@ -71,7 +71,7 @@ def swarm_round(others: list) -> int:
 
 def is_training(view: SwarmView, me: str) -> bool:
     """Whether the others have finished a round (peers that start together all hold the seeded model)."""
-    return any(p.progress.loss is not None or p.round > 0 for p in others_of(view, me))
+    return any(p.trained or p.round > 0 for p in others_of(view, me))
 
 
 def at_round_boundary(member: SwarmMember, seconds: float) -> SwarmView:

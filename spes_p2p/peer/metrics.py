@@ -79,7 +79,6 @@ def progress(row: dict, last: Progress) -> Progress:
         loss=row["loss"],
         val_loss=row.get("val_loss", last.val_loss),
         tokens=row["tokens"],
-        data_epoch=row["data"]["epoch"],
         shards=row["data"]["shards_done"],
         dht_ops=row["dht_ops"],
         dht_bytes=row["dht_bytes"],

@@ -146,7 +146,7 @@ class Peer:
         mark("boundary")
         training = joining.is_training(view, self.me)
         if not checkpoint:  # (a newcomer starts in the oldest epoch the swarm still trains)
-            self.data.start_in([p.progress.data_epoch for p in view.peers.values() if p.peer_id != self.me])
+            self.data.start_in([p.data_epoch for p in view.peers.values() if p.peer_id != self.me])
         if training:
             self._catch_up(view)
             mark("caught_up")
@@ -155,7 +155,7 @@ class Peer:
             differ = {u: h for u, h in self.manifest.initial_units.items() if self.initial_units.get(u) != h}
             wait = self.sync.longest_wait()
             joining.download_initial_model(view, self.me, self.sync, self.local.write, wait, differ)
-        self.member.report(self.round, Progress())
+        self.member.report(self.round, Progress(), self.data.epoch)
         # in a swarm that is training, the others read their participants before we can claim: our first
         # round is not counted, we adopt its result
         self.member.join(first_round=self.round + 1 if training else self.round)
@@ -266,7 +266,7 @@ class Peer:
         every = self.settings.train.eval_every
         if crossed(self.round, self.settings.method.steps_per_round, every) and self.local.compute == "real":
             row["val_loss"] = self.local.evaluate()
-        self.member.report(self.round, progress(row, self.member.progress))
+        self.member.report(self.round, progress(row, self.member.progress), row["data"]["epoch"])
         # without overlap a new claim takes effect at once, before every other peer can see it: like a
         # newcomer's, its first round is not counted (it adopts the others' result)
         first = self.round + 1 if self.settings.method.overlap else self.round

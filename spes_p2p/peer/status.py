@@ -17,7 +17,7 @@ from spes_p2p.swarm.config import SwarmConfig
 from spes_p2p.swarm.datawork import epoch_progress
 from spes_p2p.swarm.manifest import Manifest, ManifestError
 from spes_p2p.swarm.member import read_view
-from spes_p2p.swarm.records import read_peers
+from spes_p2p.swarm.records import Progress, ProgressRecord, read_peers, read_progress
 
 INVITE_SECTIONS = ("swarm", "model", "method", "sync", "merge")
 
@@ -68,6 +68,8 @@ class SwarmReader:
 def swarm_summary(transport: Transport, run_id: str, manifest: Manifest) -> dict:
     """Peers (with how long ago each wrote its record), units and their holders against the target."""
     view = read_view(transport, run_id, manifest.units, manifest.hash)
+    shown = read_progress(transport, run_id)
+    progress = {p: shown[p].progress if p in shown else Progress() for p in view.peers}
     now, target = transport.now(), manifest.settings.get("swarm.target_replication", 1)
     experts = [u for u in manifest.units if u.startswith("experts/")]
     return {
@@ -80,15 +82,15 @@ def swarm_summary(transport: Transport, run_id: str, manifest: Manifest) -> dict
                 "peer_id": p.peer_id,
                 "units": p.units,
                 "round": p.round,
-                "tokens_per_s": p.progress.tokens_per_s,
-                "loss": p.progress.loss,
-                "val_loss": p.progress.val_loss,
-                "tokens": p.progress.tokens,
-                "bytes_sent": p.progress.sent,
-                "bytes_received": p.progress.received,
-                "rejected": p.progress.rejected,
-                "dht_ops": p.progress.dht_ops,  # of its last round
-                "dht_bytes": p.progress.dht_bytes,
+                "tokens_per_s": progress[p.peer_id].tokens_per_s,
+                "loss": progress[p.peer_id].loss,
+                "val_loss": progress[p.peer_id].val_loss,
+                "tokens": progress[p.peer_id].tokens,
+                "bytes_sent": progress[p.peer_id].sent,
+                "bytes_received": progress[p.peer_id].received,
+                "rejected": progress[p.peer_id].rejected,
+                "dht_ops": progress[p.peer_id].dht_ops,  # of its last round
+                "dht_bytes": progress[p.peer_id].dht_bytes,
                 "version": p.version,
                 "addresses": p.addresses,
                 "client_mode": p.client_mode,
@@ -97,31 +99,31 @@ def swarm_summary(transport: Transport, run_id: str, manifest: Manifest) -> dict
                 "banned": p.banned,  # peers this one has banned
                 "banned_by": sorted(q.peer_id for q in view.peers.values() if p.peer_id in q.banned),
                 # the median of the scores the peers that scored its contributions gave it (None: none did)
-                "score": _median_score(p.peer_id, view.peers.values()),
+                "score": _median_score(p.peer_id, [shown[q] for q in view.peers if q in shown]),
             }
             for p in sorted(view.peers.values(), key=lambda p: p.peer_id)
         ],
         "units": {u: sorted(h) for u, h in view.holders.items()},
-        "data": data_summary(transport, run_id, manifest, view),
+        "data": data_summary(transport, run_id, manifest, view, progress),
         "target_replication": target,
         "uncovered": view.uncovered(),
         "under_replicated": [u for u in experts if 0 < len(view.holders.get(u, ())) < target],
     }
 
 
-def data_summary(transport: Transport, run_id: str, manifest: Manifest, view) -> dict:
-    """The swarm's way through its dataset: tokens trained (by the live peers), the oldest epoch a live peer
-    trains, and that epoch's shards done, being trained and stalled."""
+def data_summary(transport: Transport, run_id: str, manifest: Manifest, view, progress: dict) -> dict:
+    """The swarm's way through its dataset: tokens trained (by the live peers: ``progress``, by peer), the
+    oldest epoch a live peer trains, and that epoch's shards done, being trained and stalled."""
     pin, peers = manifest.data, view.peers.values()
-    epoch = min((p.progress.data_epoch for p in peers), default=0)
+    epoch = min((p.data_epoch for p in peers), default=0)
     lease = SwarmConfig().record_ttl_seconds  # (a claim is live while its peer's record is, too)
     counts = epoch_progress(transport, run_id, pin.dataset, pin.train_shards, epoch, set(view.peers), lease)
-    return {"dataset": pin.dataset, "tokens": sum(p.progress.tokens for p in peers), **counts}
+    return {"dataset": pin.dataset, "tokens": sum(p.tokens for p in progress.values()), **counts}
 
 
-def _median_score(peer_id: str, peers) -> float | None:
+def _median_score(peer_id: str, shown: list[ProgressRecord]) -> float | None:
     """The median (lower) of the scores the peers that scored ``peer_id``'s contributions gave it."""
-    given = [q.scores[peer_id] for q in peers if peer_id in q.scores]
+    given = [q.scores[peer_id] for q in shown if peer_id in q.scores]
     return statistics.median_low(given) if given else None
 
 

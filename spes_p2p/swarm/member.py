@@ -38,8 +38,10 @@ from spes_p2p.swarm.records import (
     Holding,
     PeerRecord,
     Progress,
+    ProgressRecord,
     Record,
     peers_key,
+    progress_key,
     read_peers,
 )
 
@@ -259,6 +261,7 @@ class SwarmMember:
         self.epoch = 0  # the dense-block rotation epoch of this peer's claims
         self.round = 0
         self.progress = Progress()  # (its traffic and rejections are filled in when published)
+        self.data_epoch = 0
         self.reachable = "unknown"
         self.last_view = SwarmView({}, {u: set() for u in self.units})
         self.delivery = Delivery()  # of the units this peer does not train
@@ -328,10 +331,10 @@ class SwarmMember:
             self.since = {u: round_ for u in self.units}
         self.heartbeat()
 
-    def report(self, round_: int, progress: Progress) -> None:
-        """Progress for the next heartbeat."""
+    def report(self, round_: int, progress: Progress, data_epoch: int) -> None:
+        """Progress, and the epoch of the dataset this peer trains, for the next heartbeat."""
         with self._state:
-            self.round, self.progress = round_, progress
+            self.round, self.progress, self.data_epoch = round_, progress, data_epoch
 
     def set_reachable(self, verdict: str) -> None:
         """Whether peers could dial this one back (yes, no or unknown), for the next heartbeat."""
@@ -410,8 +413,12 @@ class SwarmMember:
             with self._state:
                 for unit in [u for u, last in self.ending.items() if self.round > last + ENDING_ROUNDS]:
                     del self.ending[unit]
-                record = self._peer_record("active", addresses)
-            self._publish([(peers_key(self.cfg.swarm.run_id), record)], self.cfg.swarm.record_ttl_seconds)
+                record, progress = self._peer_record("active", addresses), self._progress_record()
+            run_id = self.cfg.swarm.run_id
+            self._publish(
+                [(peers_key(run_id), record), (progress_key(run_id), progress)],
+                self.cfg.swarm.record_ttl_seconds,
+            )
             self._published = True
             if self.transport.now() >= self._manifest_due:
                 ttl = MANIFEST_TTLS * self.cfg.swarm.record_ttl_seconds
@@ -466,12 +473,8 @@ class SwarmMember:
             },
             epoch=self.epoch,
             round=self.round,
-            progress=msgspec.structs.replace(
-                self.progress,
-                sent=self.transport.stats.bytes_sent,
-                received=self.transport.stats.bytes_received,
-                rejected=self.transport.guard.total(),
-            ),
+            trained=self.progress.tokens > 0,
+            data_epoch=self.data_epoch,
             version=self.cfg.version,
             manifest=self.manifest.hash,
             state=state,
@@ -479,9 +482,22 @@ class SwarmMember:
             seen=self.transport.now(),
             capacity=self.cfg.peer.capacity + sum(u.startswith("experts/") for u in self.cfg.always_held),
             banned=self.transport.guard.banned()[:MAX_BANNED],
+            reachable=self.reachable,
+        )
+
+    def _progress_record(self) -> ProgressRecord:
+        traffic = self.transport.stats
+        return ProgressRecord(
+            peer_id=self.me,
+            round=self.round,
+            progress=msgspec.structs.replace(
+                self.progress,
+                sent=traffic.bytes_sent,
+                received=traffic.bytes_received,
+                rejected=self.transport.guard.total(),
+            ),
             scores={
                 p: round(s, 3)
                 for p, s in sorted(self.transport.guard.scores().items(), key=lambda kv: kv[1])[:MAX_SCORES]
             },
-            reachable=self.reachable,
         )

@@ -3,15 +3,18 @@
 Keys, all under the swarm's ``run_id``; every peer writes only its own entry under each key:
 
     <run_id>/manifest               ManifestRecord (swarm/manifest.py): the swarm's manifest, by hash
-    <run_id>/peers                  PeerRecord: addresses, units held (since, until), round, version,
-                                    progress (throughput, losses, traffic, rejections)
+    <run_id>/peers                  PeerRecord: what peers act on: addresses, units held (since, until),
+                                    round, data epoch, version, bans; read by every peer at its boundaries
+    <run_id>/progress               ProgressRecord: what only people look at (throughput, losses, traffic,
+                                    rejections, scores); read by ``spes status`` and the dashboard alone
     <run_id>/updates/<round>/<unit> Announcement: this peer's update of <unit> for <round> is ready
 
 Entries are msgpack, written and read as msgspec structs. Decoding is strict: a wrong type, a missing or
 unknown field, a value out of range, or oversized input is a ``RecordError``; readers skip the entry and
 report it to the transport's guard, which logs it once per peer and counts it. Entries expire unless
 refreshed by the heartbeat; a peer that leaves overwrites its peer record with a ``state = "left"``
-tombstone. A peer's claims live in its one peer record, so reading the swarm's whole state is one DHT read.
+tombstone. A peer's claims live in its one peer record, so reading the swarm's state is one DHT read; its
+progress figures live apart, so that the reads peers make at every round boundary do not carry them.
 """
 
 from __future__ import annotations
@@ -57,8 +60,8 @@ class Holding(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
 class Progress(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """What a peer reports of its training (rates and losses of its last round, totals since it started)
-    and of its traffic, for ``spes status`` and the dashboard. Nothing else reads it: a liar fools only the
-    page."""
+    and of its traffic, for ``spes status`` and the dashboard (``ProgressRecord``). No peer reads it: a liar
+    fools only the page."""
 
     tokens_per_s: Annotated[float, msgspec.Meta(ge=0)] = 0.0
     loss: float | None = None  # its last round's mean training loss
@@ -67,7 +70,6 @@ class Progress(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     sent: Count = 0  # bytes
     received: Count = 0
     rejected: Count = 0  # messages of other peers it refused (records, requests, payloads)
-    data_epoch: Count = 0  # the epoch of the dataset it trains (swarm/datawork.py)
     shards: Count = 0  # data shards it trained to their end, since it started
     dht_ops: Count = 0  # DHT reads and writes of its last round
     dht_bytes: Count = 0  # the value bytes they moved
@@ -85,7 +87,8 @@ class PeerRecord(Record):
     )
     epoch: Round = 0  # the dense-block rotation epoch of its claims
     round: Round = 0
-    progress: Progress = msgspec.field(default_factory=Progress)
+    trained: bool = False  # it has trained a round since it started (newcomers then download the model)
+    data_epoch: Count = 0  # the epoch of the dataset it trains (swarm/datawork.py)
     version: Short = ""
     manifest: Short = ""  # the hash of the swarm manifest this peer shares
     state: Literal["active", "left"] = "active"
@@ -94,10 +97,6 @@ class PeerRecord(Record):
     reachable: Literal["yes", "no", "unknown"] = "unknown"  # whether peers could dial it back
     banned: Annotated[list[Short], msgspec.Meta(max_length=MAX_BANNED)] = msgspec.field(default_factory=list)
     capacity: Annotated[int, msgspec.Meta(ge=0, le=MAX_UNITS)] = 1  # expert shards it may hold at once
-    # how the contributions of other peers fared with it (net/guard.py: Guard.score); shown, never acted on
-    scores: Annotated[dict[Short, Score], msgspec.Meta(max_length=MAX_SCORES)] = msgspec.field(
-        default_factory=dict
-    )
 
     def __post_init__(self) -> None:
         if not math.isfinite(self.seen):
@@ -107,6 +106,18 @@ class PeerRecord(Record):
     def units(self) -> list[str]:
         """The units it trains now (not those given up)."""
         return [u for u, h in self.holds.items() if h.until is None]
+
+
+class ProgressRecord(Record):
+    """A peer's progress, and how the contributions of other peers fared with it (``Guard.score``): shown,
+    never acted on."""
+
+    peer_id: Short
+    round: Round = 0
+    progress: Progress = msgspec.field(default_factory=Progress)
+    scores: Annotated[dict[Short, Score], msgspec.Meta(max_length=MAX_SCORES)] = msgspec.field(
+        default_factory=dict
+    )
 
 
 class Announcement(Record):
@@ -125,6 +136,10 @@ class Announcement(Record):
 
 def peers_key(run_id: str) -> str:
     return f"{run_id}/peers"
+
+
+def progress_key(run_id: str) -> str:
+    return f"{run_id}/progress"
 
 
 def updates_key(run_id: str, round_: int, unit: str) -> str:
@@ -154,6 +169,20 @@ def parse_peers(entries: dict, guard: Guard | None = None) -> dict[str, PeerReco
         elif record.state == "active":
             peers[peer_id] = record
     return peers
+
+
+def read_progress(transport: Transport, run_id: str) -> dict[str, ProgressRecord]:
+    """The swarm's valid progress records by peer id (one DHT read; a record must name its writer)."""
+    records = decode_entries(
+        transport.read(progress_key(run_id)), ProgressRecord, "progress", transport.guard
+    )
+    for peer_id, record in list(records.items()):
+        if record.peer_id != peer_id:
+            transport.guard.reject(
+                peer_id, "progress record", f"it names {record.peer_id}", counts_toward_ban=False
+            )
+            del records[peer_id]
+    return records
 
 
 def read_peers(transport: Transport, run_id: str) -> dict[str, PeerRecord]:
