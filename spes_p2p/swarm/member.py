@@ -54,7 +54,9 @@ ENDING_ROUNDS = 2  # rounds a former holder still announces a unit it gave up
 # The manifest record never changes, and counts only while its peer's record is live: it lives this many
 # record TTLs, and is refreshed once half of that has passed (not every heartbeat).
 MANIFEST_TTLS = 4
-LIVE_MAX_AGE = 1.0  # seconds a view answers "who is live?" before it is read again
+# seconds a view answers "who is live?", and serves a round boundary's claims, before it is read again
+# (records change at heartbeats: a view younger than one misses little; readers in that time cost one read)
+LIVE_MAX_AGE = 1.0
 
 
 def mismatch(transport: Transport, run_id: str, ours: Manifest, peer: str, theirs: manifests.ManifestRecord):
@@ -385,8 +387,9 @@ class SwarmMember:
         """Re-runs the claim policy (call at sync boundaries); returns the units given up. The claims take
         effect in ``first_round`` (default: the current round); the others count this peer's updates of a new
         unit from ``count_from`` on (default: ``first_round``; later when they may read their participants
-        before they see the claim)."""
-        view = self.view()
+        before they see the claim). The view is the boundary's (read under ``LIVE_MAX_AGE`` ago: by the check
+        whether this peer fell behind, just before)."""
+        view = self._recent_view()
         with self._state:
             first_round = self.round if first_round is None else first_round
             count_from = first_round if count_from is None else count_from
