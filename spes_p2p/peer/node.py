@@ -259,7 +259,7 @@ class Peer:
         self.landing.land(job)
         self.data.commit(job.metrics["data"]["trained"])  # (its windows now count as trained)
         self.round = job.round + 1
-        self._catch_up_if_behind()
+        view = self._catch_up_if_behind()
         row = self.metrics.row(job, self.local.step, self.local.tokens, self.sync.rejected_payloads)
         row.update(self.footprint.take())
         row["probe_seconds"] = self.local.probing_seconds()  # (screening; training paused meanwhile)
@@ -270,23 +270,24 @@ class Peer:
         # without overlap a new claim takes effect at once, before every other peer can see it: like a
         # newcomer's, its first round is not counted (it adopts the others' result)
         first = self.round + 1 if self.settings.method.overlap else self.round
-        self.member.rebalance(first_round=first, count_from=self.round + 1)
+        self.member.rebalance(first_round=first, count_from=self.round + 1, view=view)
         self.sync.forget_before(self.round, self.member.units_held)
         self._last_row = row
         self._write_outputs(row)
 
-    def _catch_up_if_behind(self) -> None:
-        """A peer more than ``staleness`` rounds behind the swarm cannot fetch the updates it needs any more
-        (peers keep them a few rounds): it downloads the current model and takes the swarm's round."""
+    def _catch_up_if_behind(self) -> SwarmView | None:
+        """The view read, when this peer is at most ``staleness`` rounds behind the swarm; else (it cannot
+        fetch the updates it needs: peers keep a few rounds) None: it took the swarm's model and round."""
         view = self.member.view()
         behind = joining.rounds_behind(view, self.me, self.round)
         if behind <= self.settings.sync.staleness:
-            return
+            return view
         logger.warning("%d rounds behind the swarm: downloading its model", behind)
         self._catch_up(view)
         self.member.start_at(self.round)
         self.local.at_round(self.round)
         self.landing.restart(self.local.units)  # this round's update is measured from the download
+        return None
 
     def _follow_claims(self) -> None:
         """At a round's start, the trainer and the served weights follow the claims of the last boundary."""

@@ -54,9 +54,7 @@ ENDING_ROUNDS = 2  # rounds a former holder still announces a unit it gave up
 # The manifest record never changes, and counts only while its peer's record is live: it lives this many
 # record TTLs, and is refreshed once half of that has passed (not every heartbeat).
 MANIFEST_TTLS = 4
-# seconds a view answers "who is live?", and serves a round boundary's claims, before it is read again
-# (records change at heartbeats: a view younger than one misses little; readers in that time cost one read)
-LIVE_MAX_AGE = 1.0
+LIVE_MAX_AGE = 1.0  # seconds a view answers "who is live?" before it is read again
 
 
 def mismatch(transport: Transport, run_id: str, ours: Manifest, peer: str, theirs: manifests.ManifestRecord):
@@ -383,13 +381,15 @@ class SwarmMember:
         with self._state:
             self.delivery.failing = holders
 
-    def rebalance(self, first_round: int | None = None, count_from: int | None = None) -> set[str]:
+    def rebalance(
+        self, first_round: int | None = None, count_from: int | None = None, view: SwarmView | None = None
+    ) -> set[str]:
         """Re-runs the claim policy (call at sync boundaries); returns the units given up. The claims take
         effect in ``first_round`` (default: the current round); the others count this peer's updates of a new
         unit from ``count_from`` on (default: ``first_round``; later when they may read their participants
-        before they see the claim). The view is the boundary's (read under ``LIVE_MAX_AGE`` ago: by the check
-        whether this peer fell behind, just before)."""
-        view = self._recent_view()
+        before they see the claim). ``view``: the swarm as the caller read it just before (default: read
+        now), so that a round boundary reads the swarm's records once."""
+        view = view or self.view()
         with self._state:
             first_round = self.round if first_round is None else first_round
             count_from = first_round if count_from is None else count_from
@@ -416,7 +416,8 @@ class SwarmMember:
             with self._state:
                 for unit in [u for u, last in self.ending.items() if self.round > last + ENDING_ROUNDS]:
                     del self.ending[unit]
-                record, progress = self._peer_record("active", addresses), self._progress_record()
+                record = self._peer_record("active", addresses)
+                progress = progress_record(self.transport, self.round, self.progress)
             run_id = self.cfg.swarm.run_id
             self._publish(
                 [(peers_key(run_id), record), (progress_key(run_id), progress)],
@@ -488,19 +489,15 @@ class SwarmMember:
             reachable=self.reachable,
         )
 
-    def _progress_record(self) -> ProgressRecord:
-        traffic = self.transport.stats
-        return ProgressRecord(
-            peer_id=self.me,
-            round=self.round,
-            progress=msgspec.structs.replace(
-                self.progress,
-                sent=traffic.bytes_sent,
-                received=traffic.bytes_received,
-                rejected=self.transport.guard.total(),
-            ),
-            scores={
-                p: round(s, 3)
-                for p, s in sorted(self.transport.guard.scores().items(), key=lambda kv: kv[1])[:MAX_SCORES]
-            },
-        )
+
+def progress_record(transport: Transport, round_: int, progress: Progress) -> ProgressRecord:
+    """What a peer shows of itself: ``progress`` with its traffic and refusals, and its scores of others."""
+    traffic, guard = transport.stats, transport.guard
+    return ProgressRecord(
+        peer_id=transport.peer_id,
+        round=round_,
+        progress=msgspec.structs.replace(
+            progress, sent=traffic.bytes_sent, received=traffic.bytes_received, rejected=guard.total()
+        ),
+        scores={p: round(s, 3) for p, s in sorted(guard.scores().items(), key=lambda kv: kv[1])[:MAX_SCORES]},
+    )
