@@ -54,7 +54,6 @@ ENDING_ROUNDS = 2  # rounds a former holder still announces a unit it gave up
 # The manifest record never changes, and counts only while its peer's record is live: it lives this many
 # record TTLs, and is refreshed once half of that has passed (not every heartbeat).
 MANIFEST_TTLS = 4
-LIVE_MAX_AGE = 1.0  # seconds a view answers "who is live?" before it is read again
 
 
 def mismatch(transport: Transport, run_id: str, ours: Manifest, peer: str, theirs: manifests.ManifestRecord):
@@ -342,8 +341,9 @@ class SwarmMember:
             self.reachable = verdict
 
     def live_peers(self) -> set[str]:
-        """The peers of the last view, when it is under ``LIVE_MAX_AGE`` seconds old; else a new view's.
-        (Waits check liveness often, from several threads: one read serves them all.)"""
+        """The peers of the last view, when it was read within a heartbeat (``swarm.heartbeat_seconds``: the
+        records change no faster, but for a leave's tombstone); else a new view's. (Waits check liveness
+        often, from several threads: one read a heartbeat serves them all.)"""
         return set(self._recent_view().peers)
 
     def participants(self, unit: str, round_: int) -> set[str]:
@@ -353,7 +353,7 @@ class SwarmMember:
         return self._recent_view().participants(unit, round_)
 
     def _recent_view(self) -> SwarmView:
-        if time.monotonic() - self._viewed_at > LIVE_MAX_AGE:
+        if time.monotonic() - self._viewed_at > self.cfg.swarm.heartbeat_seconds:
             self.view()
         return self.last_view
 

@@ -148,41 +148,31 @@ def updates_key(run_id: str, round_: int, unit: str) -> str:
 
 def decode_entries(entries: dict, cls: type[R], what: str, guard: Guard | None = None) -> dict[str, R]:
     """Valid records by the peer id that wrote them; invalid ones are skipped, and reported to ``guard``
-    (which logs each kind once per peer and counts it)."""
+    (which logs each kind once per peer and counts it). A record that names a peer must name its writer."""
     guard = guard or Guard()
     valid = {}
     for peer_id, entry in entries.items():
         try:
-            valid[peer_id] = cls.decode(entry.value)
+            record = cls.decode(entry.value)
         except RecordError as exc:
             guard.reject(peer_id, f"{what} record", str(exc), counts_toward_ban=False)
+            continue
+        if getattr(record, "peer_id", peer_id) != peer_id:
+            guard.reject(peer_id, f"{what} record", f"it names {record.peer_id}", counts_toward_ban=False)
+        else:
+            valid[peer_id] = record
     return valid
 
 
 def parse_peers(entries: dict, guard: Guard | None = None) -> dict[str, PeerRecord]:
-    """Valid, active peer records by peer id; a record must name the peer that wrote it."""
-    guard = guard or Guard()
-    peers = {}
-    for peer_id, record in decode_entries(entries, PeerRecord, "peer", guard).items():
-        if record.peer_id != peer_id:
-            guard.reject(peer_id, "peer record", f"it names {record.peer_id}", counts_toward_ban=False)
-        elif record.state == "active":
-            peers[peer_id] = record
-    return peers
+    """Valid, active peer records by peer id."""
+    records = decode_entries(entries, PeerRecord, "peer", guard)
+    return {peer_id: record for peer_id, record in records.items() if record.state == "active"}
 
 
 def read_progress(transport: Transport, run_id: str) -> dict[str, ProgressRecord]:
-    """The swarm's valid progress records by peer id (one DHT read; a record must name its writer)."""
-    records = decode_entries(
-        transport.read(progress_key(run_id)), ProgressRecord, "progress", transport.guard
-    )
-    for peer_id, record in list(records.items()):
-        if record.peer_id != peer_id:
-            transport.guard.reject(
-                peer_id, "progress record", f"it names {record.peer_id}", counts_toward_ban=False
-            )
-            del records[peer_id]
-    return records
+    """The swarm's valid progress records by peer id (one DHT read)."""
+    return decode_entries(transport.read(progress_key(run_id)), ProgressRecord, "progress", transport.guard)
 
 
 def read_peers(transport: Transport, run_id: str) -> dict[str, PeerRecord]:
