@@ -23,7 +23,7 @@ class AllToAll(Exchange):
         elif job.counted:
             own = self._post(job)
         self.ledger.opened(job.round, job.unit, job.participants)
-        deadline = self.gatherer.round_deadline()
+        deadline = self.gatherer.round_deadline(job.unit)
         gathered = self.gatherer.gather(job.round, job.unit, job.others(self.me), deadline)
         late = self.gatherer.late_updates(job, deadline)
         result, decision = self.settle(job, own, gathered, late)

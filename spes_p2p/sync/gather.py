@@ -91,18 +91,29 @@ class Gatherer:
         self.fetcher, self.ledger, self.abort = fetcher, ledger, abort
         self.roster = roster  # no round waits for peers that left, or that came back for later rounds only
         self.gossip = Gossip(transport, run_id)
-        self.deadline = AdaptiveDeadline(cfg.deadline_min, cfg.deadline_max)
+        # one per unit: units differ in size and in who exchanges them (a dense block's reduce-scatter pieces
+        # come in a fraction of an expert shard's whole updates' time)
+        self.deadlines: dict[str, AdaptiveDeadline] = {}
         self._received: list = []  # the decoded updates (or pieces) of the unit's round in progress
         # (round, unit) -> when the DHT's announcements were last read, and what they were
         self._read: dict[tuple[int, str], tuple[float, dict[str, Announcement]]] = {}
         self._lock = threading.Lock()
 
-    def round_deadline(self) -> Deadline:
-        """A deadline for one wait of a round, as long as the adaptive deadline says now."""
-        return Deadline(self.deadline_seconds(), self.abort)
+    def round_deadline(self, unit: str) -> Deadline:
+        """A deadline for one wait of a round of ``unit``, as long as its adaptive deadline says now."""
+        return Deadline(self.deadline_seconds(unit), self.abort)
 
-    def deadline_seconds(self) -> float:
-        return self.deadline.seconds()
+    def deadline_seconds(self, unit: str | None = None) -> float:
+        """``unit``'s adaptive deadline now; without one, the longest of the units' (for refreshes)."""
+        if unit is not None:
+            return self._deadline(unit).seconds()
+        return max((d.seconds() for d in list(self.deadlines.values())), default=self.cfg.deadline_max)
+
+    def _deadline(self, unit: str) -> AdaptiveDeadline:
+        with self._lock:
+            return self.deadlines.setdefault(
+                unit, AdaptiveDeadline(self.cfg.deadline_min, self.cfg.deadline_max)
+            )
 
     def held(self) -> list:
         """The updates received for the unit's round in progress (``peer.footprint``)."""
@@ -189,9 +200,9 @@ class Gatherer:
             logger.info("round %d %s: deadline passed without %s", round_, unit, sorted(waiting))
         self._received.extend(r.contribution.tensors for r in got.values())
         if waiting - announcing:  # cut off while still training: this peer ran ahead, and waits longer next
-            self.deadline.observe(time.monotonic() - started)  # round to fall back into step
+            self._deadline(unit).observe(time.monotonic() - started)  # round to fall back into step
         elif got:
-            self.deadline.observe(last_answer - started)
+            self._deadline(unit).observe(last_answer - started)
         missing = set(others) - set(got) - refused
         self.ledger.attend(round_, others, set(got), missing, announcing)
         return Gathered([got[p] for p in sorted(got)], sorted(missing), sorted(refused))

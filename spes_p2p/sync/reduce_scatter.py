@@ -80,7 +80,7 @@ class ReduceScatter(Exchange):
         mine = group.index(self.me)
         if job.counted and not job.diverged:
             split.pieces = self._post_pieces(job, split)
-        deadline = self.gatherer.round_deadline()
+        deadline = self.gatherer.round_deadline(job.unit)
         gathered = self.gatherer.gather(job.round, unit, job.others(self.me), deadline, (mine, len(group)))
         own = split.own(self.me, job.round, mine)
         result, decision = self.settle(job, own, gathered, [])
@@ -97,7 +97,7 @@ class ReduceScatter(Exchange):
     def _follow(self, job: UnitJob, split: _Split) -> UnitResult:
         """Not a member: the group's combined parts applied to our start weights when they are the group's,
         or (they are not) the members' end weights averaged."""
-        deadline = self.gatherer.round_deadline()
+        deadline = self.gatherer.round_deadline(job.unit)
 
         def bases() -> dict | None:  # (from the members that still take part)
             announced = self.gatherer.announcements(job.round, job.unit)
@@ -169,7 +169,7 @@ class ReduceScatter(Exchange):
         group, parts = job.participants, len(split.bounds)
         pending = set(range(parts)) - set(got)
         fallback = {j for j in pending if not self.ledger.waited_for(group[j])}
-        deadline = self.gatherer.round_deadline()
+        deadline = self.gatherer.round_deadline(job.unit)
 
         def one_pass() -> bool | None:
             announced = self.gatherer.announcements(job.round, job.unit)
@@ -230,7 +230,7 @@ class ReduceScatter(Exchange):
         with no reference of its own, and agrees."""
         others = [p for p in job.participants if p != self.me]
         where = (part, len(split.bounds))
-        deadline = deadline or self.gatherer.round_deadline()
+        deadline = deadline or self.gatherer.round_deadline(job.unit)
         contributions = self.gatherer.pieces(job.round, job.unit, others, job.base, where, deadline)
         own = split.own(self.me, job.round, part)
         pieces = contributions + ([own] if own else [])
