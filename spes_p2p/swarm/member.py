@@ -389,7 +389,7 @@ class SwarmMember:
         unit from ``count_from`` on (default: ``first_round``; later when they may read their participants
         before they see the claim). ``view``: the swarm as the caller read it just before (default: read
         now), so that a round boundary reads the swarm's records once."""
-        view = view or self.view()
+        view = self.view() if view is None else view
         with self._state:
             first_round = self.round if first_round is None else first_round
             count_from = first_round if count_from is None else count_from

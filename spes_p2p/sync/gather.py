@@ -93,7 +93,7 @@ class Gatherer:
         self.gossip = Gossip(transport, run_id)
         # one per unit: units differ in size and in who exchanges them (a dense block's reduce-scatter pieces
         # come in a fraction of an expert shard's whole updates' time)
-        self.deadlines: dict[str, AdaptiveDeadline] = {}
+        self._deadlines: dict[str, AdaptiveDeadline] = {}
         self._received: list = []  # the decoded updates (or pieces) of the unit's round in progress
         # (round, unit) -> when the DHT's announcements were last read, and what they were
         self._read: dict[tuple[int, str], tuple[float, dict[str, Announcement]]] = {}
@@ -107,11 +107,13 @@ class Gatherer:
         """``unit``'s adaptive deadline now; without one, the longest of the units' (for refreshes)."""
         if unit is not None:
             return self._deadline(unit).seconds()
-        return max((d.seconds() for d in list(self.deadlines.values())), default=self.cfg.deadline_max)
+        with self._lock:
+            known = list(self._deadlines.values())
+        return max((d.seconds() for d in known), default=self.cfg.deadline_max)
 
     def _deadline(self, unit: str) -> AdaptiveDeadline:
         with self._lock:
-            return self.deadlines.setdefault(
+            return self._deadlines.setdefault(
                 unit, AdaptiveDeadline(self.cfg.deadline_min, self.cfg.deadline_max)
             )
 
