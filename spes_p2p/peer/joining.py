@@ -36,7 +36,7 @@ def wait_for_peers(member: SwarmMember, count: int, timeout: float, stop: thread
     """Waits (bounded) for ``count`` peers in the swarm, so a local swarm starts its rounds together."""
 
     def enough() -> bool | None:
-        return len(member.view().peers) >= count or None
+        return len(member.recent_view().peers) >= count or None
 
     poll(enough, Deadline(timeout, stop), POLL_SECONDS)
     return len(member.last_view.peers)
@@ -53,7 +53,7 @@ def wait_for_round(member: SwarmMember, round_: int, timeout: float, stop: threa
     """Waits (bounded) until the swarm has reached ``round_``, before joining it."""
 
     def reached() -> bool | None:
-        view = member.view()
+        view = member.recent_view()
         return swarm_round(others_of(view, member.me)) >= round_ or None
 
     return bool(poll(reached, Deadline(timeout, stop), POLL_SECONDS))
@@ -84,7 +84,7 @@ def at_round_boundary(member: SwarmMember, seconds: float) -> SwarmView:
     current = swarm_round(others)
 
     def landed() -> SwarmView | None:
-        fresh = member.view()
+        fresh = member.recent_view()
         return fresh if swarm_round(others_of(fresh, me)) > current else None
 
     return poll(landed, Deadline(seconds), POLL_SECONDS) or member.last_view

@@ -192,7 +192,7 @@ class Peer:
         so nobody misses this peer's final update or weights."""
 
         def everyone_landed() -> bool | None:
-            return all(p.round >= self.round for p in self.member.view().peers.values()) or None
+            return all(p.round >= self.round for p in self.member.recent_view().peers.values()) or None
 
         return bool(poll(everyone_landed, Deadline(timeout), POLL_SECONDS))
 

@@ -341,18 +341,20 @@ class SwarmMember:
             self.reachable = verdict
 
     def live_peers(self) -> set[str]:
-        """The peers of the last view, when it was read within a heartbeat (``swarm.heartbeat_seconds``: the
-        records change no faster, but for a leave's tombstone); else a new view's. (Waits check liveness
-        often, from several threads: one read a heartbeat serves them all.)"""
-        return set(self._recent_view().peers)
+        """The peers of ``recent_view`` (waits check liveness often, from several threads: one read a
+        heartbeat serves them all; the records change no faster, but for a leave's tombstone)."""
+        return set(self.recent_view().peers)
 
     def participants(self, unit: str, round_: int) -> set[str]:
         """Who takes part in ``unit``'s round ``round_`` as the swarm's records say now (a view as recent as
         ``live_peers``'s): a peer that left does not, nor one that came back holding the unit only from a
         later round (a restart, which will never deliver that round's update)."""
-        return self._recent_view().participants(unit, round_)
+        return self.recent_view().participants(unit, round_)
 
-    def _recent_view(self) -> SwarmView:
+    def recent_view(self) -> SwarmView:
+        """The last view, when it was read within a heartbeat, else a new one: for waits that poll the
+        swarm's records (they change no faster than heartbeats; a read each poll, by hundreds of peers
+        that wait together, would cost every one of them a read of every record several times a second)."""
         if time.monotonic() - self._viewed_at > self.cfg.swarm.heartbeat_seconds:
             self.view()
         return self.last_view
