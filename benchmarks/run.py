@@ -14,6 +14,9 @@ Sections (each a function below; all figures are measured in this run):
             4 peers, equal total tokens
   scale     round time, sync wait and DHT latency for 4 to 32 peer processes with virtual compute (a step
             sleeps; updates are synthetic, of the model's real shapes), groups of 4 holders per unit
+  records   the swarm's DHT records as it grows, 4 to 256 peers in one process (the memory backend, which
+            counts the bytes each key serves exactly; virtual compute, a model of about 100k parameters):
+            reads, writes and bytes per peer and round, the busiest key's bytes served a round, CPU time
   backends  hivemind and libp2p side by side: start and join time, DHT write and read latency, stream
             throughput (benchmarks/backends.py), and the round time of the same 4-peer swarm on each
   wan       the share of wall time waiting on the sync when each peer sits in its own network namespace
@@ -58,6 +61,7 @@ MODES = {
         "loss": {"rounds": 6, "steps": 10},
         "sync": {"rounds": 4, "steps": 10},
         "scale": {"peers": [4, 8], "rounds": 3, "steps": 10},
+        "records": {"peers": [4, 16], "rounds": 3},
         "wan": {"peers": 4, "rounds": 3},
         "catch_up": {"rounds": 5},
         "backends": {"rounds": 4, "steps": 10},
@@ -74,6 +78,7 @@ MODES = {
         "loss": {"rounds": 24, "steps": 20},
         "sync": {"rounds": 8, "steps": 20},
         "scale": {"peers": [4, 8, 16, 32], "rounds": 6, "steps": 20},
+        "records": {"peers": [4, 16, 64, 256], "rounds": 3},
         "wan": {"peers": 4, "rounds": 8},
         "catch_up": {"rounds": 5},
         "backends": {"rounds": 8, "steps": 20},
@@ -88,6 +93,7 @@ SECTIONS = (
     "sync",
     "loss",
     "scale",
+    "records",
     "wan",
     "backends",
     "codec_bytes",
@@ -105,6 +111,19 @@ SCALE_SWARM = {
     "swarm.join_timeout_seconds": 120.0,
 }
 SCALE_GROUP = 4  # holders of each expert shard, and peers averaging each dense block together
+# records: a model's expert shards do not grow with the swarm, their holders do (8 shards, 64 experts of a
+# model small enough that hundreds of peers fit in one process); rounds of 5 steps of 0.2 s
+RECORDS_MODEL = {
+    "vocab_size": 1024,
+    "d_model": 16,
+    "n_layers": 1,
+    "n_heads": 2,
+    "n_experts": 64,
+    "top_k": 2,
+    "expert_dim": 16,
+    "max_seq_len": 256,
+}
+RECORDS_SHARDS, RECORDS_STEPS, RECORDS_STEP_SECONDS = 8, 5, 0.2
 # wan: a round's compute as a GPU would take it: H = 100 steps of the tiny preset at 20 ms a step (an
 # estimate: its 1,024-token step is a few GFLOPs, so kernel launches, not FLOPs, set its time on a GPU)
 WAN_STEPS, WAN_STEP_SECONDS, WAN_BANDWIDTH = 100, 0.02, "50mbit"
@@ -529,6 +548,60 @@ def bench_scale(out: Path, peers: list[int], rounds: int, steps: int) -> list[di
     return rows
 
 
+def bench_records(out: Path, peers: list[int], rounds: int) -> list[dict]:
+    """Every peer on a thread of this process: the memory backend counts what each key serves. Heartbeats
+    at a swarm's default (5 s). A round's records cost grows with its length (heartbeats), and the rounds
+    here grow with the swarm, as its peers share two cores: per second is given beside per round."""
+    rows = []
+    for n in peers:
+        before = resource.getrusage(resource.RUSAGE_SELF)
+        sim = simulate(
+            out,
+            f"records-{n}",
+            "memory",
+            n,
+            rounds,
+            RECORDS_STEPS,
+            {
+                "sim.compute": f"virtual={RECORDS_STEP_SECONDS}",
+                "model.config_json": json.dumps(RECORDS_MODEL),
+                "model.shards": RECORDS_SHARDS,
+                "sync.dense_group_size": SCALE_GROUP,
+                **SCALE_SWARM,
+            },
+        )
+        after = resource.getrusage(resource.RUSAGE_SELF)
+        cpu = after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime
+        summary, dht = sim["summary"], sim["summary"]["dht"]
+        times = _round_times(sim)
+        served = dht["served_bytes_per_round"]
+        busiest = max(served, key=served.get) if served else None
+        rows.append(
+            {
+                "peers": n,
+                **times,
+                "dht_ops_per_peer_round": dht["ops_per_peer_round"],
+                "dht_bytes_per_peer_round": dht["bytes_per_peer_round"],
+                "dht_bytes_per_peer_second": dht["bytes_per_peer_round"] / times["round_seconds"]
+                if times["round_seconds"]
+                else None,
+                "busiest_key": busiest,
+                "busiest_key_bytes_per_round": served.get(busiest),
+                "by_kind": dht["by_kind"],
+                "cpu_seconds_per_peer_round": cpu / max(1, n * summary["rounds_completed"]),
+                "rss_bytes": max(r.get("rss_bytes", 0) for rs in sim["rows"].values() for r in rs),
+                "seconds": sim["seconds"],
+                "rounds": summary["rounds_completed"],
+                "uncovered": summary["uncovered_unit_rounds"],
+                "resynced_peer_rounds": sum(p["resynced_rounds"] for p in summary["peers"]),
+                "rejected_payloads": summary["rejected_payloads"],
+                "failures": summary["failures"],
+            }
+        )
+        print(f"records {rows[-1]}", flush=True)
+    return rows
+
+
 def bench_wan(out: Path, peers: int, rounds: int) -> dict:
     """Each peer in its own namespace behind a ``WAN_BANDWIDTH`` link; the last peer of the second run
     behind NAT. Rounds of ``WAN_STEPS`` steps with a GPU's compute (virtual)."""
@@ -747,6 +820,12 @@ def headline(results: dict) -> dict:
         figures["sync_wait_fraction"] = results["sync"]["overlap"]["sync_wait_fraction"]
     if _measured(results, "catch_up"):
         figures["catch_up_ratio_4_holders_vs_1"] = results["catch_up"]["ratio"]
+    records = {r["peers"]: r for r in results.get("records", []) if not r["failures"]}
+    if 16 in records and max(records) > 16:
+        largest, base = records[max(records)], records[16]
+        figures[f"dht_bytes_ratio_{largest['peers']}_vs_16_peers"] = (
+            largest["dht_bytes_per_peer_round"] / base["dht_bytes_per_peer_round"]
+        )
     figures.update(compression.headline(results, _measured))
     return figures
 
@@ -793,6 +872,28 @@ def tables(results: dict) -> str:
         times = (f"{r[k]:.2f}" for k in ("round_seconds", "compute_seconds", "sync_wait_seconds"))
         ratio = r["round_seconds"] / scale[0]["round_seconds"]
         out.append(row(r["peers"], *times, f"{r['dht_ms']:.1f}", f"{ratio:.2f}x"))
+    records = results.get("records", [])
+    heads = ("round s", "DHT ops", "DHT KiB", "KiB/s", "busiest key", "its MiB/round", "CPU s", "vs 16 peers")
+    out += ["", row("records: peers", *heads), row(*["---"] * 9)] if records else []
+    base = next((r for r in records if r["peers"] == 16 and not r["failures"]), None)
+    for r in records:
+        if r["failures"] or r["round_seconds"] is None:
+            out.append(row(r["peers"], "failed:", "; ".join(r["failures"]).replace("|", "/"), *[""] * 6))
+            continue
+        ratio = f"{r['dht_bytes_per_peer_round'] / base['dht_bytes_per_peer_round']:.2f}x" if base else ""
+        out.append(
+            row(
+                r["peers"],
+                f"{r['round_seconds']:.1f}",
+                f"{r['dht_ops_per_peer_round']:.0f}",
+                f"{r['dht_bytes_per_peer_round'] / 1024:.1f}",
+                f"{r['dht_bytes_per_peer_second'] / 1024:.2f}",
+                r["busiest_key"],
+                f"{r['busiest_key_bytes_per_round'] / 2**20:.2f}",
+                f"{r['cpu_seconds_per_peer_round']:.2f}",
+                ratio,
+            )
+        )
     wan = results.get("wan")
     if wan:
         heads = ("sync-wait share", "with the last round", "round s", "sync wait s")
@@ -984,6 +1085,7 @@ def main() -> int:
         "sync": lambda: bench_sync(args.out, **mode["sync"]),
         "loss": lambda: bench_loss(args.out, **mode["loss"]),
         "scale": lambda: bench_scale(args.out, **mode["scale"]),
+        "records": lambda: bench_records(args.out, **mode["records"]),
         "wan": lambda: bench_wan(args.out, **mode["wan"]),
         "backends": lambda: bench_backends(args.out, **mode["backends"]),
         "codec_bytes": lambda: bench_codec_bytes(["int8", "sparseloco"], results),

@@ -128,7 +128,7 @@ class SimConfig(Section):
 
     def validate(self) -> None:
         check(self.peers >= 1, "peers", "must be at least 1")
-        total = self.peers + sum(j.count for j in self.join_events)
+        total = self.total_peers
         for kill in self.kill_events:
             check(kill.count == SOLE or 0 <= kill.count < total, "kills", f"name no peer {kill.count}")
         self.partition_events  # noqa: B018 - parsed here so that a bad one is refused up front
@@ -219,6 +219,11 @@ class SimConfig(Section):
     @property
     def kill_events(self) -> list[Event]:
         return sorted((_event(k, "kills", sole=True) for k in self.kills), key=lambda e: e.round)
+
+    @property
+    def total_peers(self) -> int:
+        """The founders and every newcomer."""
+        return self.peers + sum(j.count for j in self.join_events)
 
     @property
     def join_events(self) -> list[Event]:

@@ -27,6 +27,11 @@ logger = logging.getLogger(__name__)
 # many peers share a few cores: one math thread each leaves CPU for their p2p daemons and DHT processes
 SINGLE_THREADED = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
 STARTUP_SECONDS = 120.0  # a process's start, its model and its data
+ROUND_BUDGET_SECONDS = 120.0  # a generous bound on one round, for a simulation's overall deadline
+# the memory backend runs every peer in one process, whose sync work (coding, hashing, quantized copies:
+# about 2.5 CPU-seconds a round even for a model of a few thousand parameters) the interpreter's lock
+# serializes: past this many peers, a round's budget grows with them
+MEMORY_PEERS_PER_BUDGET = 32
 GONE_SECONDS = 10.0  # after the run, how long the processes of killed and stopped peers may take to vanish
 
 
@@ -132,6 +137,11 @@ class Fleet(ABC):
         """Raises a SpesError naming what this machine lacks to run the fleet."""
         return
 
+    @staticmethod
+    def budget_seconds(settings: Settings) -> float:
+        """A bound on the whole simulation, past which it counts as hung."""
+        return STARTUP_SECONDS + settings.run.rounds * ROUND_BUDGET_SECONDS
+
 
 def _round_of(folder: Path) -> int:
     rows = read_rows(folder)
@@ -177,6 +187,10 @@ class MemoryFleet(Fleet):
         self.lives: dict[int, Life] = {}  # peer -> its current life
         self.history: list[tuple[int, Life]] = []  # every life, killed ones too
         self.errors: list[str] = []
+
+    @staticmethod
+    def budget_seconds(settings: Settings) -> float:
+        return Fleet.budget_seconds(settings) * max(1.0, settings.sim.total_peers / MEMORY_PEERS_PER_BUDGET)
 
     def start(self, index: int, join_round: int | None = None, resume: bool = False) -> None:
         settings = self.peer_settings(index, join_round, {"run.resume": resume})

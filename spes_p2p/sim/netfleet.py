@@ -26,9 +26,8 @@ class NetnsFleet(ProcessFleet):
         sim = settings.sim
         self.check_machine(settings)
         super().__init__(settings)
-        total = sim.peers + sum(j.count for j in sim.join_events)
         natted = frozenset(range(sim.peers - sim.nat, sim.peers))
-        self.namespaces = Namespaces(Layout(new_tag(), total, natted, sim.bandwidth))
+        self.namespaces = Namespaces(Layout(new_tag(), sim.total_peers, natted, sim.bandwidth))
         self.namespaces.create()
 
     def _command(self, index: int, config: Path) -> list[str]:

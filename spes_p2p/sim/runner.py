@@ -30,14 +30,13 @@ from spes_p2p.files import writable_folder
 from spes_p2p.settings import Settings, load_settings
 from spes_p2p.sim.config import LOCAL_SWARM_DEFAULTS, name_of
 from spes_p2p.sim.director import Director
-from spes_p2p.sim.fleets import STARTUP_SECONDS, Fleet, MemoryFleet, ProcessFleet
+from spes_p2p.sim.fleets import Fleet, MemoryFleet, ProcessFleet
 from spes_p2p.sim.netfleet import NetnsFleet
 from spes_p2p.sim.summary import plot_losses, summarize
 
 logger = logging.getLogger(__name__)
 
 POLL_SECONDS = 0.2
-ROUND_BUDGET_SECONDS = 120.0  # a generous bound on one round, for the overall deadline
 
 
 # ---------------------------------------------------------------------------------------------- the run
@@ -63,7 +62,7 @@ def _run(settings: Settings, on_tick: Callable[[dict], None] | None) -> dict:
     fleet = fleet_class(settings)
     director = Director(settings, fleet)
     started = time.monotonic()
-    deadline = started + STARTUP_SECONDS + settings.run.rounds * ROUND_BUDGET_SECONDS
+    deadline = started + fleet_class.budget_seconds(settings)
     try:
         director.start()
         while not fleet.finished():
