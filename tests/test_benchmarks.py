@@ -125,3 +125,24 @@ def test_the_loss_table_reports_what_went_wrong_in_honest_swarms(tmp_path):
     results = {"codec_loss": {"short": curves, "screening": {"short/spes int8/0": seen}}}
     table = "\n".join(bench.compression.codec_tables(results, lambda *c: "| " + " | ".join(c) + " |", str))
     assert "| spes int8 | 200 | 3.500 (3.500 to 3.500) | 2, 1, 1, 2 |" in table
+
+
+def test_the_records_table_compares_each_swarm_with_sixteen_peers_and_names_a_failed_one():
+    def row(peers, per_round, failures=()):
+        return {
+            "peers": peers,
+            "round_seconds": 2.0,
+            "dht_ops_per_peer_round": 10,
+            "dht_bytes_per_peer_round": per_round,
+            "dht_bytes_per_peer_second": per_round / 2,
+            "busiest_key": "sim/peers",
+            "busiest_key_bytes_per_round": peers * per_round,
+            "cpu_seconds_per_peer_round": 0.5,
+            "failures": list(failures),
+        }
+
+    results = {"records": [row(16, 2048), row(64, 6144), row(256, 0, ["peer3 exited with 1"])]}
+    table = bench.tables(results)
+    assert "| 64 | 2.0 | 10 | 6.0 | 3.00 | sim/peers | 0.38 | 0.50 | 3.00x |" in table
+    assert "| 256 | failed: | peer3 exited with 1 |" in table
+    assert bench.headline(results)["dht_bytes_ratio_64_vs_16_peers"] == 3.0

@@ -178,9 +178,8 @@ class Peer:
             raise CheckpointError("--resume needs --out: the run folder that holds the checkpoints")
         checkpoint = self.outputs.resume(self.manifest.hash)
         self.local.restore(checkpoint)
-        self.round = checkpoint.meta["round"]
+        self.round, self.resumed_from = checkpoint.meta["round"], checkpoint.path
         logger.info("resumed from %s at round %d", checkpoint.path, self.round)
-        self.resumed_from = checkpoint.path
         return checkpoint
 
     def _catch_up(self, view: SwarmView) -> None:

@@ -69,6 +69,22 @@ def mismatch(transport: Transport, run_id: str, ours: Manifest, peer: str, their
     return SwarmMismatch(f"this peer's settings differ from swarm {run_id!r} (peer {peer}): {detail}")
 
 
+def check_manifest(transport: Transport, run_id: str, ours: Manifest) -> None:
+    """Raises SwarmMismatch when the other live peers share another manifest, naming what differs. A few
+    that differ while others share ours are left out of this peer's views (one stranger's record does not
+    lock newcomers out)."""
+    live = read_peers(transport, run_id)
+    records = manifests.read_records(transport, run_id)
+    others = {p: r for p, r in records.items() if p != transport.peer_id and p in live}
+    differ = {p: r for p, r in sorted(others.items()) if r.hash != ours.hash}
+    if differ and len(differ) == len(others):
+        peer, theirs = next(iter(differ.items()))
+        raise mismatch(transport, run_id, ours, peer, theirs)
+    for peer, theirs in differ.items():
+        reason = f"manifest {theirs.hash[:16]}, not the swarm's"
+        transport.guard.reject(peer, "manifest record", reason, counts_toward_ban=False)
+
+
 @dataclass(frozen=True, kw_only=True)
 class MemberConfig:
     """What membership needs: the ``[swarm]``, ``[peer]`` and ``[network]`` sections, and how the swarm's
@@ -283,19 +299,7 @@ class SwarmMember:
             return self.since.get(unit, 0)
 
     def check_manifest(self) -> None:
-        """Raises SwarmMismatch when the other live peers share another manifest, naming what differs. A few
-        that differ while others share ours are left out of this peer's views (one stranger's record does
-        not lock newcomers out)."""
-        live = read_peers(self.transport, self.cfg.swarm.run_id)
-        records = manifests.read_records(self.transport, self.cfg.swarm.run_id)
-        others = {p: r for p, r in records.items() if p != self.me and p in live}
-        differ = {p: r for p, r in sorted(others.items()) if r.hash != self.manifest.hash}
-        if differ and len(differ) == len(others):
-            peer, theirs = next(iter(differ.items()))
-            raise mismatch(self.transport, self.cfg.swarm.run_id, self.manifest, peer, theirs)
-        for peer, theirs in differ.items():
-            reason = f"manifest {theirs.hash[:16]}, not the swarm's"
-            self.transport.guard.reject(peer, "manifest record", reason, counts_toward_ban=False)
+        check_manifest(self.transport, self.cfg.swarm.run_id, self.manifest)
 
     def join(self, first_round: int | None = None) -> SwarmView:
         """Checks the manifest, then claims and publishes. Nothing is written if the check fails. The
