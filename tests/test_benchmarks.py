@@ -141,8 +141,12 @@ def test_the_records_table_compares_each_swarm_with_sixteen_peers_and_names_a_fa
             "failures": list(failures),
         }
 
-    results = {"records": [row(16, 2048), row(64, 6144), row(256, 0, ["peer3 exited with 1"])]}
+    stuck = {**row(128, 0, ["peer3: its sync is stuck"]), "round_seconds": None}
+    results = {"records": [row(16, 2048), row(64, 6144), row(256, 8192, ["split: ..."]), stuck]}
     table = bench.tables(results)
-    assert "| 64 | 2.0 | 10 | 6.0 | 3.00 | sim/peers | 0.38 | 0.50 | 3.00x |" in table
-    assert "| 256 | failed: | peer3 exited with 1 |" in table
-    assert bench.headline(results)["dht_bytes_ratio_64_vs_16_peers"] == 3.0
+    assert "| 64 | 2.0 | 10 | 6.0 | 3.00 | sim/peers | 0.38 | 0.50 | 3.00x | 0 |" in table
+    assert (
+        "| 256 | 2.0 | 10 | 8.0 | 4.00 | sim/peers | 2.00 | 0.50 | 4.00x | 1 |" in table
+    )  # shown, and failed
+    assert "| 128 | failed: | peer3: its sync is stuck |" in table
+    assert bench.headline(results)["dht_bytes_ratio_64_vs_16_peers"] == 3.0  # (from swarms that worked)
