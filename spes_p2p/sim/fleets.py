@@ -29,8 +29,8 @@ SINGLE_THREADED = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
 STARTUP_SECONDS = 120.0  # a process's start, its model and its data
 ROUND_BUDGET_SECONDS = 120.0  # a generous bound on one round, for a simulation's overall deadline
 # the memory backend runs every peer in one process, whose sync work (coding, hashing, quantized copies:
-# about 2.5 CPU-seconds a round even for a model of a few thousand parameters) the interpreter's lock
-# serializes: past this many peers, a round's budget grows with them
+# 0.3 to 3.6 CPU-seconds a peer and round for a model of 100k parameters, more as the peers grow) the
+# interpreter's lock serializes: past this many peers, a round's budget grows with them
 MEMORY_PEERS_PER_BUDGET = 32
 GONE_SECONDS = 10.0  # after the run, how long the processes of killed and stopped peers may take to vanish
 
