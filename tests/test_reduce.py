@@ -12,6 +12,7 @@ from spes_p2p.sim.byzantine import rewrite
 from spes_p2p.sync.codecs import TensorSpec
 from spes_p2p.sync.config import SyncConfig
 from spes_p2p.sync.engine import SyncEngine
+from spes_p2p.sync.exchange import dense_grid, dense_group
 from spes_p2p.sync.fetching import NotYet
 from spes_p2p.sync.jobs import UnitJob
 
@@ -143,9 +144,9 @@ def test_a_member_that_gave_up_on_an_owner_combines_its_part_as_the_owner_did():
     that part from the same pieces and codes it as p2 did, so the members still end bit-identical."""
     engines = swarm(codec="int8", deadline=2.0, patient=True)  # (p0 waits out the deadline for p2's part)
     reduced = engines["p0"]._fetcher.reduced
-    owners_but_p2 = lambda round_, unit, owners, parts, deadline: {  # noqa: E731
-        **{j: NotYet("too slow") for j, owner in owners.items() if owner == "p2"},
-        **reduced(round_, unit, {j: o for j, o in owners.items() if o != "p2"}, parts, deadline),
+    owners_but_p2 = lambda round_, unit, asks, parts, deadline, rows=0: {  # noqa: E731
+        **{j: NotYet("too slow") for j, (owner, _) in asks.items() if owner == "p2"},
+        **reduced(round_, unit, {j: a for j, a in asks.items() if a[0] != "p2"}, parts, deadline, rows),
     }
     engines["p0"]._fetcher.reduced = owners_but_p2
     results = exchange(engines)
@@ -159,8 +160,8 @@ def test_an_owner_serving_a_false_combined_part_is_refused_and_the_others_agree(
     liar = engines["p3"]
     post = liar._outbox.post_reduced
     change = {"scale": lambda t: t * 1000, "signflip": lambda t: -t}[attack]
-    liar._outbox.post_reduced = lambda r, u, part, parts, payload: post(
-        r, u, part, parts, rewrite(payload, change)
+    liar._outbox.post_reduced = lambda r, u, kind, part, parts, payload: post(
+        r, u, kind, part, parts, rewrite(payload, change)
     )
     results = exchange(engines)
     honest = {p: r for p, r in results.items() if p != "p3"}
@@ -175,8 +176,8 @@ def test_an_owner_that_names_only_itself_is_checked_against_the_pieces():
     (Before, such a part was not checked for direction at all.)"""
     engines = swarm(patient=True)
     post = engines["p3"]._outbox.post_reduced
-    engines["p3"]._outbox.post_reduced = lambda r, u, part, parts, payload: post(
-        r, u, part, parts, rewrite(payload, lambda t: t * -8, peers="p3")
+    engines["p3"]._outbox.post_reduced = lambda r, u, kind, part, parts, payload: post(
+        r, u, kind, part, parts, rewrite(payload, lambda t: t * -8, peers="p3")
     )
     honest = {p: r for p, r in exchange(engines).items() if p != "p3"}
     assert_identical(honest)
@@ -186,8 +187,8 @@ def test_an_owner_that_names_only_itself_is_checked_against_the_pieces():
 
 def lie_with_scale(engine):
     post = engine._outbox.post_reduced
-    engine._outbox.post_reduced = lambda r, u, part, parts, payload: post(
-        r, u, part, parts, rewrite(payload, lambda t: t * 1000)
+    engine._outbox.post_reduced = lambda r, u, kind, part, parts, payload: post(
+        r, u, kind, part, parts, rewrite(payload, lambda t: t * 1000)
     )
 
 
@@ -239,3 +240,73 @@ def test_a_newcomer_outside_the_group_takes_its_result():
     results = exchange_with_newcomer(swarm(codec="none", peers=[*GROUP, "p4"]))
     assert_identical(results)
     assert gap(results["p4"].new_weights, mean_of(GROUP)) < 1e-6
+
+
+# ---------------------------------------------------------------------------------- several rows
+
+GRID_PEERS = [f"g{i}" for i in range(7)]
+GRID_TOKENS = {p: 100 * (i + 1) for i, p in enumerate(GRID_PEERS)}
+GRID_ENDS = {p: {n: START[n] + d for n, d in weights(20 + i, 0.01).items()} for i, p in enumerate(GRID_PEERS)}
+GRID = dense_grid(GRID_PEERS, 0, "t", 3)  # rows of 3, 2 and 2: the parts are 3, a short row's first owns two
+
+
+def grid_exchange(engines, peers=None):
+    """The peers in ``peers`` (default: all) run a round of GRID at once."""
+    out, errors = {}, []
+
+    def one(p):
+        try:
+            row = dense_group(GRID, p)
+            job = UnitJob(0, UNIT, START, GRID_ENDS[p], GRID_TOKENS[p], row, grouped=True, grid=GRID)
+            out[p] = engines[p].exchange(job)
+        except Exception as exc:  # surfaced below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=one, args=(p,)) for p in peers or engines]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    assert not errors, errors
+    return out
+
+
+def grid_mean(peers):
+    total = sum(GRID_TOKENS[p] for p in peers)
+    return {
+        n: START[n] + sum(GRID_TOKENS[p] / total * (GRID_ENDS[p][n] - START[n]) for p in peers) for n in START
+    }
+
+
+@pytest.mark.parametrize("codec, tolerance", [("none", 1e-6), ("int8", 2e-3)])
+def test_rows_merge_so_every_holder_ends_identical_on_the_whole_mean(codec, tolerance):
+    """More holders than a group holds: each row averages its members' pieces, then the owners of a part
+    merge the rows' parts, so every holder of every row ends on the same weights: the mean of all seven (not
+    each row's own, which left holders of one block apart, round after round)."""
+    assert [len(row) for row in GRID] == [3, 2, 2]
+    results = grid_exchange(swarm(codec=codec, peers=GRID_PEERS))
+    assert_identical(results)
+    assert gap(results["g0"].new_weights, grid_mean(GRID_PEERS)) < tolerance
+    assert all(r.participants == GRID_PEERS and not r.missing and not r.resynced for r in results.values())
+
+
+def test_a_row_owner_that_never_comes_is_combined_from_its_rows_pieces_by_every_row():
+    """The owner of a part in the row of three never comes: its row mates combine that part from the
+    pieces, and so does each other row's owner of it, which waited in vain: all six agree."""
+    absent = GRID[0][1]
+    present = [p for p in GRID_PEERS if p != absent]
+    results = grid_exchange(swarm(codec="int8", deadline=1.0, peers=GRID_PEERS), peers=present)
+    assert_identical(results)
+    assert gap(results[present[0]].new_weights, grid_mean(present)) < 2e-3
+
+
+def test_an_owner_lying_to_the_other_rows_and_its_own_is_refused_and_everyone_agrees():
+    """An owner serves its row's part, and the merged part, scaled by 1000: the other rows refuse the
+    first and combine its row's part from the pieces, its row mates refuse the second and merge themselves."""
+    engines = swarm(codec="int8", patient=True, peers=GRID_PEERS)
+    liar = GRID[0][1]
+    lie_with_scale(engines[liar])
+    honest = {p: r for p, r in grid_exchange(engines).items() if p != liar}
+    assert_identical(honest)
+    assert gap(honest[GRID[0][0]].new_weights, grid_mean(GRID_PEERS)) < 2e-3  # (the liar's piece is honest)
+    assert all(engines[p].transport.guard.total() >= 1 for p in (GRID[0][0], GRID[1][1], GRID[2][1]))

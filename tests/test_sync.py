@@ -11,7 +11,7 @@ from spes_p2p.swarm.records import Announcement, updates_key
 from spes_p2p.sync.codecs import CODECS, TensorSpec
 from spes_p2p.sync.config import SyncConfig
 from spes_p2p.sync.engine import SyncEngine
-from spes_p2p.sync.exchange import dense_group
+from spes_p2p.sync.exchange import dense_grid, dense_group, owner
 from spes_p2p.sync.jobs import UnitJob
 from spes_p2p.sync.ledger import MISS_LIMIT, RESYNC_LIMIT
 from spes_p2p.sync.messages import RPC_UPDATE, UpdateRequest
@@ -338,13 +338,15 @@ def test_each_unit_has_a_deadline_of_its_own():
     assert engines["p0"].deadline_seconds() >= 2.0  # (the longest of the units': experts/0's)
 
 
-def test_dense_groups_are_bounded_and_consistent():
+def test_dense_grids_are_bounded_and_consistent():
     peers = [f"p{i}" for i in range(37)]
-    groups = {p: tuple(dense_group(peers, p, round_=4, run_id="r", size=8)) for p in peers}
-    assert all(len(g) <= 8 and p in g for p, g in groups.items())
-    assert all(groups[q] == g for g in groups.values() for q in g)  # everyone in a group sees the same group
-    assert len(set(groups.values())) == 5
-    assert dense_group(peers, "p0", 5, "r", 8) != groups["p0"]  # groups change between rounds
+    grid = dense_grid(peers, round_=4, run_id="r", size=8)
+    assert [len(row) for row in grid] == [8, 8, 7, 7, 7] and sorted(sum(grid, ())) == sorted(peers)
+    assert dense_grid(list(reversed(peers)), 4, "r", 8) == grid  # every peer computes the same rows
+    assert all(dense_group(grid, p) == row for row in grid for p in row)
+    assert dense_group(grid, "newcomer") in grid  # a peer outside the grid follows one of its rows
+    assert dense_grid(peers, 5, "r", 8) != grid  # rows change between rounds
+    assert [owner(grid[2], j) for j in range(8)] == [*grid[2], grid[2][0]]  # a short row: the first owns two
 
 
 def test_a_late_update_counts_in_the_next_round():

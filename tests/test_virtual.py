@@ -92,6 +92,33 @@ def test_a_virtual_swarm_syncs_for_real_without_training(tmp_path, virtual_peers
     assert sum(v.slept for v in virtual_peers) == 4 * rounds * H
 
 
+def test_more_holders_of_the_dense_part_than_a_row_holds_end_every_round_identical(tmp_path):
+    """Seven peers in rows of at most 3 (3, 2 and 2): the rows merge, so every holder of the dense part ends
+    every round on the same weights and counts every other's update; nobody re-synchronizes or refuses.
+    (With rows that averaged on their own, the holders parted every round.)"""
+    peers, rounds = 7, 3
+    summary = run(
+        simulation(
+            {
+                "sim.peers": peers,
+                "swarm.backend": "memory",
+                "sim.compute": "virtual=0.01",
+                "model.dense_blocks": 1,
+                "sync.dense_group_size": 3,
+                "run.rounds": rounds,
+                "run.out": str(tmp_path),
+                **SMALL,
+            }
+        )
+    )
+    assert not summary["failures"] and summary["rounds_completed"] == rounds
+    assert summary["units"]["dense/0"]["max_holder_difference"] == 0.0
+    assert summary["rejected_payloads"] == 0
+    assert sum(p["resynced_rounds"] for p in summary["peers"]) == 0
+    rows = [r for rs in rows_of(tmp_path).values() for r in rs]
+    assert all(len(r["participants"]["dense/0"]) == peers for r in rows), "a row left out of the merge"
+
+
 def test_a_virtual_update_costs_the_bytes_of_a_real_one(tmp_path):
     """Every peer trains every unit (one shard, one dense block), so each round's traffic is the same
     exchange; its bytes depend on the shapes and the codec, not on what the update holds."""

@@ -26,6 +26,7 @@ from spes_p2p.peer.job import RoundJob
 from spes_p2p.settings import Settings
 from spes_p2p.swarm.member import SwarmMember, SwarmView
 from spes_p2p.sync.engine import SyncEngine
+from spes_p2p.sync.exchange import dense_group
 from spes_p2p.sync.jobs import UnitJob, UnitResult
 
 logger = logging.getLogger(__name__)
@@ -72,23 +73,25 @@ class RoundSync:
 
     def _exchange(self, job: RoundJob, unit: str, view: SwarmView, starts: dict[str, Tensors]) -> UnitResult:
         """The unit's round: its participants are its holders in that round, or (the dense part, and every
-        unit in DiLoCo) the round's random group; a unit we started to hold since then does not count."""
+        unit in DiLoCo) our row of the round's random grid of them; a unit we started to hold since then does
+        not count."""
         counted = self.member.since_of(unit) <= job.round
         participants = sorted(view.participants(unit, job.round) | {self.me})
         grouped = unit.startswith("dense/") or self.settings.method.mode == "diloco"
-        if grouped:  # a newcomer that does not count yet follows a group it is not a member of
-            members = participants if counted else [p for p in participants if p != self.me]
-            participants = self.sync.group(members, job.round)
+        grid = ()
+        if grouped:  # a newcomer that does not count yet follows a row it is not a member of
+            grid = self.sync.grid([p for p in participants if counted or p != self.me], job.round)
+            participants = dense_group(grid, self.me)
         start, end = job.start[unit], job.end[unit]
         probe = self.probe and partial(self.probe, job.round, unit, starts)
         return self.sync.exchange(
-            UnitJob(job.round, unit, start, end, job.tokens, participants, counted, grouped, probe)
+            UnitJob(job.round, unit, start, end, job.tokens, participants, counted, grouped, probe, grid)
         )
 
     def bound(self, job: RoundJob) -> float:
         """Seconds a job's sync can take when every wait runs to its limit (each unit's exchange, a download,
         a version, the refresh), with a margin: past it, the sync is broken, not slow."""
-        waits = 4 * len(job.units) + 1  # a reduce-scatter waits for pieces, combined parts and a fallback
+        waits = 6 * len(job.units) + 1  # a reduce-scatter: pieces, the rows' parts, merged parts, fallbacks
         return self.sync.worst_case(waits) + SYNC_MARGIN_SECONDS
 
 

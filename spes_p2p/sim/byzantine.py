@@ -156,9 +156,9 @@ class ByzantineTransport(Transport):
                     return self.forged[(req.round, req.unit, req.part)]
                 if req.kind == "end" and self.mode == "resync":
                     return rewrite(handler(caller, request), lambda t: t * -10)
-                if req.kind == "reduced" and self.mode in ("garbage", *_REWRITES):
+                if req.kind in ("reduced", "merged") and self.mode in ("garbage", *_REWRITES):
                     return self._forge(handler(caller, request))
-                if req.kind == "reduced" and self.mode == "ownerflip":
+                if req.kind in ("reduced", "merged") and self.mode == "ownerflip":
                     return rewrite(handler(caller, request), lambda t: t * -8, peers=self.peer_id)
             if name == RPC_WEIGHTS and self.mode == "frozenscale":
                 if WeightsRequest.decode(request).kind in ("version", "change"):

@@ -23,7 +23,7 @@ from spes_p2p.swarm.records import Hex, Record, Unit, decode_entries
 
 logger = logging.getLogger(__name__)
 
-PROTOCOL = 13  # bumped when peers of different versions can no longer work together
+PROTOCOL = 14  # bumped when peers of different versions can no longer work together
 RPC_MANIFEST = "spes/manifest"
 RPC_TOKENIZER = "spes/tokenizer"
 MAX_MANIFEST_BYTES = 256 * 1024

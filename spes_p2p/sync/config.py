@@ -43,7 +43,9 @@ class SyncConfig(Section):
     outer: str = setting("fedavg", "Outer rule: fedavg (SPES) or nesterov (DiLoCo).", choices=OUTER_RULES)
     outer_lr: float = setting(1.0, "Outer learning rate.")
     outer_momentum: float = setting(0.9, "Outer momentum (nesterov only).")
-    dense_group_size: int = setting(16, "G: the dense part is averaged in random groups of at most G peers.")
+    dense_group_size: int = setting(
+        16, "G: the dense part is averaged by reduce-scatter in random rows of at most G peers, which merge."
+    )
     dense_exchange: str = setting(
         "reduce_scatter",
         "How a group averages the dense part: reduce_scatter (each member combines 1/G of it: about two "

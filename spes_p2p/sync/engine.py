@@ -26,7 +26,7 @@ from spes_p2p.net.transport import Transport
 from spes_p2p.sync.all_to_all import AllToAll
 from spes_p2p.sync.codecs import Codecs, TensorSpec
 from spes_p2p.sync.config import SyncConfig
-from spes_p2p.sync.exchange import Exchange, dense_group
+from spes_p2p.sync.exchange import Exchange, Grid, dense_grid
 from spes_p2p.sync.fetching import UpdateFetcher
 from spes_p2p.sync.gather import Gatherer, Roster
 from spes_p2p.sync.jobs import UnitJob, UnitResult
@@ -100,15 +100,18 @@ class SyncEngine:
             )
         return result
 
-    def group(self, members: list[str], round_: int) -> list[str]:
-        """This round's random group of ``members`` (at most ``sync.dense_group_size``) that we exchange
-        a grouped unit with (``exchange.dense_group``)."""
-        return dense_group(members, self.transport.peer_id, round_, self._run_id, self.cfg.dense_group_size)
+    def grid(self, members: list[str], round_: int) -> Grid:
+        """This round's random rows of a grouped unit's ``members`` (``exchange.dense_grid``): rows of at
+        most ``sync.dense_group_size`` that merge, by reduce-scatter; one row of all, all-to-all."""
+        scatter = self.cfg.dense_exchange == "reduce_scatter"
+        size = self.cfg.dense_group_size if scatter else max(1, len(members))
+        return dense_grid(members, round_, self._run_id, size)
 
     def _strategy(self, job: UnitJob) -> Exchange:
-        """A grouped unit (the dense part) goes by reduce-scatter when the swarm says so and the group has
-        three members or more; anything else all-to-all."""
-        grouped = job.grouped and self.cfg.dense_exchange == "reduce_scatter" and len(job.participants) >= 3
+        """A grouped unit (the dense part) goes by reduce-scatter when the swarm says so and its row has three
+        members or more, or there are several rows; anything else all-to-all."""
+        scatter = self.cfg.dense_exchange == "reduce_scatter"
+        grouped = job.grouped and scatter and (len(job.participants) >= 3 or len(job.grid) > 1)
         return self._reduce_scatter if grouped else self._all_to_all
 
     def deadline_seconds(self) -> float:

@@ -40,19 +40,32 @@ logger = logging.getLogger(__name__)
 Tensors = dict[str, torch.Tensor]
 
 
-def dense_group(peers: list[str], me: str, round_: int, run_id: str, size: int) -> list[str]:
-    """This round's random group (at most ``size`` peers, in an order every member computes alike) that
-    ``me`` averages the dense part with. A peer that is not among ``peers`` (a newcomer whose first round
-    does not count) gets the group it follows."""
+Grid = tuple[tuple[str, ...], ...]
+
+
+def dense_grid(peers: list[str], round_: int, run_id: str, size: int) -> Grid:
+    """This round's rows of a grouped unit's participants: at most ``size`` peers each, their lengths within
+    one of each other, in an order every participant computes alike (``reduce_scatter.py``: each row averages
+    on its own, then the rows merge)."""
     order = sorted(peers)
     random.Random(f"{run_id}:{round_}").shuffle(order)
-    n_groups = max(1, -(-len(order) // size))
-    groups = [order[i::n_groups] for i in range(n_groups)]
-    if not order:
-        return [me]
-    return next(
-        (g for g in groups if me in g), groups[int(hashlib.sha256(me.encode()).hexdigest(), 16) % n_groups]
-    )
+    rows = max(1, -(-len(order) // size))
+    return tuple(tuple(order[i::rows]) for i in range(rows))
+
+
+def dense_group(grid: Grid, me: str) -> tuple[str, ...]:
+    """Our row of the grid; a peer that is not in it (a newcomer whose first round does not count) gets the
+    row it follows."""
+    mine = [row for row in grid if me in row]
+    if mine or not grid[0]:
+        return mine[0] if mine else (me,)
+    return grid[int(hashlib.sha256(me.encode()).hexdigest(), 16) % len(grid)]
+
+
+def owner(row: tuple[str, ...], part: int) -> str:
+    """Who combines a part in a row: its member at that place (in a row one shorter than the grid's longest,
+    the first member owns the last part too, so every row splits the unit alike)."""
+    return row[part % len(row)]
 
 
 class Exchange(ABC):

@@ -53,10 +53,15 @@ class NotYet:
 
 @dataclass(frozen=True)
 class Reduced:
-    """A group's combined update of one part, and who its owner says contributed to it."""
+    """A row's combined update of one part, and what its owner says of it: who contributed to it, the tokens
+    they count for, the start weights it was combined on, and (a part merged across the rows) the other
+    rows merged into it."""
 
     piece: torch.Tensor
     contributors: list[str]
+    tokens: int = 0
+    base: str = ""
+    rows: tuple[int, ...] = ()
 
 
 FetchOutcome = Got | Refused | Gone | NotYet
@@ -91,12 +96,15 @@ class UpdateFetcher:
         cutoff = self._cutoff(deadline)
         return list(self.pool.map(lambda item: self._update(unit, *item, cutoff, part), todo))
 
-    def reduced(self, round_: int, unit: str, owners: dict[int, str], parts: int, deadline: Deadline):
-        """Part -> the combined update of that part from the member that owns it (``owners``), in parallel:
-        ``Reduced``, ``Refused`` (a bad payload), or ``NotYet`` (not served yet, or unreachable)."""
+    def reduced(
+        self, round_: int, unit: str, asks: dict, parts: int, deadline: Deadline, rows: int = 0
+    ) -> dict:
+        """Key -> a combined part from its owner, for each key's (owner, part) in ``asks``, in parallel: a
+        row's ("reduced"), or with ``rows`` all that many rows' ("merged"); ``Reduced``, ``Refused`` (a bad
+        payload), or ``NotYet`` (not served yet, or unreachable)."""
         cutoff = self._cutoff(deadline)
-        ask = lambda part: self._reduced(round_, unit, owners[part], part, parts, cutoff)  # noqa: E731
-        return dict(zip(owners, self.pool.map(ask, owners), strict=True))
+        ask = lambda key: self._reduced(round_, unit, *asks[key], parts, rows, cutoff)  # noqa: E731
+        return dict(zip(asks, self.pool.map(ask, asks), strict=True))
 
     def ends(self, round_: int, unit: str, of: list[Contribution], deadline: Deadline) -> list[Contribution]:
         """The end weights behind the given participants' updates (in parallel); those that came in time.
@@ -167,20 +175,21 @@ class UpdateFetcher:
         contribution = Contribution(peer, self.clamped(announced.tokens), tensors, round_)
         return Got(Received(contribution, announced.base))
 
-    def _reduced(self, round_: int, unit: str, owner: str, part: int, parts: int, cutoff: Deadline):
-        spec, codec = piece_spec(self.specs[unit], part, parts), self.codec.combined(parts)
-        request = UpdateRequest(round=round_, unit=unit, kind="reduced", part=part, parts=parts).encode()
+    def _reduced(
+        self, round_: int, unit: str, owner: str, part: int, parts: int, rows: int, cutoff: Deadline
+    ):
+        kind, codec = combined_codec(self.codec, parts, rows)
+        spec = piece_spec(self.specs[unit], part, parts)
+        request = UpdateRequest(round=round_, unit=unit, kind=kind, part=part, parts=parts).encode()
         try:
             payload = self._request(owner, request, codec.max_bytes(spec), cutoff)
         except TransportError as exc:  # (a refusal too: the owner may still be combining)
             return NotYet(f"{owner}'s combined part {part} of {unit}: {exc}")
-        meta = payload_meta(unit, round_, "reduced", part, parts)
         try:
-            tensors = decode(payload, spec, codec, meta=meta)
-            contributors = metadata_of(payload).get("peers", "")
+            tensors = decode(payload, spec, codec, meta=payload_meta(unit, round_, kind, part, parts))
+            return reduced_of(tensors["piece"], metadata_of(payload))
         except PayloadError as exc:
             return self.refuse(owner, unit, str(exc))
-        return Reduced(tensors["piece"], contributors.split(",") if contributors else [])
 
     def _end(self, round_: int, unit: str, c: Contribution, cutoff: Deadline) -> Contribution | None:
         request = UpdateRequest(round=round_, unit=unit, kind="end").encode()
@@ -202,3 +211,25 @@ class UpdateFetcher:
             raise RequestTimeout("the round's deadline passed before this request could start")
         timeout = min(self.cfg.request_timeout, cutoff.remaining())
         return self.transport.request(peer, RPC_UPDATE, request, timeout=timeout, max_response_bytes=limit)
+
+
+def combined_codec(codec: Codec, parts: int, rows: int = 0) -> tuple[str, Codec]:
+    """The kind and codec of a combined part: a row's ("reduced", as wide as its ``parts`` pieces), or
+    ``rows`` rows' merged ("merged", as wide as all their pieces)."""
+    return ("merged", codec.combined(parts * rows)) if rows else ("reduced", codec.combined(parts))
+
+
+def reduced_of(piece: torch.Tensor, meta: dict[str, str]) -> Reduced:
+    """A combined part as its payload's metadata describes it (``reduce_scatter``'s ``reduced_meta``)."""
+    try:
+        peers, rows = meta.get("peers", ""), meta.get("rows", "")
+        tokens = int(meta.get("tokens", "0"))
+        return Reduced(
+            piece,
+            peers.split(",") if peers else [],
+            tokens,
+            meta.get("base", ""),
+            tuple(int(r) for r in rows.split(",")) if rows else (),
+        )
+    except ValueError:
+        raise PayloadError("a combined part's metadata does not parse") from None

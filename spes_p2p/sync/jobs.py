@@ -21,9 +21,10 @@ Tensors = dict[str, torch.Tensor]
 @dataclass(frozen=True)
 class UnitJob:
     """One unit's round. ``participants``: the peers that exchange it, this one included when it counts;
-    for a ``grouped`` unit (the dense part) the round's random group, in the order every member computes
-    alike. ``counted`` is False in a newcomer's first round: its update is neither announced nor combined,
-    and it adopts the others' result."""
+    for a ``grouped`` unit (the dense part) our row of the round's ``grid`` (``exchange.dense_grid``: all
+    the unit's participants in random rows, in the order every participant computes alike). ``counted``
+    is False in a newcomer's first round: its update is neither announced nor combined, and it adopts the
+    others' result."""
 
     round: int
     unit: str
@@ -34,9 +35,21 @@ class UnitJob:
     counted: bool = True
     grouped: bool = False
     probe: Probe | None = None  # the validation loss of candidate weights for the unit (screening.Probe)
+    grid: tuple[tuple[str, ...], ...] = ()  # a grouped unit's rows (ours is ``participants``); () = ours only
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "participants", tuple(self.participants))
+        object.__setattr__(self, "grid", tuple(map(tuple, self.grid)) or (self.participants,))
+
+    @property
+    def row(self) -> int:
+        """Our row's place in the grid."""
+        return self.grid.index(self.participants)
+
+    @property
+    def parts(self) -> int:
+        """How many parts a reduce-scatter splits the unit into: one per member of the grid's longest row."""
+        return max(map(len, self.grid))
 
     @cached_property
     def base(self) -> str:

@@ -3,8 +3,9 @@
 Answers are payloads (``spes_p2p.sync.payload``): safetensors whose metadata names the unit and round.
 
     spes/update   UpdateRequest  -> our coded update of that round ("delta"), its end weights ("end"), part
-                                  ``part`` of ``parts`` of it ("piece"), or the group's combined update of
-                                  that part, when we own it ("reduced"; see ``sync/reduce_scatter.py``)
+                                  ``part`` of ``parts`` of it ("piece"), or, of a part we own, our row's
+                                  combined update ("reduced") or all rows' ("merged"; see
+                                  ``sync/reduce_scatter.py``)
     spes/weights  WeightsRequest -> our weights of a unit, as of ``round`` when we still have it; or its
                                   current version, or the change that made version ``round``, of the
                                   exact chain or a quantized one; or only the SHA-256 of that, or its
@@ -45,14 +46,14 @@ class Message(Strict):
 class UpdateRequest(Message):
     round: Round
     unit: Unit
-    kind: Literal["delta", "end", "piece", "reduced"] = "delta"
-    part: Annotated[int, msgspec.Meta(ge=0, lt=MAX_PARTS)] = 0  # piece and reduced: which part...
+    kind: Literal["delta", "end", "piece", "reduced", "merged"] = "delta"
+    part: Annotated[int, msgspec.Meta(ge=0, lt=MAX_PARTS)] = 0  # piece, reduced, merged: which part...
     parts: Annotated[int, msgspec.Meta(ge=0, le=MAX_PARTS)] = 0  # ...of how many
 
     def __post_init__(self) -> None:
-        split = self.kind in ("piece", "reduced")
+        split = self.kind in ("piece", "reduced", "merged")
         if split != (self.part < self.parts) or (not split and self.parts):
-            raise ValueError("part and parts go with kinds piece and reduced, with part < parts")
+            raise ValueError("part and parts go with kinds piece, reduced and merged, with part < parts")
 
 
 class WeightsRequest(Message):

@@ -1,7 +1,10 @@
-"""Reduce-scatter: how a group averages a unit that all its members train (the dense part), in two hops.
+"""Reduce-scatter: how the participants of a unit that all of them train (the dense part) average it, in
+rows of at most G that merge.
 
-The group's members (``exchange.dense_group``, in its order) split the unit's flattened update into one
-contiguous part each (``codecs.part_bounds``); member ``i`` owns part ``i``:
+The round's grid (``exchange.dense_grid``) deals the participants into rows, in an order each computes alike.
+Every row splits the unit's flattened update alike, into one contiguous part per member of the longest row
+(``codecs.part_bounds``); member ``i`` of a row owns part ``i`` (``exchange.owner``: in a row one shorter,
+the first member owns the last part too):
 
 1. every member codes its update (with error feedback) as one piece per part, posts the pieces and announces
    their SHA-256s, with its start-weights hash as in the all-to-all exchange;
@@ -10,25 +13,33 @@ contiguous part each (``codecs.part_bounds``); member ``i`` owns part ``i``:
    vote), combines the pieces on its base with the swarm's rule (``aggregate.combine``), codes the result
    once and serves it, naming the members it combined ("reduced"); a sparse codec codes it with room for
    every entry the pieces carried (``Codec.combined``), so only its values are rounded again;
-3. every member fetches the other parts' results from their owners and decodes them (an owner decodes its
-   own too), then applies the whole with the outer rule: members end with the same weights.
+3. with several rows, the owner of a part fetches that part's "reduced" from its owner in every other row,
+   and combines the rows' parts by the same rule, each weighted by the tokens its row counts for, codes that
+   once and serves it ("merged"): every row merges the same numbers;
+4. every member fetches the other parts' results (merged ones, with several rows) from their owners and
+   decodes them (an owner decodes its own too), then applies the whole with the outer rule: every
+   participant of every row ends with the same weights.
 
-A member sends and receives about two unit-sized messages per round whatever the group's size: G - 1 pieces
-of 1/G each way, then G - 1 combined parts each way.
+A member sends and receives about two unit-sized messages per round whatever the row's size: G - 1 pieces
+of 1/G each way, then G - 1 combined parts each way; with R rows, R - 1 parts of 1/G each way more for each
+part it owns. Rows that averaged on their own would end a round on as many weights as there are rows.
 
 A part whose owner does not serve it in time (it crashed, re-synchronizes on other start weights, or
 serves a result that fails its checks) costs only that part: each member then fetches that part's pieces
 from the members and combines them itself, the same pieces by the same rule, and codes the result as its
 owner would have, so members still agree (also a member whose wait for the owner ran out while the others
-got the owner's part, when it combined the same pieces).
+got the owner's part, when it combined the same pieces). So does an owner merging the rows for a row whose
+owner of that part failed it: it combines that row's part from that row's pieces.
 
-A combined part is checked before use: it must decode, be finite, name only members of the group, and,
+A combined part is checked before use: it must decode, be finite, name only members of the row, and,
 when it says it combined our piece, lie within ``REJECT_FACTOR`` times that piece's norm and point along
 it (a cosine above ``screening.AGREE_MIN``: a part of zeros or noise fails too). A part that leaves our
 piece out, and any part a member with no piece this round (a newcomer, or its update diverged) receives,
 is held to the same bounds against the part as the member combines it itself from the members' pieces.
-An owner can still steer its part within those bounds (a mild bend); a swarm that will not trust owners
-with that sets ``sync.dense_exchange = "all_to_all"``.
+Another row's part is held to the same bounds against our row's, and must name only members of its row,
+count at most their tokens and have been combined on our base. An owner can still steer its part within
+those bounds (a mild bend); a swarm that will not trust owners with that sets ``sync.dense_exchange =
+"all_to_all"`` (one row of all participants, each fetching every other's update).
 """
 
 from __future__ import annotations
@@ -42,8 +53,8 @@ import torch
 from spes_p2p.net.waiting import Deadline, poll
 from spes_p2p.sync.aggregate import REJECT_FACTOR, Combined, Contribution, Received, combine
 from spes_p2p.sync.codecs import Codec, TensorSpec, part_bounds
-from spes_p2p.sync.exchange import Exchange
-from spes_p2p.sync.fetching import Reduced, Refused
+from spes_p2p.sync.exchange import Exchange, owner
+from spes_p2p.sync.fetching import Reduced, Refused, combined_codec
 from spes_p2p.sync.gather import Gathered
 from spes_p2p.sync.jobs import UnitJob, UnitResult
 from spes_p2p.sync.payload import decode, encode, flatten, payload_meta, unflatten
@@ -73,30 +84,35 @@ class ReduceScatter(Exchange):
     def run(self, job: UnitJob) -> UnitResult:
         group, unit = job.participants, job.unit
         numel = sum(s.numel for s in self.specs[unit].values())
-        split = _Split(part_bounds(numel, len(group)), self.fetcher.clamped(job.tokens))
+        split = _Split(part_bounds(numel, job.parts), self.fetcher.clamped(job.tokens))
         self.ledger.opened(job.round, unit, group)
-        if self.me not in group:  # a newcomer's first round: it takes the group's result
+        if self.me not in group:  # a newcomer's first round: it takes the row's result
             return self._follow(job, split)
-        mine = group.index(self.me)
+        first, *more = [j for j in range(job.parts) if owner(group, j) == self.me]
         if job.counted and not job.diverged:
             split.pieces = self._post_pieces(job, split)
         deadline = self.gatherer.round_deadline(job.unit)
-        gathered = self.gatherer.gather(job.round, unit, job.others(self.me), deadline, (mine, len(group)))
-        own = split.own(self.me, job.round, mine)
+        gathered = self.gatherer.gather(job.round, unit, job.others(self.me), deadline, (first, job.parts))
+        own = split.own(self.me, job.round, first)
         result, decision = self.settle(job, own, gathered, [])
-        if decision.resync:  # we combine nothing this round: the others combine our part themselves
+        if decision.resync:  # we combine nothing this round: the others combine our parts themselves
             whole = None if own is None else self._whole(unit, split.pieces)
             mean = None if whole is None else Contribution(self.me, split.tokens, whole, job.round)
             return self.resync(job, mean, decision, deadline, result)
         screened = self.screen(job, result, decision.contributions, whole=False)
         combined = combine(screened, self.aggregate, self.me if own else None)
         self.count_outliers(result, combined.rejected)
-        parts = self._collect(job, split, {mine: self._post_reduced(job, split, mine, combined)})
+        ours = {first: self._serve(job, first, *self._coded(job, split, first, combined))}
+        for j in more:  # (a short row's last part: its pieces fetched as when an owner fails us)
+            ours[j] = self._serve(job, j, *self._coded(job, split, j, self._combined_here(job, split, j)))
+        if len(job.grid) > 1:
+            ours = {j: self._merge(job, split, j, reduced) for j, reduced in ours.items()}
+        parts = self._collect(job, split, ours)
         return self._apply(job, job.start if job.diverged else job.end, parts, result)
 
     def _follow(self, job: UnitJob, split: _Split) -> UnitResult:
-        """Not a member: the group's combined parts applied to our start weights when they are the group's,
-        or (they are not) the members' end weights averaged."""
+        """Not a member: the row's combined parts applied to our start weights when they are the row's, or
+        (they are not) the members' end weights averaged."""
         deadline = self.gatherer.round_deadline(job.unit)
 
         def bases() -> dict | None:  # (from the members that still take part)
@@ -117,8 +133,10 @@ class ReduceScatter(Exchange):
 
     def _apply(self, job: UnitJob, fallback: Tensors, parts: list[Reduced], result: UnitResult) -> UnitResult:
         """The parts' combined updates applied to the start weights with the outer rule (``fallback`` when
-        nobody's update arrived anywhere)."""
+        nobody's update arrived anywhere). The round's participants: our row's contributors, and the members
+        of the rows merged."""
         peers = set().union(*(p.contributors for p in parts))
+        peers |= {m for p in parts for row in p.rows for m in job.grid[row]}
         if peers:
             whole = self._whole(job.unit, [p.piece for p in parts])
             result.new_weights = self.ledger.outer(job.unit).apply(job.start, whole)
@@ -126,7 +144,7 @@ class ReduceScatter(Exchange):
             result.new_weights = {n: t.clone() for n, t in fallback.items()}
         return self.close(job, result, peers)
 
-    # ---------------------------------------------------------------------------------- our pieces
+    # ---------------------------------------------------------------------------------- our parts
 
     def _post_pieces(self, job: UnitJob, split: _Split) -> list[torch.Tensor]:
         """Codes our update (plus what coding lost last round) as one piece per part, posts and announces
@@ -143,11 +161,16 @@ class ReduceScatter(Exchange):
         self.post(job, split.tokens, b"", tuple(payloads))
         return decoded
 
-    def _post_reduced(self, job: UnitJob, split: _Split, part: int, combined: Combined) -> Reduced:
-        """Serves our part's combined update; returns it as it decodes."""
-        payload, reduced = self._coded(job, split, part, combined)
-        self.outbox.post_reduced(job.round, job.unit, part, len(split.bounds), payload)
+    def _serve(self, job: UnitJob, part: int, payload: bytes, reduced: Reduced) -> Reduced:
+        """Serves our row's combined part; returns it."""
+        self.outbox.post_reduced(job.round, job.unit, "reduced", part, job.parts, payload)
         return reduced
+
+    def _merge(self, job: UnitJob, split: _Split, part: int, reduced: Reduced) -> Reduced:
+        """Merges the rows' combined parts and serves that to our row; returns it."""
+        payload, merged = self._merged(job, split, part, reduced)
+        self.outbox.post_reduced(job.round, job.unit, "merged", part, job.parts, payload)
+        return merged
 
     def _coded(self, job: UnitJob, split: _Split, part: int, combined: Combined) -> tuple[bytes, Reduced]:
         """A part's combined update (zeros when nothing arrived) as its owner serves it, and as that decodes:
@@ -155,41 +178,132 @@ class ReduceScatter(Exchange):
         a, b = split.bounds[part]
         piece = combined.update["piece"] if combined.used else torch.zeros(b - a)
         contributors = sorted(c.peer_id for c in combined.used)
-        parts = len(split.bounds)
-        meta = {**payload_meta(job.unit, job.round, "reduced", part, parts), "peers": ",".join(contributors)}
-        codec = self.codec.combined(parts)
+        tokens = sum(c.tokens for c in combined.used)
+        return self._code(job, part, piece, "reduced", contributors, tokens)
+
+    def _code(
+        self,
+        job: UnitJob,
+        part: int,
+        piece: torch.Tensor,
+        kind: str,
+        peers: list[str],
+        tokens: int,
+        rows: tuple[int, ...] = (),
+    ) -> tuple[bytes, Reduced]:
+        """A combined part's payload, and the part as it decodes. With several rows, it says what merging
+        needs: the tokens it counts for, the start weights it was combined on, the other rows merged."""
+        meta = {**payload_meta(job.unit, job.round, kind, part, job.parts), "peers": ",".join(peers)}
+        if len(job.grid) > 1:
+            meta.update(tokens=str(tokens), base=job.base, rows=",".join(map(str, rows)))
+        codec = combined_codec(self.codec, job.parts, len(job.grid) if kind == "merged" else 0)[1]
         payload = self._encode(piece, meta, codec)
-        return payload, Reduced(self._decode(payload, b - a, meta, codec), contributors)
+        return payload, Reduced(self._decode(payload, len(piece), meta, codec), peers, tokens, job.base, rows)
+
+    # ---------------------------------------------------------------------------------- the rows
+
+    def _merged(
+        self, job: UnitJob, split: _Split, part: int, mine: Reduced, deadline: Deadline | None = None
+    ) -> tuple[bytes, Reduced]:
+        """Part ``part`` merged across the grid's rows: our row's combined part (``mine``) and each other
+        row's, from its owner of the part (every row splits the unit alike), checked, then combined by the
+        swarm's rule, weighted by the tokens each row counts for. Returns its payload and what it decodes
+        to. A row whose owner is gone, on other start weights, or serves nothing good in time is combined
+        here from its members' pieces, as its own members combine it then: every row merges the same."""
+        deadline = deadline or self.gatherer.round_deadline(job.unit)
+        owners = {s: owner(row, part) for s, row in enumerate(job.grid) if s != job.row}
+        rows, pending, here = {job.row: mine}, set(owners), set()
+
+        def one_pass() -> bool | None:
+            announced = self.gatherer.announcements(job.round, job.unit)
+            live = self.gatherer.taking_part(job.round, job.unit, owners.values())
+            for s in sorted(pending):
+                o = owners[s]
+                if o not in live or (o in announced and announced[o].base != job.base):
+                    here.add(s)
+            pending.difference_update(here)
+            asks = {s: (owners[s], part) for s in sorted(pending)}
+            for s, outcome in self.fetcher.reduced(job.round, job.unit, asks, job.parts, deadline).items():
+                problem = isinstance(outcome, Reduced) and self._row_problem(job, s, outcome, mine)
+                if isinstance(outcome, Reduced) and not problem:
+                    rows[s] = outcome
+                elif problem:
+                    self.fetcher.refuse(owners[s], job.unit, problem)
+                if isinstance(outcome, Reduced | Refused):
+                    pending.discard(s)
+                    here.update([s] if s not in rows else [])
+            return True if not pending else None
+
+        poll(one_pass, deadline, POLL_SECONDS)
+        later = self.gatherer.round_deadline(job.unit)
+        for s in sorted(here | pending):
+            rows[s] = self._combine_here(job, split, part, later, row=s)
+        used = [
+            Contribution(f"{s:04d}", r.tokens, {"piece": r.piece}, job.round)
+            for s, r in sorted(rows.items())
+            if r.contributors
+        ]
+        combined = combine(used, self.aggregate, f"{job.row:04d}" if mine.contributors else None)
+        for s in combined.rejected:
+            self.fetcher.refuse(
+                owners[int(s)], job.unit, "its row's combined part lies far beyond the others"
+            )
+        merged = combined.update["piece"] if combined.used else torch.zeros_like(mine.piece)
+        merged_rows = {int(c.peer_id) for c in combined.used}
+        tokens = sum(c.tokens for c in combined.used)
+        contributors = mine.contributors if job.row in merged_rows else []
+        return self._code(
+            job, part, merged, "merged", contributors, tokens, tuple(sorted(merged_rows - {job.row}))
+        )
+
+    def _row_problem(self, job: UnitJob, row: int, reduced: Reduced, mine: Reduced) -> str:
+        """Why another row's combined part cannot be merged ('' when it can): it must name only members of
+        that row, count at most their tokens, and lie within reach of ours and point along it."""
+        if not set(reduced.contributors) <= set(job.grid[row]) or reduced.rows:
+            return "its row's combined part names peers outside its row"
+        if reduced.base != job.base:
+            return "its row's combined part was combined on other start weights than it announced"
+        if not 0 <= reduced.tokens <= len(reduced.contributors) * self.fetcher.cfg.max_round_tokens:
+            return "its row's combined part claims more tokens than its members count for"
+        if not reduced.contributors or not mine.contributors or float(mine.piece.norm()) == 0:
+            return ""
+        if float(reduced.piece.norm()) > REJECT_FACTOR * float(mine.piece.norm()):
+            return "its row's combined part lies far beyond our row's"
+        if not cosine({"p": reduced.piece}, {"p": mine.piece}) > AGREE_MIN:
+            return "its row's combined part does not point along our row's"
+        return ""
 
     # ---------------------------------------------------------------------------------- the others
 
     def _collect(self, job: UnitJob, split: _Split, got: dict[int, Reduced]) -> list[Reduced]:
-        """Every part's combined update (``got``: those we have): from its owner, or combined here from its
-        pieces. An owner that missed ``MISS_LIMIT`` rounds in a row is not waited for."""
-        group, parts = job.participants, len(split.bounds)
+        """Every part's combined update (``got``: those we have; with several rows, merged) from its owner,
+        or combined here from its pieces (and merged). An owner that missed ``MISS_LIMIT`` rounds in a row
+        is not waited for."""
+        group, parts, rows = job.participants, job.parts, len(job.grid) if len(job.grid) > 1 else 0
         pending = set(range(parts)) - set(got)
-        fallback = {j for j in pending if not self.ledger.waited_for(group[j])}
+        fallback = {j for j in pending if not self.ledger.waited_for(owner(group, j))}
         deadline = self.gatherer.round_deadline(job.unit)
 
         def one_pass() -> bool | None:
             announced = self.gatherer.announcements(job.round, job.unit)
             live = self.gatherer.taking_part(job.round, job.unit, group)
             for j in sorted(pending):  # an owner on other start weights, or gone, combines nothing for us
-                if group[j] not in live or (group[j] in announced and announced[group[j]].base != job.base):
+                o = owner(group, j)
+                if o not in live or (o in announced and announced[o].base != job.base):
                     fallback.add(j)
             pending.difference_update(fallback)
-            owners = {j: group[j] for j in sorted(pending)}
-            for j, outcome in self.fetcher.reduced(job.round, job.unit, owners, parts, deadline).items():
+            asks = {j: (owner(group, j), j) for j in sorted(pending)}
+            for j, outcome in self.fetcher.reduced(job.round, job.unit, asks, parts, deadline, rows).items():
                 if isinstance(outcome, Reduced):
                     # (a member with no piece checks against the pieces it can fetch within this deadline,
                     # so that a dead member delays all the parts' references by one deadline, not one each)
                     here = partial(self._combine_here, job, split, j, deadline)
-                    problem = self._problem(outcome, group, split.pieces[j] if split.pieces else None, here)
+                    problem = self._problem(outcome, job, split.pieces[j] if split.pieces else None, here)
                     if not problem:
                         got[j] = outcome
                         pending.discard(j)
                         continue
-                    outcome = self.fetcher.refuse(group[j], job.unit, problem)
+                    outcome = self.fetcher.refuse(owner(group, j), job.unit, problem)
                 if isinstance(outcome, Refused):
                     pending.discard(j)
                     fallback.add(j)
@@ -198,17 +312,21 @@ class ReduceScatter(Exchange):
         poll(one_pass, deadline, POLL_SECONDS)
         for j in sorted(fallback | pending):
             got[j] = self._combine_here(job, split, j)
+            if rows:
+                got[j] = self._merged(job, split, j, got[j])[1]
         return [got[j] for j in range(parts)]
 
     def _problem(
-        self, reduced: Reduced, group: tuple[str, ...], own: torch.Tensor | None, here: Callable[[], Reduced]
+        self, reduced: Reduced, job: UnitJob, own: torch.Tensor | None, here: Callable[[], Reduced]
     ) -> str:
         """Why a combined part from its owner cannot be used ('' when it can). It is checked against our
         own piece of it when it says it combined that piece, else (it left ours out, or we have none: our
         update does not count this round, or its piece is zero) against the part as we combine it ourselves
-        from the members' pieces (``here``): an owner cannot dodge the check by leaving us out."""
-        if not set(reduced.contributors) <= set(group):
-            return "its combined part names peers outside the group"
+        from the row's pieces (``here``): an owner cannot dodge the check by leaving us out."""
+        if not set(reduced.contributors) <= set(job.participants):
+            return "its combined part names peers outside the row"
+        if not set(reduced.rows) <= set(range(len(job.grid))) - {job.row}:
+            return "its combined part names rows outside the grid"
         if own is not None and float(own.norm()) > 0 and self.me in reduced.contributors:
             reference, what = own, "our own piece of it"
         else:
@@ -223,19 +341,31 @@ class ReduceScatter(Exchange):
         return ""
 
     def _combine_here(
-        self, job: UnitJob, split: _Split, part: int, deadline: Deadline | None = None
+        self, job: UnitJob, split: _Split, part: int, deadline: Deadline | None = None, row: int | None = None
     ) -> Reduced:
-        """A part whose owner failed us: its pieces, fetched from the members on our base (within a deadline
-        of its own unless given one), combined here. Every member that does this combines the same pieces,
-        with no reference of its own, and agrees."""
-        others = [p for p in job.participants if p != self.me]
-        where = (part, len(split.bounds))
+        """A row's part (ours unless ``row``) whose owner failed us, combined here as its owner would have
+        served it."""
+        return self._coded(job, split, part, self._combined_here(job, split, part, deadline, row))[1]
+
+    def _combined_here(
+        self,
+        job: UnitJob,
+        split: _Split,
+        part: int,
+        deadline: Deadline | None = None,
+        row: int | None = None,
+    ) -> Combined:
+        """A part of a row (ours unless ``row``) combined from its pieces, fetched from its members on our
+        base (within a deadline of its own unless given one): a part whose owner failed us, or the second
+        part we own. Every peer that does this combines the same pieces, with no reference of its own, and
+        agrees."""
+        row = job.row if row is None else row
+        members = [p for p in job.grid[row] if p != self.me]
         deadline = deadline or self.gatherer.round_deadline(job.unit)
-        contributions = self.gatherer.pieces(job.round, job.unit, others, job.base, where, deadline)
-        own = split.own(self.me, job.round, part)
-        pieces = contributions + ([own] if own else [])
-        combined = combine(screen(pieces, {}, None).kept, self.aggregate)
-        return self._coded(job, split, part, combined)[1]
+        where = (part, job.parts)
+        contributions = self.gatherer.pieces(job.round, job.unit, members, job.base, where, deadline)
+        own = split.own(self.me, job.round, part) if row == job.row else None
+        return combine(screen(contributions + ([own] if own else []), {}, None).kept, self.aggregate)
 
     # ---------------------------------------------------------------------------------- helpers
 

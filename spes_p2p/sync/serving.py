@@ -2,7 +2,8 @@
 
 - its coded update of each unit it trained, per round (``spes/update``, kind "delta"; or in parts, kind
   "piece", for a reduce-scatter), the end weights behind it (kind "end", uncompressed, for
-  re-synchronization), and the group's combined update of each part it owns (kind "reduced");
+  re-synchronization), and its row's combined update of each part it owns (kind "reduced"), and all rows'
+  (kind "merged");
 - its weights of each unit it holds, per round (``spes/weights``), so that every peer that starts training
   a unit gets the same weights of a round; newcomers may ask for its own copy of any unit;
 - the current version of each unit it holds, and the change that made it (``sync/versions.py``), for the
@@ -76,7 +77,7 @@ class Outbox:
         self._updates: dict[tuple[int, str], Posted] = {}  # (round, unit) -> our update
         self._weights: dict[str, dict[int, bytes]] = {}  # unit -> round -> weights served (none codec)
         self._encoded: dict[tuple[int, str, str, str], bytes] = {}  # (round, unit, kind, codec) -> payload
-        self._reduced: dict[tuple[int, str, int, int], bytes] = {}  # (round, unit, part, parts) -> payload
+        self._reduced: dict[tuple, bytes] = {}  # (round, unit, kind, part, parts) -> payload
         self._indexes: dict[tuple, bytes] = {}  # (round, unit, kind, codec, chain, digest) -> ChunkIndex
         transport.serve(RPC_UPDATE, self.rpc_update, max_request_bytes=MAX_REQUEST_BYTES)
         transport.serve(RPC_WEIGHTS, self.rpc_weights, max_request_bytes=MAX_REQUEST_BYTES)
@@ -87,9 +88,10 @@ class Outbox:
         with self._lock:
             self._updates[(round_, unit)] = posted
 
-    def post_reduced(self, round_: int, unit: str, part: int, parts: int, payload: bytes) -> None:
+    def post_reduced(self, round_: int, unit: str, kind: str, part: int, parts: int, payload: bytes) -> None:
+        """Serves a combined part of ours (``kind`` "reduced" or "merged")."""
         with self._lock:
-            self._reduced[(round_, unit, part, parts)] = payload
+            self._reduced[(round_, unit, kind, part, parts)] = payload
 
     def update(self, round_: int, unit: str) -> Posted | None:
         with self._lock:
@@ -125,9 +127,9 @@ class Outbox:
 
     def rpc_update(self, caller: str, request: bytes) -> bytes:
         req = self._parse(UpdateRequest, caller, request)
-        if req.kind == "reduced":
+        if req.kind in ("reduced", "merged"):
             with self._lock:
-                reduced = self._reduced.get((req.round, req.unit, req.part, req.parts))
+                reduced = self._reduced.get((req.round, req.unit, req.kind, req.part, req.parts))
             if reduced is None:
                 raise Unavailable(
                     f"no combined part {req.part}/{req.parts} of {req.unit} in round {req.round}"
