@@ -250,14 +250,14 @@ GRID_ENDS = {p: {n: START[n] + d for n, d in weights(20 + i, 0.01).items()} for 
 GRID = dense_grid(GRID_PEERS, 0, "t", 3)  # rows of 3, 2 and 2: the parts are 3, a short row's first owns two
 
 
-def grid_exchange(engines, peers=None):
-    """The peers in ``peers`` (default: all) run a round of GRID at once."""
+def grid_exchange(engines, peers=None, grid=GRID, tokens=GRID_TOKENS):
+    """The peers in ``peers`` (default: all) run a round of ``grid`` at once."""
     out, errors = {}, []
 
     def one(p):
         try:
-            row = dense_group(GRID, p)
-            job = UnitJob(0, UNIT, START, GRID_ENDS[p], GRID_TOKENS[p], row, grouped=True, grid=GRID)
+            row = dense_group(grid, p)
+            job = UnitJob(0, UNIT, START, GRID_ENDS[p], tokens[p], row, grouped=True, grid=grid)
             out[p] = engines[p].exchange(job)
         except Exception as exc:  # surfaced below
             errors.append(exc)
@@ -310,3 +310,15 @@ def test_an_owner_lying_to_the_other_rows_and_its_own_is_refused_and_everyone_ag
     assert_identical(honest)
     assert gap(honest[GRID[0][0]].new_weights, grid_mean(GRID_PEERS)) < 2e-3  # (the liar's piece is honest)
     assert all(engines[p].transport.guard.total() >= 1 for p in (GRID[0][0], GRID[1][1], GRID[2][1]))
+
+
+def test_rows_of_very_different_weight_merge_alike_on_every_row():
+    """Two rows, one counting 150 times the tokens of the other: the rule's caps measure both rows by the
+    same yardstick on every peer (not each merger by its own row's), so both rows end identical."""
+    grid = (("g0", "g1", "g2"), ("g3", "g4"))
+    tokens = {"g0": 1000, "g1": 1000, "g2": 1000, "g3": 10, "g4": 10}
+    engines = {p: e for p, e in swarm(codec="none", peers=list(tokens)).items()}
+    for e in engines.values():
+        e._reduce_scatter.aggregate = "clipped_mean"
+    results = grid_exchange(engines, grid=grid, tokens=tokens)
+    assert_identical(results)

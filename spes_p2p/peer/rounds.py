@@ -91,7 +91,7 @@ class RoundSync:
     def bound(self, job: RoundJob) -> float:
         """Seconds a job's sync can take when every wait runs to its limit (each unit's exchange, a download,
         a version, the refresh), with a margin: past it, the sync is broken, not slow."""
-        waits = 6 * len(job.units) + 1  # a reduce-scatter: pieces, the rows' parts, merged parts, fallbacks
+        waits = 8 * len(job.units) + 1  # a reduce-scatter: pieces, its second part, merging, parts, fallbacks
         return self.sync.worst_case(waits) + SYNC_MARGIN_SECONDS
 
 

@@ -106,7 +106,7 @@ class ReduceScatter(Exchange):
         for j in more:  # (a short row's last part: its pieces fetched as when an owner fails us)
             ours[j] = self._serve(job, j, *self._coded(job, split, j, self._combined_here(job, split, j)))
         if len(job.grid) > 1:
-            ours = {j: self._merge(job, split, j, reduced) for j, reduced in ours.items()}
+            ours = self._merge(job, split, ours)
         parts = self._collect(job, split, ours)
         return self._apply(job, job.start if job.diverged else job.end, parts, result)
 
@@ -166,11 +166,12 @@ class ReduceScatter(Exchange):
         self.outbox.post_reduced(job.round, job.unit, "reduced", part, job.parts, payload)
         return reduced
 
-    def _merge(self, job: UnitJob, split: _Split, part: int, reduced: Reduced) -> Reduced:
-        """Merges the rows' combined parts and serves that to our row; returns it."""
-        payload, merged = self._merged(job, split, part, reduced)
-        self.outbox.post_reduced(job.round, job.unit, "merged", part, job.parts, payload)
-        return merged
+    def _merge(self, job: UnitJob, split: _Split, ours: dict[int, Reduced]) -> dict[int, Reduced]:
+        """Merges the rows' combined parts of the parts we own and serves them to our row; returns them."""
+        merged = self._merged(job, split, ours)
+        for part, (payload, _) in merged.items():
+            self.outbox.post_reduced(job.round, job.unit, "merged", part, job.parts, payload)
+        return {part: reduced for part, (_, reduced) in merged.items()}
 
     def _coded(self, job: UnitJob, split: _Split, part: int, combined: Combined) -> tuple[bytes, Reduced]:
         """A part's combined update (zeros when nothing arrived) as its owner serves it, and as that decodes:
@@ -203,72 +204,96 @@ class ReduceScatter(Exchange):
     # ---------------------------------------------------------------------------------- the rows
 
     def _merged(
-        self, job: UnitJob, split: _Split, part: int, mine: Reduced, deadline: Deadline | None = None
-    ) -> tuple[bytes, Reduced]:
-        """Part ``part`` merged across the grid's rows: our row's combined part (``mine``) and each other
-        row's, from its owner of the part (every row splits the unit alike), checked, then combined by the
-        swarm's rule, weighted by the tokens each row counts for. Returns its payload and what it decodes
-        to. A row whose owner is gone, on other start weights, or serves nothing good in time is combined
-        here from its members' pieces, as its own members combine it then: every row merges the same."""
-        deadline = deadline or self.gatherer.round_deadline(job.unit)
-        owners = {s: owner(row, part) for s, row in enumerate(job.grid) if s != job.row}
-        rows, pending, here = {job.row: mine}, set(owners), set()
+        self,
+        job: UnitJob,
+        split: _Split,
+        mine: dict[int, Reduced],
+        deadlines: tuple[Deadline, Deadline] | None = None,
+    ) -> dict[int, tuple[bytes, Reduced]]:
+        """Each part in ``mine`` (part -> our row's combined part) merged across the grid's rows: ours and
+        each other row's, from its owner of the part (every row splits the unit alike), checked, then combined
+        by the swarm's rule, weighted by the tokens each row counts for, alike on every peer (no row is the
+        yardstick). Returns each part's payload and what it decodes to. A row whose owner of a part is gone,
+        on other start weights, not waited for (it missed ``MISS_LIMIT`` rounds), refused, or serves nothing
+        in time is combined here from its members' pieces, as its own members combine it then. ``deadlines``:
+        for the asks to the owners and for what is combined here (default: one each, from now)."""
+        wait, later = deadlines or (self.gatherer.round_deadline(job.unit), None)
+        asks = {(j, s): owner(row, j) for j in mine for s, row in enumerate(job.grid) if s != job.row}
+        rows: dict[int, dict[int, Reduced]] = {j: {job.row: mine[j]} for j in mine}
+        here = {key for key, o in asks.items() if not self.ledger.waited_for(o)}
+        pending = set(asks) - here
 
         def one_pass() -> bool | None:
             announced = self.gatherer.announcements(job.round, job.unit)
-            live = self.gatherer.taking_part(job.round, job.unit, owners.values())
-            for s in sorted(pending):
-                o = owners[s]
+            live = self.gatherer.taking_part(job.round, job.unit, set(asks.values()))
+            for key in sorted(pending):
+                o = asks[key]
                 if o not in live or (o in announced and announced[o].base != job.base):
-                    here.add(s)
+                    here.add(key)
             pending.difference_update(here)
-            asks = {s: (owners[s], part) for s in sorted(pending)}
-            for s, outcome in self.fetcher.reduced(job.round, job.unit, asks, job.parts, deadline).items():
-                problem = isinstance(outcome, Reduced) and self._row_problem(job, s, outcome, mine)
+            todo = {key: (asks[key], key[0]) for key in sorted(pending)}
+            for key, outcome in self.fetcher.reduced(job.round, job.unit, todo, job.parts, wait).items():
+                j, s = key
+                problem = isinstance(outcome, Reduced) and self._row_problem(
+                    job, s, outcome, mine[j], announced
+                )
                 if isinstance(outcome, Reduced) and not problem:
-                    rows[s] = outcome
+                    rows[j][s] = outcome
                 elif problem:
-                    self.fetcher.refuse(owners[s], job.unit, problem)
+                    self.fetcher.refuse(asks[key], job.unit, problem)
                 if isinstance(outcome, Reduced | Refused):
-                    pending.discard(s)
-                    here.update([s] if s not in rows else [])
+                    pending.discard(key)
+                    here.update([key] if s not in rows[j] else [])
             return True if not pending else None
 
-        poll(one_pass, deadline, POLL_SECONDS)
-        later = self.gatherer.round_deadline(job.unit)
-        for s in sorted(here | pending):
-            rows[s] = self._combine_here(job, split, part, later, row=s)
+        poll(one_pass, wait, POLL_SECONDS)
+        later = later or self.gatherer.round_deadline(job.unit)
+        for j, s in sorted(here | pending):
+            rows[j][s] = self._combine_here(job, split, j, later, row=s)
+        return {j: self._merge_rows(job, j, rows[j], asks) for j in mine}
+
+    def _merge_rows(
+        self, job: UnitJob, part: int, rows: dict[int, Reduced], asks: dict[tuple[int, int], str]
+    ) -> tuple[bytes, Reduced]:
+        """One part's rows combined (those with no contributor left out): its payload, and what that decodes
+        to."""
         used = [
             Contribution(f"{s:04d}", r.tokens, {"piece": r.piece}, job.round)
             for s, r in sorted(rows.items())
             if r.contributors
         ]
-        combined = combine(used, self.aggregate, f"{job.row:04d}" if mine.contributors else None)
-        for s in combined.rejected:
-            self.fetcher.refuse(
-                owners[int(s)], job.unit, "its row's combined part lies far beyond the others"
-            )
-        merged = combined.update["piece"] if combined.used else torch.zeros_like(mine.piece)
+        combined = combine(used, self.aggregate)
+        for s in sorted(int(r) for r in combined.rejected):
+            if s != job.row and (part, s) in asks:  # (an owner that served it; not one combined here)
+                self.fetcher.refuse(
+                    asks[(part, s)], job.unit, "its row's combined part lies far beyond the others"
+                )
+        merged = combined.update["piece"] if combined.used else torch.zeros_like(rows[job.row].piece)
         merged_rows = {int(c.peer_id) for c in combined.used}
         tokens = sum(c.tokens for c in combined.used)
-        contributors = mine.contributors if job.row in merged_rows else []
-        return self._code(
-            job, part, merged, "merged", contributors, tokens, tuple(sorted(merged_rows - {job.row}))
-        )
+        contributors = rows[job.row].contributors if job.row in merged_rows else []
+        others = tuple(sorted(merged_rows - {job.row}))
+        return self._code(job, part, merged, "merged", contributors, tokens, others)
 
-    def _row_problem(self, job: UnitJob, row: int, reduced: Reduced, mine: Reduced) -> str:
+    def _row_problem(self, job: UnitJob, row: int, reduced: Reduced, mine: Reduced, announced: dict) -> str:
         """Why another row's combined part cannot be merged ('' when it can): it must name only members of
-        that row, count at most their tokens, and lie within reach of ours and point along it."""
-        if not set(reduced.contributors) <= set(job.grid[row]) or reduced.rows:
+        that row, each once, count at most the tokens they announced, have been combined on our start
+        weights, and lie within ``REJECT_FACTOR`` of our row's part either way and point along it."""
+        named = set(reduced.contributors)
+        if not named <= set(job.grid[row]) or len(named) < len(reduced.contributors) or reduced.rows:
             return "its row's combined part names peers outside its row"
         if reduced.base != job.base:
             return "its row's combined part was combined on other start weights than it announced"
-        if not 0 <= reduced.tokens <= len(reduced.contributors) * self.fetcher.cfg.max_round_tokens:
-            return "its row's combined part claims more tokens than its members count for"
-        if not reduced.contributors or not mine.contributors or float(mine.piece.norm()) == 0:
+        most = {
+            p: announced[p].tokens if p in announced else self.fetcher.cfg.max_round_tokens for p in named
+        }
+        if reduced.tokens > sum(self.fetcher.clamped(t) for t in most.values()):
+            return "its row's combined part claims more tokens than its members announced"
+        ours, theirs = float(mine.piece.norm()), float(reduced.piece.norm())
+        if not named or not mine.contributors or ours == 0:
             return ""
-        if float(reduced.piece.norm()) > REJECT_FACTOR * float(mine.piece.norm()):
-            return "its row's combined part lies far beyond our row's"
+        if not ours / REJECT_FACTOR <= theirs <= REJECT_FACTOR * ours:
+            return "its row's combined part lies far from our row's"
         if not cosine({"p": reduced.piece}, {"p": mine.piece}) > AGREE_MIN:
             return "its row's combined part does not point along our row's"
         return ""
@@ -310,11 +335,12 @@ class ReduceScatter(Exchange):
             return True if not pending else None
 
         poll(one_pass, deadline, POLL_SECONDS)
-        for j in sorted(fallback | pending):
-            got[j] = self._combine_here(job, split, j)
-            if rows:
-                got[j] = self._merged(job, split, j, got[j])[1]
-        return [got[j] for j in range(parts)]
+        later = self.gatherer.round_deadline(job.unit)  # (one wait for all the parts combined here)
+        here = {j: self._combine_here(job, split, j, later) for j in sorted(fallback | pending)}
+        if rows and here:
+            merged = self._merged(job, split, here, (later, later))
+            here = {j: reduced for j, (_, reduced) in merged.items()}
+        return [{**got, **here}[j] for j in range(parts)]
 
     def _problem(
         self, reduced: Reduced, job: UnitJob, own: torch.Tensor | None, here: Callable[[], Reduced]
@@ -357,15 +383,16 @@ class ReduceScatter(Exchange):
     ) -> Combined:
         """A part of a row (ours unless ``row``) combined from its pieces, fetched from its members on our
         base (within a deadline of its own unless given one): a part whose owner failed us, or the second
-        part we own. Every peer that does this combines the same pieces, with no reference of its own, and
-        agrees."""
+        part we own. Every peer that does this combines the same pieces as the part's owner does, with the
+        owner's piece as the yardstick as the owner has it, and agrees with it."""
         row = job.row if row is None else row
         members = [p for p in job.grid[row] if p != self.me]
         deadline = deadline or self.gatherer.round_deadline(job.unit)
         where = (part, job.parts)
         contributions = self.gatherer.pieces(job.round, job.unit, members, job.base, where, deadline)
         own = split.own(self.me, job.round, part) if row == job.row else None
-        return combine(screen(contributions + ([own] if own else []), {}, None).kept, self.aggregate)
+        kept = screen(contributions + ([own] if own else []), {}, None).kept
+        return combine(kept, self.aggregate, owner(job.grid[row], part))
 
     # ---------------------------------------------------------------------------------- helpers
 
