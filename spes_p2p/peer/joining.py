@@ -36,16 +36,16 @@ def wait_for_peers(member: SwarmMember, count: int, timeout: float, stop: thread
     """Waits (bounded) for ``count`` peers in the swarm, so a local swarm starts its rounds together."""
 
     def enough() -> bool | None:
-        return len(member.recent_peers()) >= count or None
+        return len(member.recent_view().peers) >= count or None
 
     poll(enough, Deadline(timeout, stop), POLL_SECONDS)
-    return len(member.recent_peers())
+    return len(member.last_view.peers)
 
 
 def settle_founders(member: SwarmMember, round_: int) -> None:
     """Founders that waited for each other settle their claims before the first round (the peer's
     first round then trains what they settled on); a peer that joined a training swarm does nothing."""
-    if round_ == 0 and not is_training(member.view().peers, member.me):
+    if round_ == 0 and not is_training(member.view(), member.me):
         member.settle()
 
 
@@ -53,13 +53,14 @@ def wait_for_round(member: SwarmMember, round_: int, timeout: float, stop: threa
     """Waits (bounded) until the swarm has reached ``round_``, before joining it."""
 
     def reached() -> bool | None:
-        return swarm_round(others_of(member.recent_peers(), member.me)) >= round_ or None
+        view = member.recent_view()
+        return swarm_round(others_of(view, member.me)) >= round_ or None
 
     return bool(poll(reached, Deadline(timeout, stop), POLL_SECONDS))
 
 
-def others_of(peers: dict, me: str) -> list:
-    return [p for p in peers.values() if p.peer_id != me]
+def others_of(view: SwarmView, me: str) -> list:
+    return [p for p in view.peers.values() if p.peer_id != me]
 
 
 def swarm_round(others: list) -> int:
@@ -68,28 +69,30 @@ def swarm_round(others: list) -> int:
     return statistics.median_low(p.round for p in others) if others else 0
 
 
-def is_training(peers: dict, me: str) -> bool:
+def is_training(view: SwarmView, me: str) -> bool:
     """Whether the others have finished a round (peers that start together all hold the seeded model)."""
-    return any(p.trained or p.round > 0 for p in others_of(peers, me))
+    return any(p.trained or p.round > 0 for p in others_of(view, me))
 
 
 def at_round_boundary(member: SwarmMember, seconds: float) -> SwarmView:
     """If the swarm is training, waits (bounded) until it lands its current round, so a newcomer starts with
     the next round from that round's results instead of joining a round it cannot finish in time."""
     view, me = member.view(), member.me
-    if not is_training(view.peers, me):  # nobody has finished a round yet
+    others = others_of(view, me)
+    if not is_training(view, me):  # nobody has finished a round yet
         return view
-    current = swarm_round(others_of(view.peers, me))
+    current = swarm_round(others)
 
-    def landed() -> bool | None:
-        return swarm_round(others_of(member.recent_peers(), me)) > current or None
+    def landed() -> SwarmView | None:
+        fresh = member.recent_view()
+        return fresh if swarm_round(others_of(fresh, me)) > current else None
 
-    return member.view() if poll(landed, Deadline(seconds), POLL_SECONDS) else member.last_view
+    return poll(landed, Deadline(seconds), POLL_SECONDS) or member.last_view
 
 
 def catch_up(view: SwarmView, me: str, sync: SyncEngine, write: Write, seconds: float) -> int | None:
     """Downloads every unit from the swarm; returns the swarm's round (None when nobody else is there)."""
-    others = others_of(view.peers, me)
+    others = others_of(view, me)
     if not others:
         return None
     holders = {u: sorted(h - {me}) for u, h in view.holders.items()}
@@ -124,7 +127,7 @@ def download_initial_model(
     are others (the founder's came from ``--init``, or another torch build drew these from the seed): from
     any live peer (holders first), each unit checked against its fingerprint. A peer that serves other
     weights is refused and counted, and the next one asked: one liar does not lock newcomers out."""
-    others = [p.peer_id for p in others_of(view.peers, me)]
+    others = [p.peer_id for p in others_of(view, me)]
     # (each peer once, in order: dict.fromkeys)
     sources = {u: list(dict.fromkeys([*sorted(view.holders.get(u, set()) - {me}), *others])) for u in units}
 
@@ -148,7 +151,7 @@ def download_initial_model(
 
 
 def rounds_behind(view: SwarmView, me: str, round_: int) -> int:
-    return swarm_round(others_of(view.peers, me)) - round_
+    return swarm_round(others_of(view, me)) - round_
 
 
 def fetch_exact(

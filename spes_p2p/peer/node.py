@@ -144,7 +144,7 @@ class Peer:
         checkpoint = self._restore() if resume else None
         view = joining.at_round_boundary(self.member, self.sync.longest_wait())
         mark("boundary")
-        training = joining.is_training(view.peers, self.me)
+        training = joining.is_training(view, self.me)
         if not checkpoint:  # (a newcomer starts in the oldest epoch the swarm still trains)
             self.data.start_in([p.data_epoch for p in view.peers.values() if p.peer_id != self.me])
         if training:
@@ -191,7 +191,7 @@ class Peer:
         so nobody misses this peer's final update or weights."""
 
         def everyone_landed() -> bool | None:
-            return all(p.round >= self.round for p in self.member.recent_peers().values()) or None
+            return all(p.round >= self.round for p in self.member.recent_view().peers.values()) or None
 
         return bool(poll(everyone_landed, Deadline(timeout), POLL_SECONDS))
 

@@ -144,7 +144,10 @@ def read_view(
     transport's guard. Records older than ``stale_after`` seconds are stale (``SwarmView.stale``)."""
     keys = {u: holders_key(run_id, u) for u in units}
     found = transport.read_many([peers_key(run_id), *keys.values()])
-    peers = live_peers(transport, found[peers_key(run_id)], manifest)
+    peers = parse_peers(found[peers_key(run_id)], transport.guard)
+    peers = {p: r for p, r in peers.items() if not manifest or r.manifest == manifest}
+    for peer, record in peers.items():
+        transport.learn(peer, record.addresses)  # (a signed record: the peer itself says where it is)
     holding = {
         u: {p: h for p, h in parse_holders(found[key], transport.guard).items() if p in peers}
         for u, key in keys.items()
@@ -159,16 +162,6 @@ def read_view(
         view.since[unit] = {p: h.since for p, h in live.items()}
         view.epochs[unit] = {p: h.epoch for p, h in live.items()}
     return view
-
-
-def live_peers(transport: Transport, entries: dict, manifest: str = "") -> dict[str, PeerRecord]:
-    """The valid, active peer records among ``entries`` (those sharing ``manifest``, when given), whose
-    addresses the transport learns (a signed record: the peer itself says where it is)."""
-    peers = parse_peers(entries, transport.guard)
-    peers = {p: r for p, r in peers.items() if not manifest or r.manifest == manifest}
-    for peer, record in peers.items():
-        transport.learn(peer, record.addresses)
-    return peers
 
 
 def over_capacity(
@@ -295,8 +288,7 @@ class SwarmMember:
         self._manifest_record = manifest.record()
         self._manifest_due = float("-inf")  # when the manifest record is next refreshed (transport time)
         self._published = False  # whether this peer's active record is out (until it leaves)
-        self._peers: dict[str, PeerRecord] = {}  # the live peers as last read...
-        self._peers_at = float("-inf")  # ...then (time.monotonic)
+        self._viewed_at = float("-inf")  # when last_view was read (time.monotonic)
         self._holders: dict[str, tuple[float, dict[str, HolderRecord]]] = {}  # unit -> (read at, its entries)
         self._entries: set[str] = set()  # the units whose holder entries this peer has out
         self._state = threading.RLock()
@@ -376,22 +368,9 @@ class SwarmMember:
             self.reachable = verdict
 
     def live_peers(self) -> set[str]:
-        """The ids of ``recent_peers``."""
-        return set(self.recent_peers())
-
-    def recent_peers(self) -> dict[str, PeerRecord]:
-        """The live peers as read within a heartbeat, else as read now (``<run>/peers`` alone): for the
-        waits and checks that poll who is in the swarm, from several threads (the records change no faster,
-        but for a leave's tombstone, then seen up to a heartbeat late; a read at each poll, by hundreds of
-        peers that wait together, would cost each of them every record several times a second). A read that
-        does not find this peer, once its record is out, has failed: the last one stands."""
-        if time.monotonic() - self._peers_at > self.cfg.swarm.heartbeat_seconds:
-            entries = self.transport.read(peers_key(self.cfg.swarm.run_id))
-            peers = live_peers(self.transport, entries, self.manifest.hash)
-            if not self._published or self.me in peers:
-                self._peers = peers
-            self._peers_at = time.monotonic()
-        return self._peers
+        """The peers of ``recent_view`` (waits check liveness often, from several threads: one read a
+        heartbeat serves them all; the records change no faster, but for a leave's tombstone)."""
+        return set(self.recent_view().peers)
 
     def participants(self, unit: str, round_: int) -> set[str]:
         """Who takes part in ``unit``'s round ``round_`` as the unit's holder entries say now (read at most
@@ -408,17 +387,23 @@ class SwarmMember:
         until = {p: h.until for p, h in entries.items() if p in counted and h.until is not None}
         return trained_in(since, until, round_)
 
+    def recent_view(self) -> SwarmView:
+        """The last view, when it was read within a heartbeat, else a new one: for waits that poll the
+        swarm's records (they change no faster than heartbeats; a read each poll, by hundreds of peers
+        that wait together, would cost every one of them a read of every record several times a second)."""
+        if time.monotonic() - self._viewed_at > self.cfg.swarm.heartbeat_seconds:
+            self.view()
+        return self.last_view
+
     def view(self) -> SwarmView:
-        """The swarm now (its peers and every unit's holders, read at once). Once this peer's record is out,
-        every read finds it: one that does not (a DHT timeout, on a saturated machine) must not read as
-        "everyone left": the last view stands."""
+        """The swarm now (one DHT read). Once this peer's record is out, every read finds it: one that does
+        not (a DHT timeout, on a saturated machine) must not read as "everyone left": the last view stands."""
         ttl = self.cfg.swarm.record_ttl_seconds
         view = read_view(self.transport, self.cfg.swarm.run_id, self.units, self.manifest.hash, ttl / 2)
         if self._published and self.me not in view.peers:
             logger.warning("a read of the swarm's records found nobody; using the last view")
             return self.last_view
-        self.last_view = view  # (readers see the old view or this one)
-        self._peers, self._peers_at = view.peers, time.monotonic()
+        self.last_view, self._viewed_at = view, time.monotonic()  # (readers see the old view or this one)
         return view
 
     def served(self, unit: str, ok: bool) -> None:
