@@ -10,14 +10,7 @@ from spes_p2p.net.transport import Entry, RemoteError
 from spes_p2p.net.wire import RecordError
 from spes_p2p.settings import Settings
 from spes_p2p.swarm.manifest import Manifest, ManifestError, ManifestRecord
-from spes_p2p.swarm.records import (
-    Announcement,
-    HolderRecord,
-    PeerRecord,
-    Progress,
-    ProgressRecord,
-    parse_peers,
-)
+from spes_p2p.swarm.records import Announcement, Holding, PeerRecord, Progress, ProgressRecord, parse_peers
 from spes_p2p.sync.codecs import CODECS
 from spes_p2p.sync.config import SyncConfig
 from spes_p2p.sync.engine import SyncEngine
@@ -28,27 +21,22 @@ HEX = "ab" * 8
 
 
 def peer(**changes) -> dict:
-    return {"peer_id": "p", "addresses": [], "round": 2, **changes}
-
-
-def holder(**changes) -> dict:
-    return {"peer_id": "p", "since": 2, **changes}
+    return {"peer_id": "p", "addresses": [], "holds": {"experts/0": {"since": 2}}, **changes}
 
 
 @pytest.mark.parametrize(
     ("cls", "value", "problem"),
     [
-        (PeerRecord, peer(holds={"experts/0": {}}), "unknown field"),  # (holders have keys of their own)
-        (HolderRecord, holder(until="later"), "Expected `int | null`"),
-        (HolderRecord, holder(since=-1), ">= 0"),
-        (HolderRecord, holder(state="owner"), "Invalid enum value"),
+        (PeerRecord, peer(holds=["experts/0"]), "Expected `object`"),
+        (PeerRecord, peer(holds={"experts/x": {}}), "matching regex"),
+        (PeerRecord, peer(holds={"experts/0": {"since": 0, "until": "later"}}), "Expected `int | null`"),
         (PeerRecord, peer(round=-1), ">= 0"),
         (ProgressRecord, {"peer_id": "p", "progress": {"loss": float("nan")}}, "finite"),
         (ProgressRecord, {"peer_id": "p", "progress": {"sent": -1}}, ">= 0"),
         (ProgressRecord, {"peer_id": "p", "scores": {"q": 1.5}}, "<= 1"),
         (PeerRecord, peer(progress={"loss": 2.5}), "unknown field"),  # (progress has a key of its own)
         (PeerRecord, peer(admin=True), "unknown field"),
-        (PeerRecord, {"addresses": []}, "missing required field `peer_id`"),
+        (PeerRecord, {"addresses": [], "holds": {}}, "missing required field `peer_id`"),
         (PeerRecord, peer(addresses=["a"] * 17), "length <= 16"),
         (PeerRecord, peer(state="owner"), "Invalid enum value"),
         (
@@ -66,11 +54,14 @@ def test_records_of_the_wrong_schema_are_refused(cls, value, problem):
 
 def test_records_round_trip_and_oversized_or_foreign_bytes_are_refused(manifest_of):
     record = PeerRecord(
-        peer_id="p", addresses=["/ip4/1.2.3.4/tcp/5/p2p/p"], round=3, trained=True, data_epoch=1
+        peer_id="p",
+        addresses=["/ip4/1.2.3.4/tcp/5/p2p/p"],
+        holds={"dense/0": Holding(since=1), "experts/1": Holding(since=0, until=2)},
+        round=3,
+        trained=True,
+        data_epoch=1,
     )
-    assert PeerRecord.decode(record.encode()) == record
-    given_up = HolderRecord(peer_id="p", since=0, until=2, epoch=1)
-    assert HolderRecord.decode(given_up.encode()) == given_up
+    assert PeerRecord.decode(record.encode()) == record and record.units == ["dense/0"]
     progress = Progress(loss=2.5, val_loss=2.75, tokens=4096, sent=10, received=20, rejected=1)
     shown = ProgressRecord(peer_id="p", round=3, progress=progress, scores={"q": 0.25})
     assert ProgressRecord.decode(shown.encode()) == shown

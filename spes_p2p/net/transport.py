@@ -39,7 +39,6 @@ import time
 from abc import ABC, abstractmethod
 from collections import Counter
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import ClassVar
@@ -54,7 +53,6 @@ MAX_RECORD_BYTES = 16 * 1024
 MAX_EXPIRY_AHEAD = 600.0  # an entry set to outlive every honest TTL by this much is not read
 DEFAULT_MAX_MESSAGE_BYTES = 1 << 30
 MAX_GOSSIP_BYTES = 4096  # (py-libp2p's gossipsub silently drops messages of 1 MiB or more)
-PARALLEL_READS = 8  # DHT reads a ``read_many`` has in flight at once
 # What a server grants one remote peer: requests in progress at once, seconds to send its request (a few KB
 # at most), and seconds to take the answer before the stream is dropped.
 MAX_STREAMS_PER_PEER = 8
@@ -295,13 +293,6 @@ class Transport(ABC):
     @abstractmethod
     def read(self, key: str) -> dict[str, Entry]:
         """All live entries under ``key`` (bytes values only), by the peer id that wrote them."""
-
-    def read_many(self, keys: list[str]) -> dict[str, dict[str, Entry]]:
-        """Several keys' entries (each as ``read``), read at once: the wait of one read, not of one each."""
-        if len(keys) <= 1:
-            return {key: self.read(key) for key in keys}
-        with ThreadPoolExecutor(min(len(keys), PARALLEL_READS), thread_name_prefix="dht-read") as pool:
-            return dict(zip(keys, pool.map(self.read, keys), strict=True))
 
     @abstractmethod
     def serve(self, name: str, handler: Handler, *, max_request_bytes: int) -> None:

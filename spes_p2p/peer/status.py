@@ -80,7 +80,7 @@ def swarm_summary(transport: Transport, run_id: str, manifest: Manifest) -> dict
         "peers": [
             {
                 "peer_id": p.peer_id,
-                "units": view.units_of(p.peer_id),
+                "units": p.units,
                 "round": p.round,
                 "tokens_per_s": progress[p.peer_id].tokens_per_s,
                 "loss": progress[p.peer_id].loss,

@@ -45,7 +45,7 @@ from spes_p2p.net.wire import RecordError
 from spes_p2p.settings import Settings
 from spes_p2p.sim.config import BYZANTINE_MODES as MODES
 from spes_p2p.swarm.gossip import Told
-from spes_p2p.swarm.records import Announcement, HolderRecord, PeerRecord, holders_key, peers_key
+from spes_p2p.swarm.records import Announcement, Holding, PeerRecord, peers_key
 from spes_p2p.sync.messages import RPC_UPDATE, RPC_WEIGHTS, UpdateRequest, WeightsRequest
 from spes_p2p.sync.payload import buffers_digest, metadata_of
 
@@ -103,7 +103,6 @@ class ByzantineTransport(Transport):
         self.announced: dict[tuple[int, str], Announcement] = {}  # (round, unit) -> what it announces
         self.stopped = threading.Event()
         self.sybils: list[Transport] = []
-        self.holding: set[str] = set()  # overclaim: the units its own holder entries claim
         self.run_id = ""  # (learnt from the first update it announces)
 
     # ---------------------------------------------------------------------------------- pass-through
@@ -170,15 +169,10 @@ class ByzantineTransport(Transport):
 
     def publish(self, key: str, value: bytes, expires_at: float) -> bool:
         parts = key.split("/")
-        if self.mode == "claimall" and parts[1] == "holders":
-            return True  # (its claims are what it forges below, its own entries and tombstones aside)
-        if self.mode == "overclaim" and parts[1] == "holders":  # (its own entries go out as they are)
-            unit, entry = "/".join(parts[2:]), HolderRecord.decode(value)
-            self.holding = self.holding - {unit} if entry.state == "left" else self.holding | {unit}
         if self.mode == "claimall" and parts[-1] == "peers":
-            self._claim_all(parts[0], PeerRecord.decode(value), expires_at)
+            value = self._claim_all(parts[0], PeerRecord.decode(value), expires_at)
         if self.mode == "overclaim" and parts[-1] == "peers":
-            value = self._overclaim(parts[0], PeerRecord.decode(value), expires_at)
+            value = self._overclaim(PeerRecord.decode(value))
         if self.mode == "forge" and parts[-1] == "peers":
             self._forge_tombstones(parts[0], PeerRecord.decode(value))
         if len(parts) == 5 and parts[1] == "updates":  # <run>/updates/<round>/<unit>: our update is ready
@@ -280,33 +274,27 @@ class ByzantineTransport(Transport):
                 self.inner.publish(key, fake.encode(), expires_at)
                 break
 
-    def _claim_all(self, run_id: str, record: PeerRecord, expires_at: float) -> None:
-        """Claims every unit, and has its sybils (fake peers on the same network, that serve nothing) claim
-        the last expert shard, so that it looks covered many times over."""
+    def _claim_all(self, run_id: str, record: PeerRecord, expires_at: float) -> bytes:
+        """Claims every unit in its own record (returned), and has its sybils (fake peers on the same
+        network, that serve nothing) claim the last expert shard, so that it looks covered many times over."""
         if record.state != "active":
-            return
+            return record.encode()
         if not self.sybils:
             self.sybils = [self.inner.network.join(f"{self.peer_id}-sybil{i}") for i in range(SYBILS)]
         target = [u for u in self.units if u.startswith("experts/")][-1]
         for sybil in self.sybils:
-            fake = msgspec.structs.replace(record, peer_id=sybil.peer_id, addresses=[])
+            fake = msgspec.structs.replace(
+                record, peer_id=sybil.peer_id, addresses=[], holds={target: Holding()}
+            )
             sybil.publish(peers_key(run_id), fake.encode(), expires_at)
-            claim = HolderRecord(peer_id=sybil.peer_id).encode()
-            sybil.publish(holders_key(run_id, target), claim, expires_at)
-        self._claim(run_id, self.units, expires_at)
+        return msgspec.structs.replace(record, holds={u: Holding() for u in self.units}).encode()
 
-    def _overclaim(self, run_id: str, record: PeerRecord, expires_at: float) -> bytes:
-        """Declares capacity for every expert shard, and claims those it does not hold."""
+    def _overclaim(self, record: PeerRecord) -> bytes:
         if record.state != "active":
             return record.encode()
         shards = [u for u in self.units if u.startswith("experts/")]
-        self._claim(run_id, [u for u in shards if u not in self.holding], expires_at)
-        return msgspec.structs.replace(record, capacity=len(shards)).encode()
-
-    def _claim(self, run_id: str, units: list[str], expires_at: float) -> None:
-        claim = HolderRecord(peer_id=self.peer_id).encode()
-        for unit in units:
-            self.inner.publish(holders_key(run_id, unit), claim, expires_at)
+        holds = {**{u: Holding() for u in shards}, **record.holds}
+        return msgspec.structs.replace(record, capacity=len(shards), holds=holds).encode()
 
     def _forge_tombstones(self, run_id: str, record: PeerRecord) -> None:
         """For every other peer: a "left" peer record under the victim's id, made with this peer's key.
@@ -316,7 +304,7 @@ class ByzantineTransport(Transport):
         victims = set(self.inner.read(peers_key(run_id))) - {self.peer_id}
         logger.info("forging tombstones of %s", sorted(victims))
         for victim in victims:
-            left = msgspec.structs.replace(record, peer_id=victim, addresses=[], state="left")
+            left = msgspec.structs.replace(record, peer_id=victim, addresses=[], holds={}, state="left")
             if self.inner.backend == "hivemind":
                 subkey = victim.encode() + self.inner._validator.local_public_key
                 far = self.inner.now() + 3600

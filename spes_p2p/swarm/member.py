@@ -5,10 +5,10 @@ sync boundaries) and reads the swarm (``view``). It never blocks for longer than
 It is thread-safe: the training thread claims and reports progress, the heartbeat thread refreshes the
 records, the sync thread reads views and claims; one lock guards its state, never held across a DHT call.
 
-A peer's entry under each unit it holds (``records.HolderRecord``) says from which round it trains it
-(``since``), and, for a unit it has given up, the last round it trained it (``until``): for a few rounds more
-it still serves that round's weights, so the unit's new holders can fetch them exactly; then a tombstone
-replaces the entry. The entry also names the rotation epoch of its claims (``epoch``, dense blocks).
+A peer's record lists the units it holds: from which round it trains each (``since``), and, for a unit it
+has given up, the last round it trained it (``until``): for a few rounds more it still serves that round's
+weights, so the unit's new holders can fetch them exactly. The record also names the rotation epoch of its
+claims (``epoch``, dense blocks).
 """
 
 from __future__ import annotations
@@ -35,17 +35,13 @@ from spes_p2p.swarm.records import (
     MAX_ADDRESSES,
     MAX_BANNED,
     MAX_SCORES,
-    HolderRecord,
+    Holding,
     PeerRecord,
     Progress,
     ProgressRecord,
     Record,
-    holders_key,
-    parse_holders,
-    parse_peers,
     peers_key,
     progress_key,
-    read_holders,
     read_peers,
 )
 
@@ -123,56 +119,39 @@ class SwarmView:
 
     def participants(self, unit: str, round_: int) -> set[str]:
         """The peers that trained ``unit`` in ``round_``: holders since then, former holders until then."""
-        return trained_in(self.since.get(unit, {}), self.until.get(unit, {}), round_)
-
-    def units_of(self, peer: str) -> list[str]:
-        """The units ``peer`` trains now (not those it gave up)."""
-        return sorted(u for u, h in self.holders.items() if peer in h)
-
-
-def trained_in(since: dict[str, int], until: dict[str, int], round_: int) -> set[str]:
-    """Of the holders of a unit (``since``: the first round each trains it; ``until``: the last, for those
-    that gave it up), those that trained it in ``round_``."""
-    return {p for p, first in since.items() if first <= round_ <= until.get(p, round_)}
+        since = self.since.get(unit, {})
+        current = {p for p in self.holders.get(unit, set()) if since.get(p, 0) <= round_}
+        former = {p for p, last in self.until.get(unit, {}).items() if since.get(p, 0) <= round_ <= last}
+        return current | former
 
 
 def read_view(
     transport: Transport, run_id: str, units: list[str], manifest: str = "", stale_after: float = math.inf
 ) -> SwarmView:
-    """Live peers (those sharing ``manifest``, when given) and, for every unit, its live holders (DHT reads
-    of the peers and of each unit's holders, at once); invalid records are skipped and reported to the
-    transport's guard. Records older than ``stale_after`` seconds are stale (``SwarmView.stale``)."""
-    keys = {u: holders_key(run_id, u) for u in units}
-    found = transport.read_many([peers_key(run_id), *keys.values()])
-    peers = parse_peers(found[peers_key(run_id)], transport.guard)
+    """Live peers (those sharing ``manifest``, when given) and, for every unit, its live holders (one DHT
+    read); invalid records are skipped and reported to the transport's guard. Records older than
+    ``stale_after`` seconds are stale (``SwarmView.stale``)."""
+    peers = read_peers(transport, run_id)
     peers = {p: r for p, r in peers.items() if not manifest or r.manifest == manifest}
     for peer, record in peers.items():
         transport.learn(peer, record.addresses)  # (a signed record: the peer itself says where it is)
-    holding = {
-        u: {p: h for p, h in parse_holders(found[key], transport.guard).items() if p in peers}
-        for u, key in keys.items()
-    }
-    over = over_capacity(peers, holding, transport.guard)
+    over = over_capacity(peers, transport.guard)
     now = transport.now()
     view = SwarmView(peers, {}, stale={p for p, r in peers.items() if now - r.seen > stale_after})
     for unit in units:
-        live = {p: h for p, h in holding[unit].items() if p not in over}
+        live = {p: r.holds[unit] for p, r in peers.items() if unit in r.holds and p not in over}
         view.until[unit] = {p: h.until for p, h in live.items() if h.until is not None}
         view.holders[unit] = set(live) - set(view.until[unit])
         view.since[unit] = {p: h.since for p, h in live.items()}
-        view.epochs[unit] = {p: h.epoch for p, h in live.items()}
+        view.epochs[unit] = {p: peers[p].epoch for p in live}
     return view
 
 
-def over_capacity(
-    peers: dict[str, PeerRecord], holding: dict[str, dict[str, HolderRecord]], guard
-) -> set[str]:
+def over_capacity(peers: dict[str, PeerRecord], guard) -> set[str]:
     """Peers that hold more expert shards than their records declare they can: their claims are ignored
     (a client never does this; a peer that claims every shard to starve the others does)."""
     # (a shard given up is still served a few rounds: not a claim)
-    held = Counter(
-        p for u, hs in holding.items() if u.startswith("experts/") for p, h in hs.items() if h.until is None
-    )
+    held = {p: sum(u.startswith("experts/") for u in r.units) for p, r in peers.items()}
     over = {p for p, n in held.items() if n > peers[p].capacity}
     for p in over:
         guard.reject(
@@ -289,8 +268,6 @@ class SwarmMember:
         self._manifest_due = float("-inf")  # when the manifest record is next refreshed (transport time)
         self._published = False  # whether this peer's active record is out (until it leaves)
         self._viewed_at = float("-inf")  # when last_view was read (time.monotonic)
-        self._holders: dict[str, tuple[float, dict[str, HolderRecord]]] = {}  # unit -> (read at, its entries)
-        self._entries: set[str] = set()  # the units whose holder entries this peer has out
         self._state = threading.RLock()
         self._publishing = threading.Lock()
         self.held: set[str] = set()
@@ -373,19 +350,10 @@ class SwarmMember:
         return set(self.recent_view().peers)
 
     def participants(self, unit: str, round_: int) -> set[str]:
-        """Who takes part in ``unit``'s round ``round_`` as the unit's holder entries say now (read at most
-        once a heartbeat: a round's waits ask often, and read that unit's holders alone), of those the last
-        view counted: a peer that left does not, nor one that came back holding the unit only from a later
-        round (a restart, which will never deliver that round's update)."""
-        now = time.monotonic()
-        read_at, entries = self._holders.get(unit, (-math.inf, {}))
-        if now - read_at > self.cfg.swarm.heartbeat_seconds:
-            entries = read_holders(self.transport, self.cfg.swarm.run_id, unit)
-            self._holders[unit] = (now, entries)
-        counted = set(self.last_view.since.get(unit, {})) | {self.me}
-        since = {p: h.since for p, h in entries.items() if p in counted}
-        until = {p: h.until for p, h in entries.items() if p in counted and h.until is not None}
-        return trained_in(since, until, round_)
+        """Who takes part in ``unit``'s round ``round_`` as the swarm's records say now (a view as recent as
+        ``live_peers``'s): a peer that left does not, nor one that came back holding the unit only from a
+        later round (a restart, which will never deliver that round's update)."""
+        return self.recent_view().participants(unit, round_)
 
     def recent_view(self) -> SwarmView:
         """The last view, when it was read within a heartbeat, else a new one: for waits that poll the
@@ -448,7 +416,7 @@ class SwarmMember:
 
     def heartbeat(self) -> None:
         """Refreshes this peer's records; a unit given up is announced as such until its last round is
-        ``ENDING_ROUNDS`` behind, then released (its entry replaced by a tombstone)."""
+        ``ENDING_ROUNDS`` behind, then released."""
         addresses = self.transport.addresses()[:MAX_ADDRESSES]
         with self._publishing:
             with self._state:
@@ -456,15 +424,11 @@ class SwarmMember:
                     del self.ending[unit]
                 record = self._peer_record("active", addresses)
                 progress = progress_record(self.transport, self.round, self.progress)
-                holding = self._holder_records()
-            run_id, ttl = self.cfg.swarm.run_id, self.cfg.swarm.record_ttl_seconds
+            run_id = self.cfg.swarm.run_id
             self._publish(
-                [(peers_key(run_id), record), (progress_key(run_id), progress)]
-                + [(holders_key(run_id, u), h) for u, h in holding.items()],
-                ttl,
+                [(peers_key(run_id), record), (progress_key(run_id), progress)],
+                self.cfg.swarm.record_ttl_seconds,
             )
-            self._release(self._entries - set(holding), ttl)
-            self._entries = set(holding)
             self._published = True
             if self.transport.now() >= self._manifest_due:
                 ttl = MANIFEST_TTLS * self.cfg.swarm.record_ttl_seconds
@@ -482,15 +446,9 @@ class SwarmMember:
                 self.held, self.ending = set(), {}
                 self._published = False
                 record = self._peer_record("left", addresses)
-            ttl = self.cfg.swarm.record_ttl_seconds
-            self._publish([(peers_key(self.cfg.swarm.run_id), record)], ttl + 1.0)
-            self._release(self._entries, ttl)
-            self._entries = set()
-
-    def _release(self, units: set[str], ttl: float) -> None:
-        """Tombstones over this peer's holder entries of ``units``, outliving the entries they replace."""
-        left = HolderRecord(peer_id=self.me, state="left")
-        self._publish([(holders_key(self.cfg.swarm.run_id, u), left) for u in sorted(units)], ttl + 1.0)
+            self._publish(
+                [(peers_key(self.cfg.swarm.run_id), record)], self.cfg.swarm.record_ttl_seconds + 1.0
+            )
 
     def leave_within(self, seconds: float, first: Callable[[], None] = lambda: None) -> None:
         """``first`` (other records given back), then ``leave``, on a thread given at most ``seconds``; it
@@ -514,19 +472,16 @@ class SwarmMember:
         for key, record in records:
             self.transport.publish(key, record.encode(), expires)
 
-    def _holder_records(self) -> dict[str, HolderRecord]:
-        """This peer's entry under each unit it holds, or gave up and still serves."""
-        return {
-            u: HolderRecord(
-                peer_id=self.me, since=self.since.get(u, 0), until=self.ending.get(u), epoch=self.epoch
-            )
-            for u in sorted(set(self.units_held) | set(self.ending))
-        }
-
     def _peer_record(self, state: str, addresses: list[str]) -> PeerRecord:
         return PeerRecord(
             peer_id=self.me,
             addresses=addresses,
+            holds={
+                u: Holding(since=self.since.get(u, 0), until=self.ending.get(u))
+                for u in sorted(set(self.units_held) | set(self.ending))
+                if state == "active"
+            },
+            epoch=self.epoch,
             round=self.round,
             trained=self.progress.tokens > 0,
             data_epoch=self.data_epoch,

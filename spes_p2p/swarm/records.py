@@ -3,11 +3,8 @@
 Keys, all under the swarm's ``run_id``; every peer writes only its own entry under each key:
 
     <run_id>/manifest               ManifestRecord (swarm/manifest.py): the swarm's manifest, by hash
-    <run_id>/peers                  PeerRecord: who is in the swarm: addresses, round, data epoch,
-                                    version, capacity, bans; read by every peer at its round boundaries
-    <run_id>/holders/<unit>         HolderRecord: one entry per holder of <unit>: from which round it trains
-                                    it (since), when it gave it up (until), its claims' rotation epoch;
-                                    read at boundaries, and alone by a round's waits on that unit
+    <run_id>/peers                  PeerRecord: what peers act on: addresses, units held (since, until),
+                                    round, data epoch, version, bans; read by every peer at its boundaries
     <run_id>/progress               ProgressRecord: what only people look at (throughput, losses, traffic,
                                     rejections, scores); read by ``spes status`` and the dashboard alone
     <run_id>/updates/<round>/<unit> Announcement: this peer's update of <unit> for <round> is ready
@@ -15,10 +12,9 @@ Keys, all under the swarm's ``run_id``; every peer writes only its own entry und
 Entries are msgpack, written and read as msgspec structs. Decoding is strict: a wrong type, a missing or
 unknown field, a value out of range, or oversized input is a ``RecordError``; readers skip the entry and
 report it to the transport's guard, which logs it once per peer and counts it. Entries expire unless
-refreshed by the heartbeat; a peer that leaves (or gives a unit up) overwrites its entry with a ``state =
-"left"`` tombstone. A peer's claims live under each unit's key, so that a round's waits, which check often
-who still takes part in one unit, read that unit's holders and nothing else; its progress figures live
-apart, so that the reads peers make at every round boundary do not carry them.
+refreshed by the heartbeat; a peer that leaves overwrites its peer record with a ``state = "left"``
+tombstone. A peer's claims live in its one peer record, so reading the swarm's state is one DHT read; its
+progress figures live apart, so that the reads peers make at every round boundary do not carry them.
 """
 
 from __future__ import annotations
@@ -54,6 +50,14 @@ class Record(Strict):
     ERROR = RecordError
 
 
+class Holding(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """A unit this peer trains from round ``since`` on; with ``until``, it gave the unit up after training it
+    in that round, and still serves that round's weights."""
+
+    since: Round = 0
+    until: Round | None = None
+
+
 class Progress(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """What a peer reports of its training (rates and losses of its last round, totals since it started)
     and of its traffic, for ``spes status`` and the dashboard (``ProgressRecord``). No peer reads it: a liar
@@ -78,6 +82,10 @@ class Progress(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 class PeerRecord(Record):
     peer_id: Short
     addresses: Annotated[list[Short], msgspec.Meta(max_length=MAX_ADDRESSES)]
+    holds: Annotated[dict[Unit, Holding], msgspec.Meta(max_length=MAX_UNITS)] = msgspec.field(
+        default_factory=dict
+    )
+    epoch: Round = 0  # the dense-block rotation epoch of its claims
     round: Round = 0
     trained: bool = False  # it has trained a round since it started (newcomers then download the model)
     data_epoch: Count = 0  # the epoch of the dataset it trains (swarm/datawork.py)
@@ -94,17 +102,10 @@ class PeerRecord(Record):
         if not math.isfinite(self.seen):
             raise ValueError("seen must be finite")
 
-
-class HolderRecord(Record):
-    """A peer holds a unit (its entry under the unit's key): it trains it from round ``since`` on; with
-    ``until``, it gave the unit up after training it in that round and still serves that round's weights.
-    ``epoch``: the dense-block rotation epoch of its claims."""
-
-    peer_id: Short
-    since: Round = 0
-    until: Round | None = None
-    epoch: Round = 0
-    state: Literal["active", "left"] = "active"
+    @property
+    def units(self) -> list[str]:
+        """The units it trains now (not those given up)."""
+        return [u for u, h in self.holds.items() if h.until is None]
 
 
 class ProgressRecord(Record):
@@ -135,10 +136,6 @@ class Announcement(Record):
 
 def peers_key(run_id: str) -> str:
     return f"{run_id}/peers"
-
-
-def holders_key(run_id: str, unit: str) -> str:
-    return f"{run_id}/holders/{unit}"
 
 
 def progress_key(run_id: str) -> str:
@@ -176,17 +173,6 @@ def parse_peers(entries: dict, guard: Guard | None = None) -> dict[str, PeerReco
 def read_progress(transport: Transport, run_id: str) -> dict[str, ProgressRecord]:
     """The swarm's valid progress records by peer id (one DHT read)."""
     return decode_entries(transport.read(progress_key(run_id)), ProgressRecord, "progress", transport.guard)
-
-
-def parse_holders(entries: dict, guard: Guard | None = None) -> dict[str, HolderRecord]:
-    """Valid, active holder entries by peer id."""
-    records = decode_entries(entries, HolderRecord, "holder", guard)
-    return {peer_id: record for peer_id, record in records.items() if record.state == "active"}
-
-
-def read_holders(transport: Transport, run_id: str, unit: str) -> dict[str, HolderRecord]:
-    """The unit's valid, active holder entries by peer id (one DHT read)."""
-    return parse_holders(transport.read(holders_key(run_id, unit)), transport.guard)
 
 
 def read_peers(transport: Transport, run_id: str) -> dict[str, PeerRecord]:
