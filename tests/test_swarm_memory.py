@@ -292,6 +292,22 @@ def test_leaving_releases_claims_at_once(member, net):
     assert all("a" not in h for h in view.holders.values())
 
 
+def test_a_heartbeat_late_after_leaving_does_not_bring_the_peer_back(member, net, clock):
+    """The heartbeat thread may be mid-beat when the peer leaves: its refresh, landing later, must not
+    outlive the tombstone (a swarm whose peers all left would read as live)."""
+    a, b = member(net, "a"), member(net, "b")
+    a.join()
+    b.join()
+    a.leave()
+    clock.advance(2.0)  # (past the second by which a tombstone outlives a refresh)
+    a.heartbeat()
+    clock.advance(TTL / 2)  # (the DHT keeps the entry that expires last: a refresh written now would)
+    b.heartbeat()
+    view = b.view()
+    assert set(view.peers) == {"b"}
+    assert all("a" not in h for h in view.holders.values())
+
+
 def test_mismatched_settings_are_refused_naming_the_fields_and_write_nothing(member, net):
     member(net, "a").join()
     stranger = member(net, "b", make_settings(shards=4))

@@ -267,6 +267,7 @@ class SwarmMember:
         self._manifest_record = manifest.record()
         self._manifest_due = float("-inf")  # when the manifest record is next refreshed (transport time)
         self._published = False  # whether this peer's active record is out (until it leaves)
+        self._left = False  # once it left, a late heartbeat must not bring its record back
         self._viewed_at = float("-inf")  # when last_view was read (time.monotonic)
         self._state = threading.RLock()
         self._publishing = threading.Lock()
@@ -311,6 +312,7 @@ class SwarmMember:
             epoch = self._choose.epoch_of(first)
             self.held, self.epoch = self._choose(view, self.held, self.delivery, first, epoch)
             self.since = {u: first for u in self.units}
+            self._left = False
         self.heartbeat()
         return self.view()
 
@@ -419,6 +421,8 @@ class SwarmMember:
         ``ENDING_ROUNDS`` behind, then released."""
         addresses = self.transport.addresses()[:MAX_ADDRESSES]
         with self._publishing:
+            if self._left:
+                return
             with self._state:
                 for unit in [u for u, last in self.ending.items() if self.round > last + ENDING_ROUNDS]:
                     del self.ending[unit]
@@ -444,7 +448,7 @@ class SwarmMember:
         with self._publishing:
             with self._state:
                 self.held, self.ending = set(), {}
-                self._published = False
+                self._published, self._left = False, True
                 record = self._peer_record("left", addresses)
             self._publish(
                 [(peers_key(self.cfg.swarm.run_id), record)], self.cfg.swarm.record_ttl_seconds + 1.0
