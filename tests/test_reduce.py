@@ -52,14 +52,13 @@ START = weights(0)
 ENDS = {p: {n: START[n] + d for n, d in weights(i + 1, 0.01).items()} for i, p in enumerate(sorted(TOKENS))}
 
 
-def exchange(engines, peers=None, start=None, round_=0):
-    """The peers in ``peers`` (default: all) run the round at once; the group is always GROUP."""
+def at_once(engines, peers, job_of):
+    """Each of ``peers`` (default: all) runs its ``job_of(p)`` at once; their results."""
     out, errors = {}, []
 
     def one(p):
         try:
-            s = (start or {}).get(p, START)
-            out[p] = engines[p].exchange(UnitJob(round_, UNIT, s, ENDS[p], TOKENS[p], GROUP, grouped=True))
+            out[p] = engines[p].exchange(job_of(p))
         except Exception as exc:  # surfaced below
             errors.append(exc)
 
@@ -70,6 +69,15 @@ def exchange(engines, peers=None, start=None, round_=0):
         t.join(timeout=60)
     assert not errors, errors
     return out
+
+
+def exchange(engines, peers=None, start=None, round_=0):
+    """The peers in ``peers`` (default: all) run the round at once; the group is always GROUP."""
+
+    def job(p):
+        return UnitJob(round_, UNIT, (start or {}).get(p, START), ENDS[p], TOKENS[p], GROUP, grouped=True)
+
+    return at_once(engines, peers, job)
 
 
 def exchange_with_newcomer(engines):
@@ -252,23 +260,11 @@ GRID = dense_grid(GRID_PEERS, 0, "t", 3)  # rows of 3, 2 and 2: the parts are 3,
 
 def grid_exchange(engines, peers=None, grid=GRID, tokens=GRID_TOKENS):
     """The peers in ``peers`` (default: all) run a round of ``grid`` at once."""
-    out, errors = {}, []
 
-    def one(p):
-        try:
-            row = dense_group(grid, p)
-            job = UnitJob(0, UNIT, START, GRID_ENDS[p], tokens[p], row, grouped=True, grid=grid)
-            out[p] = engines[p].exchange(job)
-        except Exception as exc:  # surfaced below
-            errors.append(exc)
+    def job(p):
+        return UnitJob(0, UNIT, START, GRID_ENDS[p], tokens[p], dense_group(grid, p), grouped=True, grid=grid)
 
-    threads = [threading.Thread(target=one, args=(p,)) for p in peers or engines]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=60)
-    assert not errors, errors
-    return out
+    return at_once(engines, peers, job)
 
 
 def grid_mean(peers):
