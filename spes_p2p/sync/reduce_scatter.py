@@ -234,8 +234,8 @@ class ReduceScatter(Exchange):
             todo = {key: (asks[key], key[0]) for key in sorted(pending)}
             for key, outcome in self.fetcher.reduced(job.round, job.unit, todo, job.parts, wait).items():
                 j, s = key
-                problem = isinstance(outcome, Reduced) and self._row_problem(
-                    job, s, outcome, mine[j], announced
+                problem = isinstance(outcome, Reduced) and row_problem(
+                    job, s, outcome, mine[j], announced, self.fetcher.cfg.max_round_tokens
                 )
                 if isinstance(outcome, Reduced) and not problem:
                     rows[j][s] = outcome
@@ -275,29 +275,6 @@ class ReduceScatter(Exchange):
         others = tuple(sorted(merged_rows - {job.row}))
         return self._code(job, part, merged, "merged", contributors, tokens, others)
 
-    def _row_problem(self, job: UnitJob, row: int, reduced: Reduced, mine: Reduced, announced: dict) -> str:
-        """Why another row's combined part cannot be merged ('' when it can): it must name only members of
-        that row, each once, count at most the tokens they announced, have been combined on our start
-        weights, and lie within ``REJECT_FACTOR`` of our row's part either way and point along it."""
-        named = set(reduced.contributors)
-        if not named <= set(job.grid[row]) or len(named) < len(reduced.contributors) or reduced.rows:
-            return "its row's combined part names peers outside its row"
-        if reduced.base != job.base:
-            return "its row's combined part was combined on other start weights than it announced"
-        most = {
-            p: announced[p].tokens if p in announced else self.fetcher.cfg.max_round_tokens for p in named
-        }
-        if reduced.tokens > sum(self.fetcher.clamped(t) for t in most.values()):
-            return "its row's combined part claims more tokens than its members announced"
-        ours, theirs = float(mine.piece.norm()), float(reduced.piece.norm())
-        if not named or not mine.contributors or ours == 0:
-            return ""
-        if not ours / REJECT_FACTOR <= theirs <= REJECT_FACTOR * ours:
-            return "its row's combined part lies far from our row's"
-        if not cosine({"p": reduced.piece}, {"p": mine.piece}) > AGREE_MIN:
-            return "its row's combined part does not point along our row's"
-        return ""
-
     # ---------------------------------------------------------------------------------- the others
 
     def _collect(self, job: UnitJob, split: _Split, got: dict[int, Reduced]) -> list[Reduced]:
@@ -323,7 +300,8 @@ class ReduceScatter(Exchange):
                     # (a member with no piece checks against the pieces it can fetch within this deadline,
                     # so that a dead member delays all the parts' references by one deadline, not one each)
                     here = partial(self._combine_here, job, split, j, deadline)
-                    problem = self._problem(outcome, job, split.pieces[j] if split.pieces else None, here)
+                    own = split.pieces[j] if split.pieces else None
+                    problem = part_problem(outcome, job, self.me, own, here)
                     if not problem:
                         got[j] = outcome
                         pending.discard(j)
@@ -341,30 +319,6 @@ class ReduceScatter(Exchange):
             merged = self._merged(job, split, here, (later, later))
             here = {j: reduced for j, (_, reduced) in merged.items()}
         return [{**got, **here}[j] for j in range(parts)]
-
-    def _problem(
-        self, reduced: Reduced, job: UnitJob, own: torch.Tensor | None, here: Callable[[], Reduced]
-    ) -> str:
-        """Why a combined part from its owner cannot be used ('' when it can). It is checked against our
-        own piece of it when it says it combined that piece, else (it left ours out, or we have none: our
-        update does not count this round, or its piece is zero) against the part as we combine it ourselves
-        from the row's pieces (``here``): an owner cannot dodge the check by leaving us out."""
-        if not set(reduced.contributors) <= set(job.participants):
-            return "its combined part names peers outside the row"
-        if not set(reduced.rows) <= set(range(len(job.grid))) - {job.row}:
-            return "its combined part names rows outside the grid"
-        if own is not None and float(own.norm()) > 0 and self.me in reduced.contributors:
-            reference, what = own, "our own piece of it"
-        else:
-            local = here()
-            if not local.contributors:  # we fetched no piece either: nothing to check against
-                return ""
-            reference, what = local.piece, "the part as we combine it from the pieces"
-        if float(reduced.piece.norm()) > REJECT_FACTOR * float(reference.norm()):
-            return f"its combined part lies far beyond {what}"
-        if not cosine({"p": reduced.piece}, {"p": reference}) > AGREE_MIN:  # (zeros and noise too)
-            return f"its combined part does not point along {what}"
-        return ""
 
     def _combine_here(
         self, job: UnitJob, split: _Split, part: int, deadline: Deadline | None = None, row: int | None = None
@@ -406,3 +360,56 @@ class ReduceScatter(Exchange):
         self, payload: bytes, numel: int, meta: dict[str, str], codec: Codec | None = None
     ) -> torch.Tensor:
         return decode(payload, {"piece": TensorSpec((numel,))}, codec or self.codec, meta=meta)["piece"]
+
+
+# ---------------------------------------------------------------------------------- the checks
+
+
+def part_problem(
+    reduced: Reduced, job: UnitJob, me: str, own: torch.Tensor | None, here: Callable[[], Reduced]
+) -> str:
+    """Why a combined part from its owner cannot be used by ``me`` ('' when it can). It is checked against our
+    own piece of it when it says it combined that piece, else (it left ours out, or we have none: our
+    update does not count this round, or its piece is zero) against the part as we combine it ourselves
+    from the row's pieces (``here``): an owner cannot dodge the check by leaving us out."""
+    if not set(reduced.contributors) <= set(job.participants):
+        return "its combined part names peers outside the row"
+    if not set(reduced.rows) <= set(range(len(job.grid))) - {job.row}:
+        return "its combined part names rows outside the grid"
+    if own is not None and float(own.norm()) > 0 and me in reduced.contributors:
+        reference, what = own, "our own piece of it"
+    else:
+        local = here()
+        if not local.contributors:  # we fetched no piece either: nothing to check against
+            return ""
+        reference, what = local.piece, "the part as we combine it from the pieces"
+    if float(reduced.piece.norm()) > REJECT_FACTOR * float(reference.norm()):
+        return f"its combined part lies far beyond {what}"
+    if not cosine({"p": reduced.piece}, {"p": reference}) > AGREE_MIN:  # (zeros and noise too)
+        return f"its combined part does not point along {what}"
+    return ""
+
+
+def row_problem(
+    job: UnitJob, row: int, reduced: Reduced, mine: Reduced, announced: dict, max_tokens: int
+) -> str:
+    """Why another row's combined part cannot be merged ('' when it can): it must name only members of
+    that row, each once, count at most the tokens they announced (``max_tokens`` a member, at most), have
+    been combined on our start weights, and lie within ``REJECT_FACTOR`` of our row's part either way and
+    point along it."""
+    named = set(reduced.contributors)
+    if not named <= set(job.grid[row]) or len(named) < len(reduced.contributors) or reduced.rows:
+        return "its row's combined part names peers outside its row"
+    if reduced.base != job.base:
+        return "its row's combined part was combined on other start weights than it announced"
+    most = sum(min(announced[p].tokens, max_tokens) if p in announced else max_tokens for p in named)
+    if reduced.tokens > most:
+        return "its row's combined part claims more tokens than its members announced"
+    ours, theirs = float(mine.piece.norm()), float(reduced.piece.norm())
+    if not named or not mine.contributors or ours == 0:
+        return ""
+    if not ours / REJECT_FACTOR <= theirs <= REJECT_FACTOR * ours:
+        return "its row's combined part lies far from our row's"
+    if not cosine({"p": reduced.piece}, {"p": mine.piece}) > AGREE_MIN:
+        return "its row's combined part does not point along our row's"
+    return ""
