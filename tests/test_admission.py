@@ -111,7 +111,8 @@ def test_fake_records_outnumbering_the_honest_ones_choose_no_manifest(swarm, man
 
 def test_a_swarm_whose_peers_all_left_is_reported_with_its_last_round(tmp_path):
     net = MemoryNetwork(seed=0)
-    founder = Peer(founder_settings(), net.join("founder"))
+    short_round = {"method.steps_per_round": 2, "train.batch_size": 2, "train.seq_len": 32}
+    founder = Peer(founder_settings(**short_round), net.join("founder"))
     founder.join()
     founder.run(threading.Event(), rounds=1)
     founder.close()  # leaves: its records become "left" tombstones
