@@ -557,6 +557,33 @@ def test_a_deadline_that_cut_off_a_peer_still_training_waits_longer_next_round()
     assert results["p0"].missing == ["p2"] and results["p0"].participants == ["p0", "p1"]
 
 
+@pytest.mark.parametrize("last", [False, True], ids=["a-round", "the-last-round"])
+def test_the_last_round_waits_for_a_late_holder_up_to_deadline_max(last):
+    """p1 comes to the round late. A round's wait (0.2 s after fast rounds) cuts it off, and a later
+    round would make that up; the run's last round has no later one, so it waits up to deadline_max and both
+    end on the same weights (a process test's holders ended apart when one came late to the last round)."""
+    _, engines = make_swarm("none", deadline=30.0, peers=("p0", "p1"))  # deadline_min 0.2
+    unit, holders = "experts/0", ["p0", "p1"]
+    engines["p0"]._gatherer._deadline(unit).observe(0.05)  # rounds so far: everyone at once
+    if last:
+        engines["p0"].last_round()
+    start = tensors(0)[unit]
+    ends = {p: {"w1": start["w1"] + tensors(i + 1, 0.01)[unit]["w1"]} for i, p in enumerate(engines)}
+    out = {}
+
+    def one(p):
+        out[p] = engines[p].exchange(UnitJob(0, unit, start, ends[p], 100, holders))
+
+    first = threading.Thread(target=one, args=("p0",))
+    first.start()
+    first.join(timeout=None if not last else 1.5)  # (without its last round: p0 is done, p1 not begun)
+    one("p1")
+    first.join(timeout=40)
+    assert out["p0"].missing == ([] if last else ["p1"]) and out["p1"].missing == []
+    agree = torch.equal(out["p0"].new_weights["w1"], out["p1"].new_weights["w1"])
+    assert agree == last
+
+
 def test_a_lone_holders_int8_updates_do_not_accumulate_rounding():
     """A sole holder applies its own coded update every round: with error feedback its weights stay within
     one round's rounding of where its training took them, over 30 rounds."""

@@ -225,6 +225,8 @@ class Peer:
         self._land(self.pipeline.take())  # the previous round's sync lands before this one's starts
         if rounds and self.round >= rounds:
             return False
+        if rounds and self.round == rounds - 1:
+            self.sync.last_round()  # (holders that stop together end on the same weights)
         job = RoundJob(
             self.round,
             units,

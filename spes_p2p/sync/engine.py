@@ -118,6 +118,10 @@ class SyncEngine:
         """How long a round waits for its last participant now (adapting to how long they took)."""
         return self._gatherer.deadline_seconds()
 
+    def last_round(self) -> None:
+        """The next round is the run's last: it waits for every participant up to ``deadline_max``."""
+        self._gatherer.last_round()
+
     def longest_wait(self) -> float:
         """The longest one wait may take (``sync.deadline_max``): a round's, a download's, a catch-up's."""
         return self.cfg.deadline_max

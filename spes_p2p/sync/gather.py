@@ -94,6 +94,7 @@ class Gatherer:
         # one per unit: units differ in size and in who exchanges them (a dense block's reduce-scatter pieces
         # come in a fraction of an expert shard's whole updates' time)
         self._deadlines: dict[str, AdaptiveDeadline] = {}
+        self._last_round = False  # (set: every wait runs to deadline_max)
         self._received: list = []  # the decoded updates (or pieces) of the unit's round in progress
         # (round, unit) -> when the DHT's announcements were last read, and what they were
         self._read: dict[tuple[int, str], tuple[float, dict[str, Announcement]]] = {}
@@ -103,8 +104,15 @@ class Gatherer:
         """A deadline for one wait of a round of ``unit``, as long as its adaptive deadline says now."""
         return Deadline(self.deadline_seconds(unit), self.abort)
 
+    def last_round(self) -> None:
+        """The run's last round is next: its waits run to ``deadline_max``, as no later round makes up for
+        an update they cut off (peers that left still end them early)."""
+        self._last_round = True
+
     def deadline_seconds(self, unit: str | None = None) -> float:
         """``unit``'s adaptive deadline now; without one, the longest of the units' (for refreshes)."""
+        if self._last_round:
+            return self.cfg.deadline_max
         if unit is not None:
             return self._deadline(unit).seconds()
         with self._lock:
