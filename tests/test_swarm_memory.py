@@ -2,6 +2,7 @@
 
 import logging
 import threading
+from types import SimpleNamespace
 
 import msgspec
 import pytest
@@ -18,6 +19,7 @@ from spes_p2p.net.transport import (
     RequestTimeout,
 )
 from spes_p2p.net.waiting import Deadline, poll
+from spes_p2p.peer.heartbeat import Heartbeat
 from spes_p2p.peer.setup import member_config
 from spes_p2p.settings import Settings
 from spes_p2p.swarm.claims import tiebreak
@@ -306,6 +308,54 @@ def test_a_heartbeat_late_after_leaving_does_not_bring_the_peer_back(member, net
     view = b.view()
     assert set(view.peers) == {"b"}
     assert all("a" not in h for h in view.holders.values())
+
+
+def test_the_progress_record_is_written_when_a_round_ends_and_every_third_of_a_ttl(member, net, clock):
+    """People alone read it: heartbeats that would change only its traffic counters refresh the peer
+    record alone."""
+    a = member(net, "a")
+    a.join()
+
+    def progress_writes() -> int:
+        return a.transport.stats.dht_snapshot()["progress"].writes
+
+    first = progress_writes()
+    a.heartbeat()
+    a.transport.stats.bytes_sent += 1000
+    clock.advance(1.0)
+    a.heartbeat()
+    assert progress_writes() == first
+    a.transport.guard.reject("b", "request", "garbage")  # a refusal: news
+    a.heartbeat()
+    assert progress_writes() == first + 1
+    first += 1
+    a.report(1, a.progress, 0)  # a round ended
+    a.heartbeat()
+    assert progress_writes() == first + 1
+    clock.advance(TTL / 3)
+    a.heartbeat()
+    assert progress_writes() == first + 2
+
+
+def test_slow_writes_of_other_records_do_not_hold_the_peer_record_back():
+    """The data claims' heartbeat hangs (a DHT call of seconds, on a busy libp2p peer): the peer record is
+    refreshed all the same, on a thread of its own (in one thread, such peers read the swarm without
+    themselves, their records lapsed)."""
+    refreshed, stuck, release = threading.Semaphore(0), threading.Event(), threading.Event()
+
+    def hang() -> None:
+        stuck.set()
+        release.wait(30)
+
+    member = SimpleNamespace(heartbeat=refreshed.release)
+    beat = Heartbeat(member, 0.01, after=[hang])
+    beat.start()
+    try:
+        assert stuck.wait(10)
+        assert all(refreshed.acquire(timeout=10) for _ in range(5))
+    finally:
+        beat.stop()
+        release.set()
 
 
 def test_mismatched_settings_are_refused_naming_the_fields_and_write_nothing(member, net):

@@ -267,6 +267,9 @@ class SwarmMember:
         self._manifest_record = manifest.record()
         self._manifest_due = float("-inf")  # when the manifest record is next refreshed (transport time)
         self._published = False  # whether this peer's active record is out (until it leaves)
+        # the progress record, read by people only, is written when more than its traffic counters changed
+        # (a round ended, a refusal, a score), else every third of a TTL
+        self._progress_due, self._progress_news = float("-inf"), None
         self._left = False  # once it left, a late heartbeat must not bring its record back
         self._viewed_at = float("-inf")  # when last_view was read (time.monotonic)
         self._state = threading.RLock()
@@ -428,11 +431,13 @@ class SwarmMember:
                     del self.ending[unit]
                 record = self._peer_record("active", addresses)
                 progress = progress_record(self.transport, self.round, self.progress)
-            run_id = self.cfg.swarm.run_id
-            self._publish(
-                [(peers_key(run_id), record), (progress_key(run_id), progress)],
-                self.cfg.swarm.record_ttl_seconds,
-            )
+            run_id, ttl, now = self.cfg.swarm.run_id, self.cfg.swarm.record_ttl_seconds, self.transport.now()
+            records = [(peers_key(run_id), record)]
+            news = without_traffic(progress)
+            if now >= self._progress_due or news != self._progress_news:
+                records.append((progress_key(run_id), progress))
+                self._progress_due, self._progress_news = now + ttl / 3, news
+            self._publish(records, ttl)
             self._published = True
             if self.transport.now() >= self._manifest_due:
                 ttl = MANIFEST_TTLS * self.cfg.swarm.record_ttl_seconds
@@ -498,6 +503,12 @@ class SwarmMember:
             banned=self.transport.guard.banned()[:MAX_BANNED],
             reachable=self.reachable,
         )
+
+
+def without_traffic(record: ProgressRecord) -> ProgressRecord:
+    """``record`` with its traffic counters, which change at every request, zeroed: what is news in it."""
+    quiet = msgspec.structs.replace(record.progress, sent=0, received=0)
+    return msgspec.structs.replace(record, progress=quiet)
 
 
 def progress_record(transport: Transport, round_: int, progress: Progress) -> ProgressRecord:
