@@ -110,7 +110,8 @@ class Gatherer:
         self._last_round = True
 
     def deadline_seconds(self, unit: str | None = None) -> float:
-        """``unit``'s adaptive deadline now; without one, the longest of the units' (for refreshes)."""
+        """``unit``'s adaptive deadline now; without one, the longest of the units' (for refreshes);
+        ``deadline_max`` in the run's last round."""
         if self._last_round:
             return self.cfg.deadline_max
         if unit is not None:
