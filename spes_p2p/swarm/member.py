@@ -439,10 +439,9 @@ class SwarmMember:
                 self._progress_due, self._progress_news = now + ttl / 3, news
             self._publish(records, ttl)
             self._published = True
-            if self.transport.now() >= self._manifest_due:
-                ttl = MANIFEST_TTLS * self.cfg.swarm.record_ttl_seconds
-                self._manifest_due = self.transport.now() + ttl / 2
-                self._publish([(manifests.manifest_key(self.cfg.swarm.run_id), self._manifest_record)], ttl)
+            if now >= self._manifest_due:
+                self._manifest_due = now + MANIFEST_TTLS * ttl / 2
+                self._publish([(manifests.manifest_key(run_id), self._manifest_record)], MANIFEST_TTLS * ttl)
 
     def leave(self) -> None:
         """Releases every claim at once: a "left" tombstone replaces the peer record until it expires.
