@@ -9,11 +9,29 @@ import logging
 
 
 def bitsandbytes():
-    """bitsandbytes, imported without its CPU notice about the optional ``kernels`` package."""
-    # The notice is harmless (the CPU backend works without that package) but alarms users.
-    logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)
-    import bitsandbytes as bnb
+    """bitsandbytes, imported without its CPU notice about the optional ``kernels`` package, and without
+    torch's compiler.
 
+    The notice is harmless (the CPU backend works without that package) but alarms users. At import,
+    bitsandbytes wraps its device-generic fallback kernels in ``torch.compile``, which imports torch's
+    dynamo and inductor: 3.2 to 3.8 s of every peer process's start (more than torch itself), for kernels
+    that CPU and CUDA replace with their own. bitsandbytes keeps a kernel uncompiled when ``torch.compile``
+    fails, so for the length of its import it fails."""
+    import sys
+
+    logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)
+    if "bitsandbytes" in sys.modules:
+        return sys.modules["bitsandbytes"]
+    import torch
+
+    def no_compiler(*args, **kwargs):
+        raise RuntimeError("torch.compile is off while bitsandbytes is imported")
+
+    compile_, torch.compile = torch.compile, no_compiler
+    try:
+        import bitsandbytes as bnb
+    finally:
+        torch.compile = compile_
     return bnb
 
 

@@ -1,6 +1,9 @@
 """Frozen copies held quantized (int8, nf4), experts and dense blocks: accuracy, gradients, storage, the unit
 interface, and the codec a refresh of each is fetched in."""
 
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -241,3 +244,23 @@ def test_the_tables_are_bitsandbytes_ones_computed_without_importing_it():
     dynamic[0] = -1.0
     assert torch.equal(_dynamic_map(cpu), dynamic)
     assert torch.equal(_nf4_table(cpu), functional.get_4bit_type("nf4", device="cpu").float().sort().values)
+
+
+def test_bitsandbytes_is_imported_without_torchs_compiler():
+    """Its import would wrap fallback kernels in torch.compile and import torch's compiler for it (seconds
+    of every peer's start); the 8-bit optimizer steps all the same, and torch.compile is torch's again."""
+    code = (
+        "import sys, torch\n"
+        "compile_ = torch.compile\n"
+        "from spes_p2p.compat import bitsandbytes\n"
+        "bnb = bitsandbytes()\n"
+        "assert torch.compile is compile_ and bitsandbytes() is bnb\n"
+        "print('torch._dynamo' in sys.modules)\n"
+        "p = torch.nn.Parameter(torch.ones(64, 64))\n"
+        "p.grad = torch.ones(64, 64)\n"
+        "bnb.optim.AdamW8bit([p], lr=0.1).step()\n"
+        "assert p.detach().lt(1).all()\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "False"
