@@ -1,8 +1,16 @@
 import os
 
+# The suite runs a test per core (pytest -n auto): one math thread each, in the workers and in the peer
+# processes they start, as `spes simulate` gives its peers. More only contend (the fast tier: 283 CPU-s
+# with torch's default threads, 217 with one).
+os.environ.update(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
+
 import pytest
+import torch
 
 from spes_p2p.train.config import DataConfig
+
+torch.set_num_threads(1)
 
 # A slice of the embedded default corpus: big enough to learn from, small enough to tokenize in seconds.
 STDLIB_TEST_MB = 2.0
