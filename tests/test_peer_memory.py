@@ -128,7 +128,16 @@ def test_peers_train_and_agree(tmp_path, changes):
 
 
 def test_a_newcomer_catches_up_with_the_swarm(tmp_path):
-    s = settings({"method.overlap": False, "train.frozen_experts": "full"})  # (a copy held in int8 is lossy)
+    # (a copy held in int8 is lossy; the first peer, alone, waits for nobody; the newcomer waits for it to end
+    # a round, which it never does once stopped: up to deadline_max, 20 s in the others)
+    s = settings(
+        {
+            "method.overlap": False,
+            "train.frozen_experts": "full",
+            "sync.deadline_min": 5.0,
+            "sync.deadline_max": 5.0,
+        }
+    )
     net = MemoryNetwork(seed=0)
     first = Peer(s, net.join("first"))
     first.join()
