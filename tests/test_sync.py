@@ -483,6 +483,7 @@ def test_the_majority_base_wins_and_far_end_weights_are_not_averaged_in():
     results = exchange_concurrently(engines, 0, unit, starts, ends, holders)
     for p in ("p0", "p1"):  # the two on one base average their updates, without p2's
         assert not results[p].resynced and results[p].participants == ["p0", "p1"]
+        assert results[p].apart == ["p2"] and not results[p].missing  # (it came: set aside, and said so)
     assert results["p2"].resynced  # p2 moves to the majority's end weights...
     assert results["p2"].download_from == ["p0", "p1"]  # ...until it has their result, bit for bit
     expected = (100 * ends["p0"]["w1"] + 200 * ends["p1"]["w1"]) / 300

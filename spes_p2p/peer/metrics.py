@@ -57,6 +57,7 @@ class RoundMetrics:
             "units": job.units,
             "participants": {u: r.participants for u, r in job.results.items()},
             "missing": {u: r.missing for u, r in job.results.items() if r.missing},
+            "apart": {u: r.apart for u, r in job.results.items() if r.apart},  # came, from other weights
             "refused": {u: r.rejected for u, r in job.results.items() if r.rejected},
             # the validation loss each participant's update took off (screening.screen)
             "scores": {

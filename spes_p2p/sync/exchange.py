@@ -117,7 +117,13 @@ class Exchange(ABC):
         and closes the result."""
         decision = decide(job.base, own, gathered.received, late)
         result = UnitResult(
-            job.unit, [self.me], gathered.missing, gathered.refused, decision.resync, job.diverged
+            job.unit,
+            [self.me],
+            gathered.missing,
+            gathered.refused,
+            decision.differ,
+            decision.resync,
+            job.diverged,
         )
         if decision.differ:
             logger.info("round %d %s: %s started from other weights", job.round, job.unit, decision.differ)
