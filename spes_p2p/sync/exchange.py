@@ -121,9 +121,9 @@ class Exchange(ABC):
             [self.me],
             gathered.missing,
             gathered.refused,
-            decision.differ,
-            decision.resync,
-            job.diverged,
+            apart=decision.differ,
+            resynced=decision.resync,
+            diverged=job.diverged,
         )
         if decision.differ:
             logger.info("round %d %s: %s started from other weights", job.round, job.unit, decision.differ)
