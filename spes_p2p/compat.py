@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import logging
+import sys
 
 
 def bitsandbytes():
@@ -17,8 +18,6 @@ def bitsandbytes():
     dynamo and inductor (its import took 3.2 to 3.8 s, 1.7 to 2.3 s more than it takes now, torch's
     optimizers importing dynamo anyway) for kernels that CPU and CUDA replace with their own. bitsandbytes
     keeps a kernel uncompiled when ``torch.compile`` fails, so for the length of its import it fails."""
-    import sys
-
     logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)
     if "bitsandbytes" in sys.modules:
         return sys.modules["bitsandbytes"]
