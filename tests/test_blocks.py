@@ -272,6 +272,37 @@ def test_a_dense_block_held_quantized_follows_its_formats_chain(refresh):
     assert sync.landed == [("dense/2", "nf4")]  # (an exact version held in nf4 is none: test_versions.py)
 
 
+class HolderlessSync(FakeSync):
+    """A sync whose refreshes find nothing: no co-holder has the version asked for."""
+
+    def __init__(self, chains: Chains) -> None:
+        super().__init__(0, chains)
+        self.asked: list[Want] = []
+
+    def deadline_seconds(self) -> float:
+        return 5.0
+
+    def refresh(self, min_round, holders, seconds, want, on_unit):
+        self.asked.append(want)
+        return {}
+
+
+def test_a_chain_joined_from_co_holders_that_lack_its_version_asks_once():
+    """A peer that takes a unit over joins a co-holder's version chains; when the exact version does not
+    come, the quantized chains would not either, and each would hold the round up for a whole deadline (a
+    late-joins simulation under load: three refreshes of 5 s in one round)."""
+    s = blocks_settings().override({"train.frozen_dense": "nf4"})
+    with torch.device("meta"):
+        model = MoETransformer(s.model.architecture())
+    layout = layout_of(s.model)
+    names = {u: read_unit_names(model, layout, u) for u in layout.units}
+    sync = HolderlessSync(Chains(names, quantized_when_frozen(model, layout)))
+    assert sync.chains.of("dense/2") == ("int8", "nf4")
+    frozen = FrozenCopies(s, SimpleNamespace(me="me", units_held=["dense/2"]), sync, layout)
+    frozen._join("dense/2", 8, ["them"])
+    assert [w.chain for w in sync.asked] == ["full"]
+
+
 def read_unit_names(model, layout, unit) -> list[str]:
     return [name for name, _, _ in named_weights(model) if layout.unit_of(name) == unit]
 

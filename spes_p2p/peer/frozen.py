@@ -99,9 +99,9 @@ class FrozenCopies:
                 want=want,
                 on_unit=lambda u, download, chain=want.chain: got.__setitem__(chain, download),
             )
-        exact = got.pop("full", None)
-        if exact is None:
-            return
+            if "full" not in got:  # (no co-holder had the version: its chains would not come either)
+                return
+        exact = got.pop("full")
         held = {c: d.tensors for c, d in got.items() if d.round == exact.round}
         if len(held) < len(chains):
             logger.info("%s: our quantized chains start anew (a co-holder's did not come)", unit)
