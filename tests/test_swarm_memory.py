@@ -210,6 +210,24 @@ def test_join_and_claim_cover_every_shard(member, net):
     assert record.units == members[2].units_held and record.addresses == ["/memory/p2p/p2"]
 
 
+def test_a_ban_hides_the_banned_peer_but_not_from_the_grid_every_member_computes(member, net):
+    """A ban is one peer's own. The grid of a grouped exchange still counts the banned peer, as the others
+    do, so the rows and part owners stay the ones they compute (seen in CI: a peer that banned a noisy
+    attacker dealt the dense part into other parts than its co-holders, and missed them for the rest of the
+    run); its update is refused at once, never waited for."""
+    members = [member(net, f"p{i}") for i in range(4)]
+    for m in members:
+        m.join()
+    for _ in range(BAN_AFTER):
+        members[2].transport.guard.reject("p3", "payload", "garbage")
+    banning, other = members[2].view(), members[0].view()
+    assert "p3" not in banning.peers and "p3" not in banning.participants("dense/0", 0)
+    assert "p3" in banning.banned and "p3" in members[2].transport.read(peers_key("spes-demo"), banned=True)
+    assert banning.members("dense/0", 0) == other.participants("dense/0", 0) == {"p0", "p1", "p2", "p3"}
+    assert banning.members("dense/0", 0) == other.members("dense/0", 0)
+    assert not other.banned and "p3" not in members[2].transport.read(peers_key("spes-demo"))
+
+
 def test_founders_that_claimed_alike_at_the_same_moment_settle_before_the_first_round(member, net):
     """Four founders each read the swarm before any of the others published (a race, under load): some
     claim the same shard and leave another uncovered for the first rounds, until ``settle``."""
@@ -234,7 +252,7 @@ def test_a_failed_read_of_the_swarm_is_not_everyone_leaving(member, net, monkeyp
     for m in members:
         m.join()
     before = members[0].view()
-    monkeypatch.setattr(members[0].transport, "read", lambda key: {})
+    monkeypatch.setattr(members[0].transport, "read", lambda key, banned=False: {})
     assert members[0].view() is before and set(before.peers) == {"p0", "p1", "p2"}
     assert members[0].live_peers() == {"p0", "p1", "p2"}
     assert members[0].rebalance() == set() and coverage(members[0]) == coverage(members[1])

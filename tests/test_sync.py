@@ -6,6 +6,7 @@ import time
 import pytest
 import torch
 
+from spes_p2p.net.guard import BAN_AFTER
 from spes_p2p.net.memory import MemoryNetwork
 from spes_p2p.swarm.records import Announcement, updates_key
 from spes_p2p.sync.codecs import CODECS, TensorSpec
@@ -190,6 +191,23 @@ def test_a_holder_that_never_answers_does_not_stop_the_round():
     r = results[("p0", "experts/0")]
     assert r.missing == ["ghost"] and r.participants == ["p0", "p2"]
     assert torch.equal(r.new_weights["w1"], results[("p2", "experts/0")].new_weights["w1"])
+
+
+@pytest.mark.timeout(60)
+def test_a_member_one_peer_banned_is_refused_at_once_and_the_others_still_agree_with_it():
+    """A ban is one peer's own: in a reduce-scatter, the peer that banned p3 neither waits for p3's pieces
+    (it cannot read p3's announcements) nor parts from the others: every member ends on the same weights."""
+    _, engines = make_swarm("none", deadline=20.0)
+    for _ in range(BAN_AFTER):
+        engines["p2"].transport.guard.reject("p3", "payload", "garbage")
+    start = tensors(0)
+    ends = {p: tensors(7 + i) for i, p in enumerate(engines)}
+    results = run_round(engines, start, ends, holders={"dense/0": HOLDERS["dense/0"]}, grouped=True)
+    banning = results[("p2", "dense/0")]
+    assert banning.rejected == ["p3"] and banning.missing == []
+    for peer in ("p0", "p1"):
+        for name, weights in results[(peer, "dense/0")].new_weights.items():
+            assert torch.equal(weights, banning.new_weights[name]), (peer, name)
 
 
 class Roster:

@@ -54,6 +54,10 @@ class Guard:
         with self._lock:
             return peer not in self._banned and (not self.allowlist or peer in self.allowlist)
 
+    def listed(self, peer: str) -> bool:
+        """Whether the allowlist, if any, names ``peer`` (banned or not)."""
+        return not self.allowlist or peer in self.allowlist
+
     def banned(self) -> list[str]:
         with self._lock:
             return sorted(self._banned)

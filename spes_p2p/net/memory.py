@@ -142,7 +142,7 @@ class MemoryTransport(Transport):
             entries[self.peer_id] = Entry(bytes(value), expires_at)
         return True
 
-    def read(self, key: str) -> dict[str, Entry]:
+    def read(self, key: str, *, banned: bool = False) -> dict[str, Entry]:
         self._check_alive()
         started, now = time.perf_counter(), self.now()
         with self.network.lock:
@@ -152,7 +152,7 @@ class MemoryTransport(Transport):
         }
         self.network.serve_bytes(key, sum(len(e.value) for e in served.values()))
         self.stats.dht_read(key, started, (len(e.value) for e in served.values()))
-        return {peer: entry for peer, entry in served.items() if self.readable(peer, entry, now)}
+        return {peer: entry for peer, entry in served.items() if self.readable(peer, entry, now, banned)}
 
     def serve(self, name: str, handler: Handler, *, max_request_bytes: int) -> None:
         self.handlers[name] = (handler, max_request_bytes)

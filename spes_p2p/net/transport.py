@@ -255,17 +255,21 @@ class Transport(ABC):
     guard: Guard
     streams: StreamSlots  # each remote peer's requests this one is serving now
 
-    def readable(self, peer: str, entry: Entry, now: float) -> bool:
+    def readable(self, peer: str, entry: Entry, now: float, banned: bool = False) -> bool:
         """Whether ``read`` returns ``peer``'s entry: it is live, does not outlive every honest TTL by
-        ``MAX_EXPIRY_AHEAD``, and was written by this peer or one its guard allows."""
+        ``MAX_EXPIRY_AHEAD``, and was written by this peer or one its guard allows (with ``banned``, one the
+        allowlist names, banned or not)."""
         live = now < entry.expires_at <= now + MAX_EXPIRY_AHEAD
-        return live and (peer == self.peer_id or self.guard.allows(peer))
+        allowed = self.guard.listed(peer) if banned else self.guard.allows(peer)
+        return live and (peer == self.peer_id or allowed)
 
-    def latest_readable(self, entries: Iterable[tuple[str, Entry]], now: float) -> dict[str, Entry]:
+    def latest_readable(
+        self, entries: Iterable[tuple[str, Entry]], now: float, banned: bool = False
+    ) -> dict[str, Entry]:
         """Per peer, the entry ``read`` returns: of its readable entries, the one that expires last."""
         latest: dict[str, Entry] = {}
         for peer, entry in entries:
-            if self.readable(peer, entry, now) and (
+            if self.readable(peer, entry, now, banned) and (
                 peer not in latest or entry.expires_at > latest[peer].expires_at
             ):
                 latest[peer] = entry
@@ -291,8 +295,10 @@ class Transport(ABC):
         """Writes this peer's own entry under ``key``; True when the DHT accepted it."""
 
     @abstractmethod
-    def read(self, key: str) -> dict[str, Entry]:
-        """All live entries under ``key`` (bytes values only), by the peer id that wrote them."""
+    def read(self, key: str, *, banned: bool = False) -> dict[str, Entry]:
+        """All live entries under ``key`` (bytes values only), by the peer id that wrote them; with
+        ``banned``, those of the peers this one banned too (a ban is this peer's own: where every peer must
+        count the same peers, as in the grid of a grouped exchange, the banned still count)."""
 
     @abstractmethod
     def serve(self, name: str, handler: Handler, *, max_request_bytes: int) -> None:

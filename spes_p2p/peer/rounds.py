@@ -80,7 +80,8 @@ class RoundSync:
         grouped = unit.startswith("dense/") or self.settings.method.mode == "diloco"
         grid = ()
         if grouped:  # a newcomer that does not count yet follows a row it is not a member of
-            grid = self.sync.grid([p for p in participants if counted or p != self.me], job.round)
+            members = view.members(unit, job.round) | {self.me}
+            grid = self.sync.grid([p for p in sorted(members) if counted or p != self.me], job.round)
             participants = dense_group(grid, self.me)
         start, end = job.start[unit], job.end[unit]
         probe = self.probe and partial(self.probe, job.round, unit, starts)

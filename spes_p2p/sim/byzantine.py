@@ -113,8 +113,8 @@ class ByzantineTransport(Transport):
     def now(self) -> float:
         return self.inner.now()
 
-    def read(self, key: str) -> dict[str, Entry]:
-        return self.inner.read(key)
+    def read(self, key: str, *, banned: bool = False) -> dict[str, Entry]:
+        return self.inner.read(key, banned=banned)
 
     def request(self, peer_id: str, name: str, payload: bytes, **kwargs) -> bytes:
         return self.inner.request(peer_id, name, payload, **kwargs)

@@ -113,6 +113,9 @@ class SwarmView:
     # peers whose record was last refreshed over half a record TTL ago: they missed a heartbeat, and may be
     # dead (a killed peer's record outlives it by up to a TTL); claims plan no move for them
     stale: set[str] = field(default_factory=set)
+    # the live records of peers this one banned: in none of the above, but a grouped exchange's grid counts
+    # them (``members``)
+    banned: dict[str, PeerRecord] = field(default_factory=dict)
 
     def uncovered(self) -> list[str]:
         return [u for u, h in self.holders.items() if not h]
@@ -124,6 +127,21 @@ class SwarmView:
         former = {p for p, last in self.until.get(unit, {}).items() if since.get(p, 0) <= round_ <= last}
         return current | former
 
+    def members(self, unit: str, round_: int) -> set[str]:
+        """``participants``, and the peers this one banned that trained ``unit`` in ``round_`` as their
+        records say. A ban is this peer's own: the others still count a peer it banned, so the grid of a
+        grouped exchange, which every member must compute alike, counts it too (it deals the same rows and
+        part owners); the banned peer's update is then refused, not waited for (``sync/gather.py``)."""
+        banned = {p for p, r in self.banned.items() if _trained(r.holds.get(unit), round_)}
+        return self.participants(unit, round_) | banned
+
+
+def _trained(holding: Holding | None, round_: int) -> bool:
+    """Whether a record's holding of a unit says its peer trained it in ``round_``."""
+    if holding is None:
+        return False
+    return holding.since <= round_ and (holding.until is None or round_ <= holding.until)
+
 
 def read_view(
     transport: Transport, run_id: str, units: list[str], manifest: str = "", stale_after: float = math.inf
@@ -131,13 +149,15 @@ def read_view(
     """Live peers (those sharing ``manifest``, when given) and, for every unit, its live holders (one DHT
     read); invalid records are skipped and reported to the transport's guard. Records older than
     ``stale_after`` seconds are stale (``SwarmView.stale``)."""
-    peers = read_peers(transport, run_id)
-    peers = {p: r for p, r in peers.items() if not manifest or r.manifest == manifest}
+    records = read_peers(transport, run_id, banned=True)
+    records = {p: r for p, r in records.items() if not manifest or r.manifest == manifest}
+    peers = {p: r for p, r in records.items() if p == transport.peer_id or transport.guard.allows(p)}
     for peer, record in peers.items():
         transport.learn(peer, record.addresses)  # (a signed record: the peer itself says where it is)
-    over = over_capacity(peers, transport.guard)
+    over = over_capacity(records, transport.guard)
     now = transport.now()
     view = SwarmView(peers, {}, stale={p for p, r in peers.items() if now - r.seen > stale_after})
+    view.banned = {p: r for p, r in records.items() if p not in peers and p not in over}
     for unit in units:
         live = {p: r.holds[unit] for p, r in peers.items() if unit in r.holds and p not in over}
         view.until[unit] = {p: h.until for p, h in live.items() if h.until is not None}

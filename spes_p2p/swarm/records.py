@@ -175,7 +175,7 @@ def read_progress(transport: Transport, run_id: str) -> dict[str, ProgressRecord
     return decode_entries(transport.read(progress_key(run_id)), ProgressRecord, "progress", transport.guard)
 
 
-def read_peers(transport: Transport, run_id: str) -> dict[str, PeerRecord]:
-    """The swarm's valid, active peer records by peer id (one DHT read); invalid ones are reported to the
-    transport's guard."""
-    return parse_peers(transport.read(peers_key(run_id)), transport.guard)
+def read_peers(transport: Transport, run_id: str, banned: bool = False) -> dict[str, PeerRecord]:
+    """The swarm's valid, active peer records by peer id (one DHT read; with ``banned``, those of the peers
+    this one banned too); invalid ones are reported to the transport's guard."""
+    return parse_peers(transport.read(peers_key(run_id), banned=banned), transport.guard)

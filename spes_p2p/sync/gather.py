@@ -183,8 +183,10 @@ class Gatherer:
         all that are waited for answered, left, or the deadline passed. The deadline adapts to when the last
         answer came, whoever is still missing."""
         started = last_answer = time.monotonic()
-        wanted, got, refused, announcing = set(others), {}, set(), set()
-        waiting = {p for p in others if self.ledger.waited_for(p)}
+        # (a peer we banned is in a grouped exchange's grid, as the others count it: refused, not waited for)
+        refused = {p for p in others if not self.transport.guard.allows(p)}
+        wanted, got, announcing = set(others) - refused, {}, set()
+        waiting = {p for p in wanted if self.ledger.waited_for(p)}
         next_liveness_check = started + LIVENESS_CHECK_SECONDS
 
         def one_pass() -> bool | None:

@@ -209,7 +209,7 @@ class HivemindTransport(Transport):
         finally:
             self.stats.dht_write(key, started, len(value))
 
-    def read(self, key: str) -> dict[str, Entry]:
+    def read(self, key: str, *, banned: bool = False) -> dict[str, Entry]:
         started = time.perf_counter()
         future = self.dht.get(key, latest=True, return_future=True)
         try:
@@ -227,7 +227,7 @@ class HivemindTransport(Transport):
                 continue
             entries.append((peer, Entry(value, item.expiration_time)))
         self.stats.dht_read(key, started, (len(e.value) for _, e in entries))
-        return self.latest_readable(entries, self.now())
+        return self.latest_readable(entries, self.now(), banned)
 
     # --------------------------------------------------------------------------------------- streams
 

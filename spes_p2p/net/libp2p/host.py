@@ -253,7 +253,7 @@ class Libp2pTransport(Transport):
         finally:
             self.stats.dht_write(key, started, len(value))
 
-    def read(self, key: str) -> dict[str, Entry]:
+    def read(self, key: str, *, banned: bool = False) -> dict[str, Entry]:
         started = time.perf_counter()
         try:
             found = self._loop.call(self._records.read, key, timeout=DHT_TIMEOUT)
@@ -262,7 +262,8 @@ class Libp2pTransport(Transport):
             self.stats.dht_read(key, started, ())
             return {}
         self.stats.dht_read(key, started, (len(e.value) for _, e in found))
-        return self.latest_readable(((w, Entry(e.value, e.expires_at)) for w, e in found), self.now())
+        entries = ((w, Entry(e.value, e.expires_at)) for w, e in found)
+        return self.latest_readable(entries, self.now(), banned)
 
     # ------------------------------------------------------------------------------------- streams
 
