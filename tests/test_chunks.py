@@ -3,6 +3,7 @@ download is bit-identical to the holders' weights, its chunks come from every ho
 about a chunk, or serves none, costs only its chunks."""
 
 import time
+from collections import Counter
 
 import msgspec
 import pytest
@@ -11,7 +12,7 @@ import torch
 from spes_p2p.net.memory import MemoryNetwork
 from spes_p2p.net.transport import Unavailable
 from spes_p2p.net.wire import BadRequest
-from spes_p2p.sync.chunks import CHUNK_BYTES, ChunkIndex
+from spes_p2p.sync.chunks import CHUNK_BYTES, RACED, ChunkIndex
 from spes_p2p.sync.codecs import PayloadError, TensorSpec
 from spes_p2p.sync.config import SyncConfig
 from spes_p2p.sync.engine import SyncEngine
@@ -56,9 +57,10 @@ def test_a_unit_comes_in_chunks_from_every_holder_bit_for_bit():
     assert set(got) == {"w", "norm"} and all(torch.equal(got[n], weights[n]) for n in weights)
     served = chunks_served(net)
     assert set(served) == set(HOLDERS) and {c for cs in served.values() for c in cs} == {0, 1, 2, 3}
-    # nothing came twice but a chunk raced at the end, and nothing came whole
-    sizes = [size for _, _, _, _, size in net.log]
-    assert max(sizes) <= CHUNK_BYTES and sum(sizes) < 6.1 * 2**20 + 2 * CHUNK_BYTES
+    # nothing came whole, and no chunk from more holders than it is raced to at the end (how many chunks
+    # are raced depends on when each holder's first one came: in CI under load, 3 of the 4)
+    assert max(size for _, _, _, _, size in net.log) <= CHUNK_BYTES
+    assert max(Counter(c for cs in served.values() for c in cs).values()) <= RACED
 
 
 def test_a_unit_of_one_holder_comes_in_chunks_too():
