@@ -39,8 +39,8 @@ Tensors = dict[str, torch.Tensor]
 _SEEDING = threading.Lock()  # simulated peers share torch's global generator
 # Peers in one process (simulations on the memory backend) take turns at their training steps. Run at once,
 # their threads hand the interpreter back and forth at every small op of a small model: a byzantine test's
-# swarm (4 peers, 60 steps each) took 51 CPU-s with them concurrent, 38 to 40 taking turns. A process with
-# one peer never waits on it.
+# swarm (4 peers, 60 steps each) took 51 to 55 CPU-s with them concurrent, 37 to 41 taking turns. A process
+# with one peer never waits on it.
 _STEPPING = threading.Lock()
 
 
