@@ -81,7 +81,7 @@ class RoundSync:
         grid = ()
         if grouped:  # a newcomer that does not count yet follows a row it is not a member of
             members = view.members(unit, job.round) | {self.me}
-            grid = self.sync.grid([p for p in sorted(members) if counted or p != self.me], job.round)
+            grid = self.sync.grid([p for p in members if counted or p != self.me], job.round)
             participants = dense_group(grid, self.me)
         start, end = job.start[unit], job.end[unit]
         probe = self.probe and partial(self.probe, job.round, unit, starts)
