@@ -154,6 +154,45 @@ def test_oversized_and_refused_requests_leave_nothing_buffered():
     )
 
 
+def test_records_requests_reuse_their_streams_and_open_another_once_the_keeper_closed_one():
+    """Opening a stream costs about three times the CPU of a small request: the records protocol keeps its
+    streams. A keeper closes the streams of a caller that holds more than ``KEPT_PER_PEER``; the caller's
+    next request on such a stream is sent again on a new one, and answered."""
+    python(
+        """
+        from spes_p2p.net.libp2p import streams
+        from spes_p2p.net.libp2p.host import Libp2pTransport
+        from spes_p2p.net.libp2p.kad_records import FETCH, STORE
+
+        a = Libp2pTransport()
+        b = Libp2pTransport(initial_peers=a.addresses())
+        opened = []
+        new_stream = b.host.new_stream
+
+        async def counted(peer, protocols):
+            opened.append(str(protocols[0]))
+            return await new_stream(peer, protocols)
+
+        def write_and_read(times):
+            for i in range(times):
+                assert b.publish("k", f"v{i}".encode(), b.now() + 60)
+                assert a.read("k")[b.peer_id].value == b.read("k")[b.peer_id].value == f"v{i}".encode()
+
+        b.host.new_stream = counted
+        served = a.stats.requests_served
+        write_and_read(5)
+        assert (opened.count(STORE), opened.count(FETCH)) == (1, 1)
+        streams.KEPT_PER_PEER = 0  # a now closes each stream after its answer: the kept ones after their next
+        write_and_read(5)
+        assert (opened.count(STORE), opened.count(FETCH)) == (5, 5)
+        assert a.stats.requests_served == served + 20  # every request answered, none lost on a closed stream
+        assert a._requests._served[b.peer_id] == 0
+        b.shutdown(); a.shutdown()
+        print("ok")
+        """
+    )
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(200)
 def test_a_libp2p_peer_never_imports_hivemind(tmp_path):

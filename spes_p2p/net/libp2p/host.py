@@ -6,10 +6,11 @@ into that loop. A process that uses this backend never imports hivemind (both re
 package ``crypto.pb``, so they cannot share a process).
 
 Records (``net/libp2p/kad_records.py``): Kademlia finds the peers closest to a key, and they keep the
-signed entries written under it. Requests (``net/libp2p/streams.py``): one libp2p stream each, in
-hivemind's framing, so the two backends answer each other's ``spes.hello`` and a peer of the wrong backend
-is told which one the swarm uses. Gossip: gossipsub. The identity is an ed25519 key in a file, so a
-restarted peer keeps its peer id and can overwrite its own entries.
+signed entries written under it. Requests (``net/libp2p/streams.py``): on libp2p streams in hivemind's
+framing, so the two backends answer each other's ``spes.hello`` and a peer of the wrong backend is told
+which one the swarm uses; the records protocol keeps its streams open for the next request. Gossip:
+gossipsub. The identity is an ed25519 key in a file, so a restarted peer keeps its peer id and can
+overwrite its own entries.
 """
 
 from __future__ import annotations

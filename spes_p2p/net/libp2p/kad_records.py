@@ -267,7 +267,7 @@ class RecordKeeping:
         """One records request to ``peer``: its answer, or None when it gave none in time."""
         with trio.move_on_after(ASK_SECONDS):
             try:
-                answer = await self.requests.ask(peer, name, payload, max_response + 1)
+                answer = await self.requests.ask(peer, name, payload, max_response + 1, reuse=True)
             except Exception as exc:  # an unreachable or slow replica: the others answer
                 logger.debug("%s to %s failed: %s", name, peer, exc)
                 return None
