@@ -193,6 +193,44 @@ def test_records_requests_reuse_their_streams_and_open_another_once_the_keeper_c
     )
 
 
+def test_a_lookup_cut_off_is_reused_only_briefly():
+    """A lookup that did not finish in time gives the peers this one knew of, perhaps none of the key's
+    keepers (a newcomer under load that knew only its initial peer could read nothing of the swarm for the
+    30 s that lookups are reused): it is tried again after ``PARTIAL_REUSE_SECONDS``."""
+    python(
+        """
+        import time
+        import trio
+        from spes_p2p.net.libp2p import kad_records
+        from spes_p2p.net.libp2p.host import Libp2pTransport
+
+        kad_records.LOOKUP_SECONDS, kad_records.PARTIAL_REUSE_SECONDS = 0.2, 1.0
+        a = Libp2pTransport()
+        b = Libp2pTransport(initial_peers=a.addresses())
+        routing = b.dht.peer_routing
+        finding = routing.find_closest_peers_network
+
+        async def hangs(key, count):
+            await trio.sleep_forever()
+
+        async def closest():
+            return sorted(map(str, await b._records._closest("k")))
+
+        routing.find_closest_peers_network = hangs
+        started = time.monotonic()
+        cut_off = b._loop.call(closest, timeout=10)  # (what b's routing table has: a)
+        assert b._records._lookups["k"][1] <= started + 1.5
+        routing.find_closest_peers_network = finding
+        assert b._loop.call(closest, timeout=10) == cut_off  # reused while it is fresh
+        time.sleep(max(0.0, b._records._lookups["k"][1] - time.monotonic()))
+        assert b._loop.call(closest, timeout=10) == sorted([a.peer_id, b.peer_id])
+        assert b._records._lookups["k"][1] >= time.monotonic() + kad_records.LOOKUP_REUSE_SECONDS - 5
+        b.shutdown(); a.shutdown()
+        print("ok")
+        """
+    )
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(200)
 def test_a_libp2p_peer_never_imports_hivemind(tmp_path):

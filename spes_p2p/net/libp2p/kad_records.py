@@ -52,6 +52,10 @@ LOOKUP_SECONDS = 3.0  # finding the peers closest to a key
 # each lookup is a walk of several requests (8 libp2p founders on 2 cores, reusing lookups for 30 s instead
 # of 5: median sync wait 7.5-7.9 s instead of 18.6-44.6 s, CPU 108-134 s instead of 173-254 s, 2 seeds)
 LOOKUP_REUSE_SECONDS = 30.0
+# ... but a lookup cut off by LOOKUP_SECONDS gave only the peers this one knew of, maybe none of the key's
+# keepers (a newcomer knows its initial peers), and is tried again sooner: reused for 30 s, it could leave
+# a newcomer under load reading nothing of the swarm for longer than it waits to join
+PARTIAL_REUSE_SECONDS = 3.0
 MAX_LOOKUPS = 4096  # lookups kept for reuse
 ASK_SECONDS = 5.0  # one replica's answer
 STORE, FETCH = "spes.records.store", "spes.records.fetch"
@@ -198,7 +202,7 @@ class RecordKeeping:
         self.me = dht.host.get_id()
         self.keeps, self.relayed = keeps, relayed
         self.store = RecordStore()
-        self._lookups: dict[str, tuple[tuple[ID, ...], float]] = {}  # key -> its closest peers, when found
+        self._lookups: dict[str, tuple[tuple[ID, ...], float]] = {}  # key -> its closest peers, reused until
         if keeps:
             requests.serve(STORE, self._on_store, SignedEntry.MAX_BYTES, inline=True)
             requests.serve(FETCH, self._on_fetch, Fetch.MAX_BYTES, inline=True)
@@ -246,21 +250,23 @@ class RecordKeeping:
     async def _closest(self, key: str) -> list[ID]:
         """The REPLICAS peers closest to ``key`` that Kademlia knows of and that keep records, this one
         included when it does; a lookup is reused for ``LOOKUP_REUSE_SECONDS`` (a swarm reads its few keys
-        several times a round)."""
+        several times a round), or ``PARTIAL_REUSE_SECONDS`` when it was cut off."""
         now = time.monotonic()
-        found, at = self._lookups.get(key, ((), -LOOKUP_REUSE_SECONDS))
-        if now - at < LOOKUP_REUSE_SECONDS:
+        found, until = self._lookups.get(key, ((), now))
+        if now < until:
             return list(found)
         found = self.dht.routing_table.find_local_closest_peers(key.encode(), 2 * REPLICAS)
+        reuse = PARTIAL_REUSE_SECONDS
         with trio.move_on_after(LOOKUP_SECONDS):  # (past it: the closest this peer knows of itself)
             found = await self.dht.peer_routing.find_closest_peers_network(key.encode(), count=2 * REPLICAS)
+            reuse = LOOKUP_REUSE_SECONDS
         keepers = [p for p in found if p != self.me and not self.relayed(str(p))]
         if self.keeps:
             keepers.append(self.me)
         closest = sort_peer_ids_by_distance(key.encode(), keepers)[:REPLICAS]
         if len(self._lookups) >= MAX_LOOKUPS:
             self._lookups.clear()
-        self._lookups[key] = (tuple(closest), now)
+        self._lookups[key] = (tuple(closest), now + reuse)
         return closest
 
     async def _ask(self, peer: ID, name: str, payload: bytes, max_response: int) -> bytes | None:
