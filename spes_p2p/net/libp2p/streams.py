@@ -85,7 +85,7 @@ class Requests:
         except StreamEOF:  # the caller closed the stream after its last request
             pass
         except Exception as exc:  # a slow, oversized or broken request is dropped, not answered
-            logger.info("dropped a %s request from %s: %s", name, caller, exc or type(exc).__name__)
+            logger.info("dropped a %s request from %s: %s", name, caller, str(exc) or type(exc).__name__)
             with trio.move_on_after(CLOSE_SECONDS):
                 await stream.reset()
         finally:
