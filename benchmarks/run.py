@@ -13,7 +13,9 @@ Sections (each a function below; all figures are measured in this run):
   loss      validation loss against tokens: centralized, DiLoCo, SPES (merging on and off), SPES+BCD;
             4 peers, equal total tokens
   scale     round time, sync wait and DHT latency for 4 to 32 peer processes with virtual compute (a step
-            sleeps; updates are synthetic, of the model's real shapes), groups of 4 holders per unit
+            sleeps; updates are synthetic, of the model's real shapes), groups of 4 holders per unit, on
+            hivemind (three processes a peer: the peer, its DHT and p2pd)
+  scale_libp2p  the same on libp2p (one process a peer)
   records   the swarm's DHT records as it grows, 4 to 256 peers in one process (the memory backend, which
             counts the bytes each key serves exactly; virtual compute, a model of about 100k parameters):
             reads, writes and bytes per peer and round, the busiest key's bytes served a round, CPU time
@@ -93,6 +95,7 @@ SECTIONS = (
     "sync",
     "loss",
     "scale",
+    "scale_libp2p",
     "records",
     "wan",
     "backends",
@@ -362,7 +365,6 @@ def simulate(
 ) -> dict:
     """A simulation with ``{'section.field': value}`` changes."""
     from spes_p2p.sim import run, simulation
-    from spes_p2p.sim.summary import read_rows
 
     folder = out / name
     cfg = simulation(
@@ -378,12 +380,9 @@ def simulate(
     )
     started = time.perf_counter()
     summary = run(cfg)
-    rows = {
-        d.name: read_rows(d) for d in sorted((folder / "peers").iterdir()) if (d / "metrics.jsonl").exists()
-    }
     return {
         "summary": summary,
-        "rows": rows,
+        "rows": _peer_rows(folder),
         "seconds": time.perf_counter() - started,
         "tokens_per_peer_round": steps * cfg.train.batch_size * cfg.train.seq_len,
     }
@@ -514,26 +513,30 @@ def centralized(out: Path, rounds: int, steps: int, seed: int = 0) -> list[tuple
     return [(r["tokens"], r["val_loss"]) for r in rows if "val_loss" in r]
 
 
-def bench_scale(out: Path, peers: list[int], rounds: int, steps: int) -> list[dict]:
+def bench_scale(
+    out: Path, peers: list[int], rounds: int, steps: int, backend: str = "hivemind"
+) -> list[dict]:
     """Virtual compute, so that 32 processes fit on 2 cores; the groups stay at ``SCALE_GROUP`` peers: one
     expert shard per 4 peers, dense blocks averaged in groups of 4. Heartbeats at a swarm's default (5 s),
     not a local simulation's (1 s): 32 DHT nodes refreshing every second would measure the CPU of 2 cores."""
+    from spes_p2p.errors import SpesError
+
     rows = []
     for n in peers:
-        sim = simulate(
-            out,
-            f"scale-{n}",
-            "hivemind",
-            n,
-            rounds,
-            steps,
-            {
-                "sim.compute": f"virtual={SCALE_STEP_SECONDS}",
-                "model.shards": max(1, n // SCALE_GROUP),
-                "sync.dense_group_size": SCALE_GROUP,
-                **SCALE_SWARM,
-            },
-        )
+        name = f"scale-{n}" if backend == "hivemind" else f"scale-{backend}-{n}"
+        changes = {
+            "sim.compute": f"virtual={SCALE_STEP_SECONDS}",
+            "model.shards": max(1, n // SCALE_GROUP),
+            "sync.dense_group_size": SCALE_GROUP,
+            **SCALE_SWARM,
+        }
+        try:
+            sim = simulate(out, name, backend, n, rounds, steps, changes)
+        except SpesError as exc:  # (out of its time budget: the rounds it ran, and why it stopped)
+            done = _peer_rows(out / name)
+            fewest = min((len(r) for r in done.values()), default=0)
+            failed = {"rounds_completed": fewest, "uncovered_unit_rounds": None, "failures": [str(exc)]}
+            sim = {"summary": failed, "rows": done}
         summary = sim["summary"]
         rows.append(
             {
@@ -544,7 +547,7 @@ def bench_scale(out: Path, peers: list[int], rounds: int, steps: int) -> list[di
                 "failures": summary["failures"],
             }
         )
-        print(f"scale {rows[-1]}", flush=True)
+        print(f"scale ({backend}) {rows[-1]}", flush=True)
     return rows
 
 
@@ -770,6 +773,14 @@ def bench_backends(out: Path, rounds: int, steps: int) -> dict:
     return result
 
 
+def _peer_rows(folder: Path) -> dict[str, list[dict]]:
+    """Each peer's metrics rows of the simulation in ``folder``."""
+    from spes_p2p.sim.summary import read_rows
+
+    peers = sorted((folder / "peers").iterdir())
+    return {d.name: read_rows(d) for d in peers if (d / "metrics.jsonl").exists()}
+
+
 def _round_times(sim: dict) -> dict:
     later = [r for rs in sim["rows"].values() for r in rs[1:]]  # the first round includes the start-up
     if not later:  # the swarm did not get past its first round: its failures say why
@@ -862,16 +873,18 @@ def tables(results: dict) -> str:
         out += ["", row("method", "tokens", "final val loss"), row(*["---"] * 3)]
         for name, curve in results["loss"].items():
             out.append(row(name, f"{curve[-1][0]:,}", f"{curve[-1][1]:.3f}"))
-    scale = results.get("scale", [])
-    header = row("peers", "round s", "compute s", "sync wait s", "DHT op ms", "vs 4 peers")
-    out += ["", header, row(*["---"] * 6)] if scale else []
-    for r in scale:
-        if r["round_seconds"] is None:
-            out.append(row(r["peers"], "failed:", "; ".join(r.get("failures", [])), "", "", ""))
-            continue
-        times = (f"{r[k]:.2f}" for k in ("round_seconds", "compute_seconds", "sync_wait_seconds"))
-        ratio = r["round_seconds"] / scale[0]["round_seconds"]
-        out.append(row(r["peers"], *times, f"{r['dht_ms']:.1f}", f"{ratio:.2f}x"))
+    for section, backend in (("scale", "hivemind"), ("scale_libp2p", "libp2p")):
+        scale = results.get(section, [])
+        header = row(f"peers ({backend})", "round s", "compute s", "sync wait s", "DHT op ms", "vs 4 peers")
+        out += ["", header, row(*["---"] * 6)] if scale else []
+        for r in scale:
+            if r["round_seconds"] is None:
+                out.append(row(r["peers"], "failed:", "; ".join(r.get("failures", [])), "", "", ""))
+                continue
+            times = (f"{r[k]:.2f}" for k in ("round_seconds", "compute_seconds", "sync_wait_seconds"))
+            ratio = f"{r['round_seconds'] / scale[0]['round_seconds']:.2f}x"
+            stopped = f" ({r['rounds']} rounds; failed: {'; '.join(r['failures'])})" if r["failures"] else ""
+            out.append(row(r["peers"], *times, f"{r['dht_ms']:.1f}", ratio + stopped))
     records = results.get("records", [])
     heads = (
         "round s",
@@ -1096,6 +1109,7 @@ def main() -> int:
         "sync": lambda: bench_sync(args.out, **mode["sync"]),
         "loss": lambda: bench_loss(args.out, **mode["loss"]),
         "scale": lambda: bench_scale(args.out, **mode["scale"]),
+        "scale_libp2p": lambda: bench_scale(args.out, **mode["scale"], backend="libp2p"),
         "records": lambda: bench_records(args.out, **mode["records"]),
         "wan": lambda: bench_wan(args.out, **mode["wan"]),
         "backends": lambda: bench_backends(args.out, **mode["backends"]),
