@@ -253,7 +253,8 @@ class HivemindTransport(Transport):
                     await asyncio.wait_for(P2P.send_raw_data(response, writer), ANSWER_WRITE_TIMEOUT)
                     self.stats.bytes_sent += len(response) - 1
                 except (asyncio.IncompleteReadError, ConnectionError, MessageTooLarge, TimeoutError) as exc:
-                    logger.info("dropped a %s request from %s: %s", name, caller, str(exc) or type(exc).__name__)
+                    why = str(exc) or type(exc).__name__
+                    logger.info("dropped a %s request from %s: %s", name, caller, why)
                 finally:
                     writer.close()
 

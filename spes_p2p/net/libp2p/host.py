@@ -300,7 +300,8 @@ class Libp2pTransport(Transport):
         except LoopClosed:
             raise TransportError(f"{self.peer_id} has shut down") from None
         except Exception as exc:  # dial failures, resets, an unsupported protocol
-            raise PeerUnreachable(f"cannot reach {peer_id} for {name}: {str(exc) or type(exc).__name__}") from None
+            why = str(exc) or type(exc).__name__
+            raise PeerUnreachable(f"cannot reach {peer_id} for {name}: {why}") from None
         if answer[:1] != OK:
             raise RemoteError(f"{peer_id} failed to answer {name}: {answer[1:].decode(errors='replace')}")
         self.stats.bytes_sent += len(payload)
