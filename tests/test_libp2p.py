@@ -160,6 +160,7 @@ def test_records_requests_reuse_their_streams_and_open_another_once_the_keeper_c
     next request on such a stream is sent again on a new one, and answered."""
     python(
         """
+        import time
         from spes_p2p.net.libp2p import streams
         from spes_p2p.net.libp2p.host import Libp2pTransport
         from spes_p2p.net.libp2p.kad_records import FETCH, STORE
@@ -186,6 +187,9 @@ def test_records_requests_reuse_their_streams_and_open_another_once_the_keeper_c
         write_and_read(5)
         assert (opened.count(STORE), opened.count(FETCH)) == (5, 5)
         assert a.stats.requests_served == served + 20  # every request answered, none lost on a closed stream
+        until = time.monotonic() + 10
+        while a._requests._served[b.peer_id] and time.monotonic() < until:
+            time.sleep(0.05)  # (a closes a stream just after its answer reached b)
         assert a._requests._served[b.peer_id] == 0
         b.shutdown(); a.shutdown()
         print("ok")
@@ -226,6 +230,53 @@ def test_a_lookup_cut_off_is_reused_only_briefly():
         assert b._loop.call(closest, timeout=10) == sorted([a.peer_id, b.peer_id])
         assert b._records._lookups["k"][1] >= time.monotonic() + kad_records.LOOKUP_REUSE_SECONDS - 5
         b.shutdown(); a.shutdown()
+        print("ok")
+        """
+    )
+
+
+def test_keys_are_walked_for_until_a_walk_meets_nobody_new():
+    """Kademlia walks find peers this one does not know of; once a walk met nobody new, the routing table
+    names the keepers of the keys looked up in the next ``SETTLED_SECONDS`` (a round's keys are new each
+    round), the same ones a walk finds."""
+    python(
+        """
+        import time
+        from spes_p2p.net.libp2p import kad_records
+        from spes_p2p.net.libp2p.host import Libp2pTransport
+
+        kad_records.SETTLED_SECONDS = 2.0
+        a = Libp2pTransport()
+        b, c = Libp2pTransport(initial_peers=a.addresses()), Libp2pTransport(initial_peers=a.addresses())
+        walks = []
+        routing = b.dht.peer_routing
+        walk = routing.find_closest_peers_network
+
+        async def counted(key, count):
+            walks.append(key)
+            return await walk(key, count=count)
+
+        async def closest(key):
+            return sorted(map(str, await b._records._closest(key)))
+
+        def lookup(key):
+            return b._loop.call(closest, key, timeout=10)
+
+        everyone = sorted([a.peer_id, b.peer_id, c.peer_id])
+        routing.find_closest_peers_network = counted
+        b.dht.routing_table.remove_peer(c.dht.host.get_id())  # (b may have met c as it joined)
+        assert lookup("k0") == everyone and walks == [b"k0"]  # the walk met c, whom b did not know
+        n = 1
+        while len(walks) == n and n < 6:  # (walks until one meets nobody new)
+            assert lookup(f"k{n}") == everyone
+            n += 1
+        assert 1 < len(walks) < n  # a walk met nobody new: the keys since came from the table
+        for i in range(n, n + 3):
+            assert lookup(f"k{i}") == everyone
+        assert len(walks) == n - 1
+        time.sleep(2.5)
+        assert lookup("later") == everyone and walks[-1] == b"later"  # (SETTLED_SECONDS passed)
+        c.shutdown(); b.shutdown(); a.shutdown()
         print("ok")
         """
     )
