@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from spes_p2p.net.memory import MemoryNetwork
+from spes_p2p.net.transport import TransportError
 from spes_p2p.sim.byzantine import rewrite
 from spes_p2p.sync.codecs import TensorSpec
 from spes_p2p.sync.config import SyncConfig
@@ -15,6 +16,7 @@ from spes_p2p.sync.engine import SyncEngine
 from spes_p2p.sync.exchange import dense_grid, dense_group
 from spes_p2p.sync.fetching import NotYet
 from spes_p2p.sync.jobs import UnitJob
+from spes_p2p.sync.messages import RPC_UPDATE, UpdateRequest
 
 UNIT = "dense/0"
 SPECS = {UNIT: {"embed": TensorSpec((256, 64)), "norm": TensorSpec((64,))}}
@@ -210,6 +212,28 @@ def test_a_newcomer_checks_an_owner_against_the_parts_it_combines_from_the_piece
     assert_identical(honest)
     assert gap(honest["p4"].new_weights, mean_of(GROUP)) < 2e-3
     assert all(engines[p].transport.guard.total() >= 1 for p in honest)
+
+
+def test_a_newcomer_that_gets_no_piece_does_not_take_an_owners_part_unchecked():
+    """A newcomer that fetches none of the members' pieces has nothing to hold an owner's part against: it
+    uses no part it cannot check (p3's, 1000 times too large, poisoned such a peer under load) and does not
+    hold that against the owner; the parts it can check it takes (here: none, so it keeps its start
+    weights, and the next round's vote puts it back on the row's weights)."""
+    engines = swarm(patient=True, deadline=1.0, peers=[*GROUP, "p4"])
+    lie_with_scale(engines["p3"])
+    newcomer = engines["p4"].transport
+    ask = newcomer.request
+
+    def no_pieces(peer, name, payload, **kwargs):
+        if name == RPC_UPDATE and UpdateRequest.decode(payload).kind == "piece":
+            raise TransportError("piece lost")
+        return ask(peer, name, payload, **kwargs)
+
+    newcomer.request = no_pieces
+    results = exchange_with_newcomer(engines)
+    assert_identical({p: r for p, r in results.items() if p not in ("p3", "p4")})
+    assert gap(results["p4"].new_weights, START) == 0.0  # (p3's part would move it 1000 times the mean's)
+    assert newcomer.guard.total() == 0
 
 
 def test_a_member_whose_update_diverged_checks_an_owner_against_the_pieces():

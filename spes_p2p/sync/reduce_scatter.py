@@ -35,7 +35,11 @@ A combined part is checked before use: it must decode, be finite, name only memb
 when it says it combined our piece, lie within ``REJECT_FACTOR`` times that piece's norm and point along
 it (a cosine above ``screening.AGREE_MIN``: a part of zeros or noise fails too). A part that leaves our
 piece out, and any part a member with no piece this round (a newcomer, or its update diverged) receives,
-is held to the same bounds against the part as the member combines it itself from the members' pieces.
+is held to the same bounds against the part as the member combines it itself from the members' pieces;
+when it fetched none of them in time either, it has nothing to hold the part against and does not use it
+(``UNCHECKED``): it combines the part from the pieces that come by a second deadline, or leaves it out, and
+the next round's start-weights vote puts it back on the row's weights (an owner's unchecked part, taken
+as it came, let a poisoned part through under load).
 Another row's part is held to the same bounds against our row's, and must name only members of its row,
 count at most their tokens and have been combined on our base. An owner can still steer its part within
 those bounds (a mild bend); a swarm that will not trust owners with that sets ``sync.dense_exchange =
@@ -44,6 +48,7 @@ those bounds (a mild bend); a swarm that will not trust owners with that sets ``
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
@@ -60,7 +65,13 @@ from spes_p2p.sync.jobs import UnitJob, UnitResult
 from spes_p2p.sync.payload import decode, encode, flatten, payload_meta, unflatten
 from spes_p2p.sync.screening import AGREE_MIN, cosine, screen
 
+logger = logging.getLogger(__name__)
+
 POLL_SECONDS = 0.1  # between asks for the combined parts not served yet
+# why an owner's part is not used by a member with no piece of it that fetched none of the others' either:
+# nothing to hold it against (the member then combines the part itself, from what pieces come in time, and
+# is back on the row's weights through the next round's start-weights vote)
+UNCHECKED = "we have no piece of its part and fetched none to check it against"
 
 Tensors = dict[str, torch.Tensor]
 
@@ -306,7 +317,11 @@ class ReduceScatter(Exchange):
                         got[j] = outcome
                         pending.discard(j)
                         continue
-                    outcome = self.fetcher.refuse(owner(group, j), job.unit, problem)
+                    if problem == UNCHECKED:  # (not held against the owner: it may be honest)
+                        logger.info("round %d %s: part %d not used: %s", job.round, job.unit, j, problem)
+                        outcome = Refused(problem)
+                    else:
+                        outcome = self.fetcher.refuse(owner(group, j), job.unit, problem)
                 if isinstance(outcome, Refused):
                     pending.discard(j)
                     fallback.add(j)
@@ -371,7 +386,8 @@ def part_problem(
     """Why a combined part from its owner cannot be used by ``me`` ('' when it can). It is checked against our
     own piece of it when it says it combined that piece, else (it left ours out, or we have none: our
     update does not count this round, or its piece is zero) against the part as we combine it ourselves
-    from the row's pieces (``here``): an owner cannot dodge the check by leaving us out."""
+    from the row's pieces (``here``): an owner cannot dodge the check by leaving us out. With neither, the
+    part cannot be checked: ``UNCHECKED``."""
     if not set(reduced.contributors) <= set(job.participants):
         return "its combined part names peers outside the row"
     if not set(reduced.rows) <= set(range(len(job.grid))) - {job.row}:
@@ -380,8 +396,8 @@ def part_problem(
         reference, what = own, "our own piece of it"
     else:
         local = here()
-        if not local.contributors:  # we fetched no piece either: nothing to check against
-            return ""
+        if not local.contributors:  # we fetched no piece either: nothing to check it against
+            return UNCHECKED
         reference, what = local.piece, "the part as we combine it from the pieces"
     if float(reduced.piece.norm()) > REJECT_FACTOR * float(reference.norm()):
         return f"its combined part lies far beyond {what}"
