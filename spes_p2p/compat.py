@@ -17,7 +17,9 @@ def bitsandbytes():
     bitsandbytes wraps its device-generic fallback kernels in ``torch.compile``, which imports torch's
     dynamo and inductor (its import took 3.2 to 3.8 s, 1.7 to 2.3 s more than it takes now, torch's
     optimizers importing dynamo anyway) for kernels that CPU and CUDA replace with their own. bitsandbytes
-    keeps a kernel uncompiled when ``torch.compile`` fails, so for the length of its import it fails."""
+    keeps a kernel uncompiled when ``torch.compile`` fails, so for the length of its import it fails. Its
+    kernels are also registered as not to be compiled, through a wrapper that imports dynamo on a kernel's
+    first call; for the length of the import that mark is left off (nothing compiles them)."""
     logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)
     if "bitsandbytes" in sys.modules:
         return sys.modules["bitsandbytes"]
@@ -27,11 +29,30 @@ def bitsandbytes():
         raise RuntimeError("torch.compile is off while bitsandbytes is imported")
 
     compile_, torch.compile = torch.compile, no_compiler
+    disable_, torch._disable_dynamo = torch._disable_dynamo, lambda fn=None, recursive=True: fn
     try:
         import bitsandbytes as bnb
     finally:
-        torch.compile = compile_
+        torch.compile, torch._disable_dynamo = compile_, disable_
     return bnb
+
+
+def optimizers_without_compiler() -> None:
+    """torch's optimizers, without importing torch's compiler on their first use.
+
+    torch marks ``Optimizer.add_param_group``, ``state_dict``, ``load_state_dict`` and ``zero_grad`` as not
+    to be compiled with a wrapper that imports dynamo on its first call (2.0 to 2.5 s of every training
+    peer's start, the largest import after torch itself) only to build that mark. Nothing here compiles an
+    optimizer, so each wrapper is given what it would build, the method itself; a method wrapped otherwise
+    (another torch) is left as it is."""
+    import torch
+
+    for method in vars(torch.optim.Optimizer).values():
+        code = getattr(method, "__code__", None)
+        if code is not None and code.co_qualname == "_disable_dynamo.<locals>.inner":
+            original = method.__wrapped__
+            if not hasattr(original, "__dynamo_disable"):
+                original.__dynamo_disable = original
 
 
 def lazy_exports(package: str, exports: dict[str, str]):

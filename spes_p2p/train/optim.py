@@ -8,7 +8,7 @@ import threading
 import torch
 from torch import nn
 
-from spes_p2p.compat import bitsandbytes
+from spes_p2p.compat import bitsandbytes, optimizers_without_compiler
 from spes_p2p.errors import ConfigError
 from spes_p2p.train.config import OPTIMIZERS, TrainConfig
 
@@ -49,6 +49,7 @@ def build_optimizer(
         {"params": [p for _, p in named_params if p.ndim < 2], "weight_decay": 0.0},
     ]
     groups = [g for g in groups if g["params"]]
+    optimizers_without_compiler()
     if kind == "adamw":
         return torch.optim.AdamW(groups, lr=lr, betas=betas, eps=eps)
     return bitsandbytes().optim.AdamW8bit(groups, lr=lr, betas=betas, eps=eps)
