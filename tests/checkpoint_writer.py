@@ -12,11 +12,15 @@ import torch
 
 from spes_p2p.errors import CheckpointError
 from spes_p2p.train.checkpoint import load_checkpoint, recover, save_checkpoint
+from spes_p2p.train.optim import build_optimizer
+
+OPTIMIZER = {"kind": "adamw8bit", "lr": 1e-3, "betas": (0.9, 0.95), "weight_decay": 0.0}
 
 
 def main(run_dir: Path) -> None:
     model = torch.nn.Sequential(torch.nn.Linear(1024, 1024), torch.nn.Linear(1024, 512))
-    optimizer = torch.optim.AdamW(model.parameters())
+    # the peers' 8-bit optimizer (torch's imports torch's compiler at its first step: seconds of each start)
+    optimizer = build_optimizer(list(model.named_parameters()), **OPTIMIZER)
     model(torch.ones(1, 1024)).sum().backward()
     optimizer.step()  # optimizer state to write
     recover(run_dir)
