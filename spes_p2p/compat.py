@@ -1,5 +1,5 @@
-"""Imports that need taming (third-party modules with side effects, lazy re-exports of our own), and the one
-Linux call we make."""
+"""Imports that need taming (third-party modules with side effects, lazy re-exports of our own), and the two
+Linux calls we make."""
 
 from __future__ import annotations
 
@@ -80,3 +80,17 @@ def die_with_parent(signum: int) -> None:
     """Linux: ask the kernel to send this process ``signum`` when its parent dies (elsewhere: nothing)."""
     with contextlib.suppress(OSError, AttributeError):
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signum)  # PR_SET_PDEATHSIG
+
+
+def enter_netns(name: str) -> None:
+    """Linux: moves this process (one thread) into the network namespace ``name`` made by ``ip netns add``,
+    as ``ip netns exec NAME`` does for the command it runs."""
+    import os
+
+    fd = os.open(f"/run/netns/{name}", os.O_RDONLY)
+    try:
+        if ctypes.CDLL("libc.so.6", use_errno=True).setns(fd, 0x40000000) != 0:  # CLONE_NEWNET
+            errno = ctypes.get_errno()
+            raise OSError(errno, f"cannot enter network namespace {name}: {os.strerror(errno)}")
+    finally:
+        os.close(fd)

@@ -1,14 +1,13 @@
 """Fleets: the peers of a simulation and their lives. ``MemoryFleet`` runs every peer on a thread of this
-process, on one in-memory network; ``ProcessFleet`` starts each as its own process
-(``python -m spes_p2p.peer peerI.toml``); ``netfleet.NetnsFleet`` puts each process in a network namespace.
+process, on one in-memory network; ``ProcessFleet`` starts each as its own process (what
+``python -m spes_p2p.peer peerI.toml`` runs, forked from the run's ``launcher``); ``netfleet.NetnsFleet`` puts
+each process in a network namespace.
 """
 
 from __future__ import annotations
 
 import logging
 import os
-import subprocess
-import sys
 import threading
 import time
 from abc import ABC, abstractmethod
@@ -18,6 +17,7 @@ from pathlib import Path
 from spes_p2p.errors import SpesError
 from spes_p2p.settings import Settings
 from spes_p2p.sim.config import name_of
+from spes_p2p.sim.launcher import Launched, Launcher
 from spes_p2p.sim.processes import kill_all, still_running, stop_process_groups, tree_of
 from spes_p2p.sim.summary import read_rows
 from spes_p2p.train.checkpoint import list_checkpoints
@@ -274,8 +274,9 @@ class MemoryFleet(Fleet):
 
 
 class ProcessFleet(Fleet):
-    """Real peer processes on 127.0.0.1 (``python -m spes_p2p.peer``), the first founding the swarm, each in
-    a session of its own; a kill is a SIGKILL of the peer, its DHT process and its p2pd."""
+    """Real peer processes on 127.0.0.1 (``python -m spes_p2p.peer``, forked from the run's launcher), the
+    first founding the swarm, each in a session of its own; a kill is a SIGKILL of the peer, its DHT process
+    and its p2pd."""
 
     def __init__(self, settings: Settings) -> None:
         super().__init__(settings)
@@ -284,7 +285,9 @@ class ProcessFleet(Fleet):
             folder.mkdir(parents=True, exist_ok=True)
         for stale in self.keys.glob("*.addr"):  # an earlier run's: peers would dial dead addresses
             stale.unlink()
-        self.procs: dict[int, subprocess.Popen] = {}  # peer -> the process of its current life
+        env = {**os.environ, **SINGLE_THREADED, "PYTHONUNBUFFERED": "1"}
+        self.launcher = Launcher(settings.swarm.backend, env, str(self.out))
+        self.procs: dict[int, Launched] = {}  # peer -> the process of its current life
         self.sessions: list[int] = []  # the session of every life (its first pid), killed ones too
         self.seen: list = []  # their processes (psutil), as last seen before a kill or the close
 
@@ -303,7 +306,7 @@ class ProcessFleet(Fleet):
         )
         config = self.keys / f"{name}.toml"
         config.write_text(settings.to_toml())
-        self.procs[index] = self._launch(name, self._command(index, config), append=resume)
+        self.procs[index] = self._launch(index, config, append=resume)
         self.sessions.append(self.procs[index].pid)
         self.begin_life(index)
         if len(self.started) == 1 and not resume:
@@ -313,25 +316,22 @@ class ProcessFleet(Fleet):
         """Peer ``index``'s network settings: on 127.0.0.1 (the defaults), joining through the live peers."""
         return {"swarm.initial_peers": self._live_addresses() if self.started else ()}
 
-    def _command(self, index: int, config: Path) -> list[str]:
-        """The peer process's command line."""
-        mode = self.settings.sim.byzantine_peers.get(index)
-        module = ["spes_p2p.sim.byzantine", str(config), mode] if mode else ["spes_p2p.peer", str(config)]
-        return [sys.executable, "-m", *module]
+    def _netns(self, index: int) -> str | None:
+        """The network namespace peer ``index`` runs in (None: this machine's)."""
+        return None
 
-    def _launch(self, name: str, command: list[str], append: bool = False) -> subprocess.Popen:
-        """Starts ``command`` in a session of its own, its output in OUT/logs/NAME.log."""
-        with open(self.out / "logs" / f"{name}.log", "a" if append else "w") as log:
-            if append:
-                log.write("\n--- restarted with --resume ---\n")
-                log.flush()
-            return subprocess.Popen(
-                command,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,
-                env={**os.environ, **SINGLE_THREADED, "PYTHONUNBUFFERED": "1"},
-            )
+    def _launch(self, index: int, config: Path, append: bool = False) -> Launched:
+        """Peer ``index``'s process, in a session of its own, its output in OUT/logs/NAME.log."""
+        log = self.out / "logs" / f"{name_of(index)}.log"
+        if append:
+            with open(log, "a") as f:
+                f.write("\n--- restarted with --resume ---\n")
+        mode = self.settings.sim.byzantine_peers.get(index)
+        if mode:
+            module, argv = "spes_p2p.sim.byzantine", [str(config), mode]
+        else:
+            module, argv = "spes_p2p.peer.__main__", [str(config)]
+        return self.launcher.spawn(module, argv, log, append, self._netns(index))
 
     def _wait_for_address(self, index: int) -> str:
         path = self.keys / f"{name_of(index)}.addr"
@@ -376,7 +376,10 @@ class ProcessFleet(Fleet):
         for proc in self.procs.values():
             if proc.poll() is None:
                 self.seen += tree_of(proc.pid)
-        stop_process_groups(self.procs.values())
+        try:
+            stop_process_groups(self.procs.values())
+        finally:
+            self.launcher.close()
 
     def leftovers(self) -> list[str]:
         """Processes of the run still running after ``close``: any in a peer's session, or any seen in a

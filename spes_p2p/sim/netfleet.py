@@ -5,8 +5,6 @@ peer behind NAT (``--nat K``: the last K of the first peers) listens on its LAN 
 
 from __future__ import annotations
 
-from pathlib import Path
-
 from spes_p2p.settings import Settings
 from spes_p2p.sim.fleets import ProcessFleet
 from spes_p2p.sim.netns import Layout, Namespaces, NetnsError, existing, missing_tools, new_tag
@@ -30,8 +28,8 @@ class NetnsFleet(ProcessFleet):
         self.namespaces = Namespaces(Layout(new_tag(), sim.total_peers, natted, sim.bandwidth))
         self.namespaces.create()
 
-    def _command(self, index: int, config: Path) -> list[str]:
-        return [*self.namespaces.exec_prefix(index), *super()._command(index, config)]
+    def _netns(self, index: int) -> str | None:
+        return self.namespaces.layout.peer(index)
 
     def _network(self, index: int) -> dict:
         layout = self.namespaces.layout
