@@ -34,6 +34,7 @@ from pathlib import Path
 from spes_p2p.compat import die_with_parent, enter_netns
 
 GONE = 255  # the exit status reported for a peer whose launcher died before it (its real one is lost)
+ANSWER_SECONDS = 120.0  # for the launcher's first answer, after its imports, on a busy machine
 
 
 # ------------------------------------------------------------------------------------ the simulator's side
@@ -61,7 +62,8 @@ class Launched:
 
 
 class Launcher:
-    """Starts the launcher process for ``backend`` on first use; ``spawn`` forks a peer from it."""
+    """Starts the launcher process for ``backend`` on first use; ``spawn`` forks a peer from it. The launcher
+    leaves when the thread that started it ends (``PR_SET_PDEATHSIG``): the one that runs the simulation."""
 
     def __init__(self, backend: str, env: dict[str, str], title: str) -> None:
         self.backend, self.env, self.title = backend, env, title
@@ -77,8 +79,8 @@ class Launcher:
             proc = self._started()
             proc.stdin.write(json.dumps(request) + "\n")
             proc.stdin.flush()
-            if not self._answered.wait_for(lambda: self._answers or proc.poll() is not None, timeout=60):
-                raise RuntimeError("the peer launcher did not answer in 60 s")
+            if not self._answered.wait_for(lambda: self._answers or proc.poll() is not None, ANSWER_SECONDS):
+                raise RuntimeError(f"the peer launcher did not answer in {ANSWER_SECONDS:.0f} s")
             if not self._answers:
                 raise RuntimeError(f"the peer launcher exited with {proc.poll()}")
             return self.launched[self._answers.pop(0)]
