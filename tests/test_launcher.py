@@ -45,5 +45,7 @@ def test_a_peer_whose_launcher_died_is_reported_gone(launcher, tmp_path):
     launcher.proc.kill()
     try:
         assert sleeper.wait(60) == GONE
+        with pytest.raises(RuntimeError, match="launcher has exited"):  # and no peer waits for it
+            launcher.spawn("launch_probe", ["0"], tmp_path / "late.log", False, None)
     finally:
         os.killpg(sleeper.pid, signal.SIGKILL)

@@ -71,18 +71,21 @@ class Launcher:
         self.launched: dict[int, Launched] = {}
         self._answers: list[int] = []
         self._answered = threading.Condition()
+        self._gone = False  # the launcher has exited (its output ended)
 
     def spawn(self, module: str, argv: list[str], log: Path, append: bool, netns: str | None) -> Launched:
         """Forks ``module``'s ``main(argv)`` in a session of its own, its output to ``log``."""
         request = {"module": module, "argv": argv, "log": str(log), "append": append, "netns": netns}
         with self._answered:
             proc = self._started()
-            proc.stdin.write(json.dumps(request) + "\n")
-            proc.stdin.flush()
-            if not self._answered.wait_for(lambda: self._answers or proc.poll() is not None, ANSWER_SECONDS):
+            if not self._gone:
+                with contextlib.suppress(BrokenPipeError):
+                    proc.stdin.write(json.dumps(request) + "\n")
+                    proc.stdin.flush()
+            if not self._answered.wait_for(lambda: self._answers or self._gone, ANSWER_SECONDS):
                 raise RuntimeError(f"the peer launcher did not answer in {ANSWER_SECONDS:.0f} s")
             if not self._answers:
-                raise RuntimeError(f"the peer launcher exited with {proc.poll()}")
+                raise RuntimeError(f"the peer launcher has exited (status {proc.wait(timeout=10)})")
             return self.launched[self._answers.pop(0)]
 
     def close(self) -> None:
@@ -118,6 +121,7 @@ class Launcher:
                     self.launched[message["exited"]].exited(message["code"])
                 self._answered.notify_all()
         with self._answered:  # the launcher is gone, and the exits it had not reported with it
+            self._gone = True
             for peer in self.launched.values():
                 if peer.returncode is None:
                     peer.exited(GONE)
