@@ -172,7 +172,8 @@ def _peer(request: dict) -> None:
     log, null = os.open(request["log"], flags, 0o644), os.open(os.devnull, os.O_RDONLY)
     for fd, to in ((null, 0), (log, 1), (log, 2)):
         os.dup2(fd, to)
-    os.close(log), os.close(null)
+    os.close(log)
+    os.close(null)
     sys.stdout = open(1, "w", buffering=1, closefd=False)
     sys.stderr = open(2, "w", buffering=1, closefd=False)
     if request["netns"]:
@@ -182,5 +183,5 @@ def _peer(request: dict) -> None:
     raise SystemExit(module.main([request["module"], *request["argv"]]))
 
 
-if __name__ == "__main__":
+if __name__ == "__main__":  # python -m spes_p2p.sim.launcher BACKEND OUT (OUT: for its peers' command line)
     serve(sys.argv[1])
