@@ -19,6 +19,8 @@ that are negative or not finite.
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from spes_p2p.blockwise import chunking, index_bits
@@ -28,7 +30,10 @@ def sparsify(flat: torch.Tensor, chunk: int, k: int, bits: int) -> tuple[torch.T
     """(positions uint8, codes uint8, levels float32 [chunks, 2 ** (bits - 1)]) of a flat float32 tensor."""
     size, chunks, slots = chunking(flat.numel(), chunk, k)
     groups = 2 ** (bits - 1)
-    rows = torch.nn.functional.pad(flat.float(), (0, chunks * size - flat.numel())).view(chunks, size)
+    rows = flat.float()
+    if chunks * size > flat.numel():  # (a copy of the whole tensor: only when its last chunk is short)
+        rows = torch.nn.functional.pad(rows, (0, chunks * size - flat.numel()))
+    rows = rows.view(chunks, size)
     top = rows.abs().topk(slots, dim=1, sorted=True)  # by magnitude, largest first
     magnitude, position = top.values, top.indices
     entries = (magnitude > 0).sum(dim=1, keepdim=True)  # (chunks, 1)
@@ -78,16 +83,39 @@ def densify(
 
 def pack_bits(values: torch.Tensor, width: int) -> torch.Tensor:
     """Non-negative integers below ``2 ** width``, ``width`` bits each, least significant first, as bytes."""
-    shifts = torch.arange(width, device=values.device, dtype=torch.int32)
-    bits = ((values.int().unsqueeze(1) >> shifts) & 1).to(torch.uint8).flatten()
-    bits = torch.nn.functional.pad(bits, (0, -bits.numel() % 8)).view(-1, 8)
-    weights = torch.tensor([1, 2, 4, 8, 16, 32, 64, 128], device=values.device, dtype=torch.uint8)
-    return (bits * weights).sum(dim=1, dtype=torch.uint8)
+    size, (per, group) = math.ceil(values.numel() * width / 8), _grouping(width)
+    if per == 0:  # (a width whose group would not fit 56 bits: one bit at a time)
+        shifts = torch.arange(width, device=values.device, dtype=torch.int32)
+        bits = ((values.int().unsqueeze(1) >> shifts) & 1).to(torch.uint8).flatten()
+        bits = torch.nn.functional.pad(bits, (0, -bits.numel() % 8)).view(-1, 8)
+        weights = torch.tensor([1, 2, 4, 8, 16, 32, 64, 128], device=values.device, dtype=torch.uint8)
+        return (bits * weights).sum(dim=1, dtype=torch.uint8)
+    # ``per`` values fill ``group`` bytes exactly: add them up shifted into one int64, then cut it in bytes
+    values = torch.nn.functional.pad(values.long(), (0, -values.numel() % per)).view(-1, per)
+    shifts = torch.arange(per, device=values.device, dtype=torch.int64) * width
+    packed = (values << shifts).sum(dim=1, keepdim=True)
+    cuts = torch.arange(group, device=values.device, dtype=torch.int64) * 8
+    return ((packed >> cuts) & 0xFF).to(torch.uint8).flatten()[:size]
 
 
 def unpack_bits(packed: torch.Tensor, width: int, count: int) -> torch.Tensor:
     """The ``count`` integers (int64) that ``pack_bits`` wrote into ``packed``."""
-    shifts = torch.arange(8, device=packed.device, dtype=torch.uint8)
-    bits = ((packed.unsqueeze(1) >> shifts) & 1).flatten()[: count * width].view(count, width)
-    weights = 2 ** torch.arange(width, device=packed.device, dtype=torch.int64)
-    return (bits.long() * weights).sum(dim=1)
+    per, group = _grouping(width)
+    if per == 0:
+        shifts = torch.arange(8, device=packed.device, dtype=torch.uint8)
+        bits = ((packed.unsqueeze(1) >> shifts) & 1).flatten()[: count * width].view(count, width)
+        weights = 2 ** torch.arange(width, device=packed.device, dtype=torch.int64)
+        return (bits.long() * weights).sum(dim=1)
+    needed = -(-count // per) * group
+    packed = torch.nn.functional.pad(packed[:needed].long(), (0, needed - min(needed, packed.numel())))
+    cuts = torch.arange(group, device=packed.device, dtype=torch.int64) * 8
+    whole = (packed.view(-1, group) << cuts).sum(dim=1, keepdim=True)
+    shifts = torch.arange(per, device=packed.device, dtype=torch.int64) * width
+    return ((whole >> shifts) & ((1 << width) - 1)).flatten()[:count]
+
+
+def _grouping(width: int) -> tuple[int, int]:
+    """(values that fill a whole number of bytes, those bytes), or (0, 0) where that group is wider than 56
+    bits (widths 9, 11, 13 and 15)."""
+    bits = math.lcm(width, 8)
+    return (bits // width, bits // 8) if bits <= 56 else (0, 0)

@@ -7,7 +7,7 @@ import pytest
 import torch
 from safetensors.torch import save
 
-from spes_p2p.sparsify import pack_bits
+from spes_p2p.sparsify import pack_bits, unpack_bits
 from spes_p2p.sync.codecs import CODECS, PayloadError, SparseLoCo, TensorSpec, TopK
 from spes_p2p.sync.payload import (
     FORMAT,
@@ -150,6 +150,37 @@ def test_values_that_are_not_finite_are_rejected_in_every_codec():
     inf_scale = {"w#codes": torch.zeros(4, dtype=torch.uint8), "w#absmax": torch.tensor([math.inf])}
     with pytest.raises(PayloadError, match="scales are not finite"):
         decode(forged(inf_scale, "int8"), spec, CODECS["int8"])
+
+
+@pytest.mark.parametrize("bad", [math.inf, -math.inf, math.nan])
+def test_one_value_that_is_not_finite_among_many_is_rejected(bad):
+    values = torch.randn(50_000)
+    values[31_337] = bad
+    with pytest.raises(PayloadError, match="not finite"):
+        decode(encode({"w": values}, CODECS["none"]), {"w": TensorSpec((50_000,))}, CODECS["none"])
+
+
+@pytest.mark.parametrize("width", range(1, 17))
+def test_bits_are_packed_as_one_little_endian_stream(width):
+    """Value i takes bits i * width to (i + 1) * width - 1 of the stream, least significant first: the wire
+    format, whatever way the packing is computed."""
+    g = torch.Generator().manual_seed(width)
+    for count in (0, 1, 2, 3, 7, 8, 9, 1001):
+        values = torch.randint(0, 2**width, (count,), generator=g)
+        stream = sum(int(v) << (i * width) for i, v in enumerate(values))
+        expected = stream.to_bytes(math.ceil(count * width / 8), "little")
+        packed = pack_bits(values, width)
+        assert packed.dtype == torch.uint8 and bytes(packed.tolist()) == expected
+        assert torch.equal(unpack_bits(packed, width, count), values)
+
+
+def test_error_feedback_leaves_the_callers_update_as_it_was():
+    feedback = ErrorFeedback(SparseLoCo(chunk=100, k=3))
+    update = sample()
+    before = {n: t.clone() for n, t in update.items()}
+    for round_ in range(3):
+        feedback.encode(update, round_=round_)
+        assert all(torch.equal(update[n], before[n]) for n in update)
 
 
 def test_topk_indices_must_be_in_range_and_distinct():

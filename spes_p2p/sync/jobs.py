@@ -12,7 +12,7 @@ from functools import cached_property
 
 import torch
 
-from spes_p2p.sync.payload import tensors_hash
+from spes_p2p.sync.payload import all_finite, tensors_hash
 from spes_p2p.sync.screening import Probe
 
 Tensors = dict[str, torch.Tensor]
@@ -63,7 +63,7 @@ class UnitJob:
     @cached_property
     def diverged(self) -> bool:
         """Whether our update is not finite: it is not sent, and we take the others' result."""
-        return not all(torch.isfinite(t).all() for t in self.update.values())
+        return not all_finite(self.update.values())
 
     def others(self, me: str) -> list[str]:
         return sorted(set(self.participants) - {me})

@@ -20,6 +20,8 @@ CPU; ``decode`` parses and checks on the CPU, then decodes on ``device`` (the CP
 from __future__ import annotations
 
 import hashlib
+import math
+from collections.abc import Iterable
 
 import msgspec
 import torch
@@ -66,6 +68,13 @@ def tensors_hash(tensors: Tensors) -> str:
         h.update(name.encode())
         h.update(tensors[name].detach().float().contiguous().cpu().numpy().tobytes())
     return h.hexdigest()[:16]
+
+
+def all_finite(tensors: Iterable[torch.Tensor]) -> bool:
+    """Whether every value is finite, by one sum per tensor: a NaN or an infinity makes the sum NaN or
+    infinite (so does a sum beyond float32's range, which no honest update comes near). About 30 times
+    faster than ``torch.isfinite(t).all()``, which writes a mask as large as the tensor."""
+    return all(math.isfinite(t.sum(dtype=torch.float32)) for t in tensors)
 
 
 def flatten(tensors: Tensors) -> torch.Tensor:
@@ -129,7 +138,7 @@ def decode(
     for name, spec in expected.items():
         parts = [buffers[buffer_name(name, s)].to(device) for s in codec.layout(spec)]
         values = codec.decode(parts, spec.numel)
-        if not torch.isfinite(values).all():
+        if not all_finite([values]):
             raise PayloadError(f"{name}: values are not finite")
         out[name] = values.view(spec.shape)
     return out
@@ -200,12 +209,11 @@ class ErrorFeedback:
         """``update`` plus what the codec lost in the round before (``round_ - 1``)."""
         if round_ is not None and self.round is not None and self.round != round_ - 1:
             self.residual = {}
-        decay = self.codec.feedback_decay
-        return {
-            n: t + decay * self.residual[n] if n in self.residual else t.clone() for n, t in update.items()
-        }
+        decay, kept = self.codec.feedback_decay, self.residual
+        return {n: torch.add(t, kept[n], alpha=decay) if n in kept else t.clone() for n, t in update.items()}
 
     def keep(self, full: Tensors, sent: Tensors, round_: int | None = None) -> None:
-        """Remembers what coding ``full`` lost (``sent`` is what its payloads decode to)."""
+        """Remembers what coding ``full`` (what ``carry`` returned, used up here) lost: ``sent`` is what its
+        payloads decode to."""
         lossless = self.codec.lossless
-        self.residual, self.round = ({} if lossless else {n: full[n] - sent[n] for n in full}), round_
+        self.residual, self.round = ({} if lossless else {n: full[n].sub_(sent[n]) for n in full}), round_
