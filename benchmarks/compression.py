@@ -31,13 +31,18 @@ from spes_p2p.model.units import layout_of
 # (layers, vocabulary, experts) measured, the last to check the others' fit; 1b: 12, 151,665, 16
 SHAPE_POINTS = ((1, 8192, 2), (2, 8192, 2), (1, 16384, 2), (1, 8192, 4), (2, 8192, 4))
 LOSS_SEEDS = (0, 1, 2)
-# the methods compared, as settings changes: SPES runs the default exchange (reduce-scatter, changes)
+# the methods compared, as settings changes: SPES runs the default exchange (reduce-scatter, changes). The
+# sparse codec at two densities: SparseLoCo's (64 of 4,096, 1.6%), and the densest whose bytes stay within
+# 0.02x DiLoCo's on `small` (512 of 4,096, 12.5%: 0.019x; docs/benchmarks.md)
+SPARSE_KS = (64, 512)
 CODEC_METHODS = {
-    "spes sparseloco k=64": {"sync.codec": "sparseloco", "sync.refresh_codec": "sparseloco"},
-    "spes sparseloco k=32": {
-        "sync.codec": "sparseloco",
-        "sync.refresh_codec": "sparseloco",
-        "sync.sparse_k": 32,
+    **{
+        f"spes sparseloco k={k}": {
+            "sync.codec": "sparseloco",
+            "sync.refresh_codec": "sparseloco",
+            "sync.sparse_k": k,
+        }
+        for k in SPARSE_KS
     },
     "spes int8": {},
     "diloco fp32": {"method.mode": "diloco", "sync.codec": "none", "sync.refresh_codec": "none"},
@@ -186,7 +191,7 @@ def headline(results: dict, measured) -> dict:
         for length in ("short", "long"):
             curves = results["codec_loss"].get(length, {})
             final = {name: statistics.fmean(c[-1][1] for c in runs) for name, runs in curves.items()}
-            for name in ("spes sparseloco k=64", "spes sparseloco k=32"):
+            for name in (f"spes sparseloco k={k}" for k in SPARSE_KS):
                 if name in final:
                     key = name.split()[-1].replace("=", "")
                     figures[f"val_loss_ratio_sparseloco_{key}_vs_int8_{length}"] = (
