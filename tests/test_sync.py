@@ -457,6 +457,25 @@ def test_an_update_scaled_a_thousandfold_is_rejected_and_the_honest_holders_agre
     assert (results["p0"].new_weights["w1"] - honest).abs().max() < 1e-3
 
 
+def test_an_update_refused_in_its_round_does_not_come_back_as_a_late_one():
+    """Late updates are those that came after their round closed: one that came in time and was refused is
+    settled. Taken again the next round, it was refused twice (toward a ban), and co-holders that had
+    combined different sets of updates in that round ended on different weights (seen in an honest swarm,
+    where one holder's screening then kept what the other's refused)."""
+    results, engines, _, _ = poisoned_round(lambda s, e: {"w1": s["w1"] + 1000 * (e["w1"] - s["w1"])})
+    unit, honest = "experts/0", ("p0", "p1")
+    base = results["p0"].new_weights
+    steps = {p: tensors(70 + i, 0.01)[unit]["w1"] for i, p in enumerate(honest)}
+    ends = {p: {"w1": base["w1"] + steps[p]} for p in honest}
+    second = exchange_concurrently(engines, 1, unit, {p: base for p in honest}, ends, list(honest))
+    mean = sum(TOKENS[p] * steps[p] for p in honest) / sum(TOKENS[p] for p in honest)
+    for p in honest:
+        assert second[p].participants == ["p0", "p1"] and second[p].rejected == []
+        assert engines[p].rejected_payloads == 1  # (round 0's refusal, once)
+        assert (second[p].new_weights["w1"] - (base["w1"] + mean)).abs().max() < 1e-3  # (int8's rounding)
+    assert torch.equal(second["p0"].new_weights["w1"], second["p1"].new_weights["w1"])
+
+
 def test_an_update_in_another_codec_than_the_swarms_is_refused_unfetched():
     net = MemoryNetwork(seed=0)
     engines = {

@@ -197,7 +197,8 @@ class Exchange(ABC):
         result.rejected = sorted(set(result.rejected) | set(others))
 
     def close(self, job: UnitJob, result: UnitResult, peers: set[str]) -> UnitResult:
-        """The round's participants are ``peers``: their updates of it are applied."""
+        """The round's participants are ``peers``: their updates of it are applied. Those it refused are
+        settled too: they came in time, and must not come back as late updates next round."""
         result.participants = sorted(peers)
-        self.ledger.apply(peers, job.round, job.unit)
+        self.ledger.settle(peers | set(result.rejected), job.round, job.unit)
         return result

@@ -222,13 +222,14 @@ class Gatherer:
 
     def late_updates(self, job: UnitJob, deadline: Deadline) -> list[Contribution]:
         """Updates of the last ``staleness`` rounds that came after those rounds closed, on our base of then,
-        from peers that took part in those rounds (nobody else may slip an update in)."""
+        from peers that took part in those rounds (nobody else may slip an update in); not one that came in
+        time and was refused."""
         me, todo = self.transport.peer_id, []
         for past in range(max(0, job.round - self.cfg.staleness), job.round):
             our_base = self.ledger.base(past, job.unit)
             took_part = self.ledger.participants(past, job.unit) - {me}
             for peer, announced in sorted(self.announcements(past, job.unit).items()):
-                fresh = peer in took_part and not self.ledger.applied(peer, past, job.unit)
+                fresh = peer in took_part and not self.ledger.settled(peer, past, job.unit)
                 if fresh and our_base is not None and announced.base == our_base:
                     todo.append((past, peer, announced))
         outcomes = self.fetcher.updates(job.unit, todo, deadline)

@@ -2,7 +2,8 @@
 
 - the hash of our start weights of each (round, unit), and who took part in it, so that late updates of the
   last ``staleness`` rounds count only when measured from our base and sent by that round's participants;
-- which (peer, round, unit) updates were applied already, so none counts twice;
+- which (peer, round, unit) updates were settled already (applied, or refused), so that none counts twice
+  and none refused comes back as a late update;
 - per unit: what our last update's coding lost (error feedback), the outer rule's state (Nesterov
   momentum), and how many rounds in a row we were outnumbered on our own base;
 - per peer: its attendance, which decides whom a round still waits for.
@@ -53,7 +54,7 @@ class Ledger:
         self.cfg, self.codec = cfg, codec
         self._bases: dict[tuple[int, str], str] = {}  # (round, unit) -> our start-weights hash
         self._participants: dict[tuple[int, str], set[str]] = {}  # (round, unit) -> who took part
-        self._applied: set[tuple[str, int, str]] = set()  # (peer, round, unit) already aggregated
+        self._settled: set[tuple[str, int, str]] = set()  # (peer, round, unit) applied or refused
         self._feedback: dict[str, ErrorFeedback] = {}  # unit -> what our last update's coding lost
         self._outer: dict[str, OuterStep] = {}
         self._off_base: dict[str, int] = {}  # unit -> rounds in a row we were outnumbered on our base
@@ -74,11 +75,11 @@ class Ledger:
     def base(self, round_: int, unit: str) -> str | None:
         return self._bases.get((round_, unit))
 
-    def applied(self, peer: str, round_: int, unit: str) -> bool:
-        return (peer, round_, unit) in self._applied
+    def settled(self, peer: str, round_: int, unit: str) -> bool:
+        return (peer, round_, unit) in self._settled
 
-    def apply(self, peers: set[str], round_: int, unit: str) -> None:
-        self._applied |= {(p, round_, unit) for p in peers}
+    def settle(self, peers: set[str], round_: int, unit: str) -> None:
+        self._settled |= {(p, round_, unit) for p in peers}
 
     # ---------------------------------------------------------------------------------- per unit
 
@@ -139,7 +140,7 @@ class Ledger:
     def forget_before(self, oldest: int, round_: int) -> None:
         """Drops what rounds before ``oldest`` left, and residuals older than the round before ``round_``."""
         self._bases = {k: v for k, v in self._bases.items() if k[0] >= oldest}
-        self._applied = {k for k in self._applied if k[1] >= oldest}
+        self._settled = {k for k in self._settled if k[1] >= oldest}
         self._participants = {k: v for k, v in self._participants.items() if k[0] >= oldest}
         # a residual carries only into the next round: one older than the round just landed is of a unit
         # given up (and would be dropped on its return anyway)
