@@ -16,7 +16,7 @@ from spes_p2p.sync.exchange import dense_grid, dense_group, owner
 from spes_p2p.sync.jobs import UnitJob
 from spes_p2p.sync.ledger import MISS_LIMIT, RESYNC_LIMIT
 from spes_p2p.sync.messages import RPC_UPDATE, UpdateRequest
-from spes_p2p.sync.versions import Want
+from spes_p2p.sync.versions import EXACT_WEIGHTS, Want
 
 SPECS = {
     "dense/0": {"embed": TensorSpec((40, 8)), "norm": TensorSpec((8,))},
@@ -474,6 +474,20 @@ def test_an_update_refused_in_its_round_does_not_come_back_as_a_late_one():
         assert engines[p].rejected_payloads == 1  # (round 0's refusal, once)
         assert (second[p].new_weights["w1"] - (base["w1"] + mean)).abs().max() < 1e-3  # (int8's rounding)
     assert torch.equal(second["p0"].new_weights["w1"], second["p1"].new_weights["w1"])
+
+
+def test_a_newcomer_takes_a_peers_own_copy_of_a_late_round_when_the_holders_cannot_serve():
+    """Catching up, a unit whose holders are newcomers too comes from another peer's copy, of whatever round
+    it is, though not of a round far past the swarm's (a swarm past round 16 had its honest peers' copies
+    refused as "far past round -1", counted toward a ban: 2 of 4 honest peers banned in a 96-round run)."""
+    _, engines = make_swarm("none", peers=("p0", "p1"))
+    unit, weights = "experts/0", tensors(5)["experts/0"]
+    engines["p0"].serve_weights(40, unit, weights)
+    got = engines["p1"].refresh(39, {unit: []}, 5.0, want=EXACT_WEIGHTS, fallback=["p0"])
+    assert got == {unit: 40} and engines["p1"].rejected_payloads == 0
+    engines["p0"].serve_weights(39 + 17, unit, weights)  # (a round no honest peer of this swarm is at)
+    assert engines["p1"].refresh(39, {unit: []}, 1.0, want=EXACT_WEIGHTS, fallback=["p0"]) == {}
+    assert engines["p1"].rejected_payloads >= 1
 
 
 def test_an_update_in_another_codec_than_the_swarms_is_refused_unfetched():

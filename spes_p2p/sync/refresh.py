@@ -152,8 +152,8 @@ class Refresh:
                 want = self.chains.whole(unit, want.chain)
             if order and not deadline.passed():
                 return None  # holders first, while they may still catch up
-            for peer in fallback:
-                found = self._fetch(peer, unit, want, -1, True, deadline, verify)
+            for peer in fallback:  # (a peer's own copy, of any round, but none past the swarm's)
+                found = self._fetch(peer, unit, want, -1, True, deadline, verify, newest_after=min_round)
                 if found is not None:
                     return found
             return None
@@ -180,8 +180,10 @@ class Refresh:
         any_copy: bool,
         deadline: Deadline,
         verify: Verify | None,
+        newest_after: int | None = None,
     ) -> Download | None:
-        """What we want of ``unit`` from ``peer``, or None when it cannot serve it (yet)."""
+        """What we want of ``unit`` from ``peer``, or None when it cannot serve it (yet). What it serves may
+        be at most ``ROUNDS_AHEAD`` rounds past ``newest_after`` (default: ``min_round``)."""
         # the round to match (refreshes: every peer then gets the same version), or the newest (catch-up)
         request = weights_request(unit, want, max(min_round, -1), any_copy=any_copy)
         try:
@@ -191,7 +193,8 @@ class Refresh:
             with self._lock:
                 self.failed[peer] += 1
             return None
-        return self._check(peer, unit, want, min_round, payload, verify)
+        newest = max(min_round if newest_after is None else newest_after, 0) + ROUNDS_AHEAD
+        return self._check(peer, unit, want, min_round, newest, payload, verify)
 
     def _chunked(
         self,
@@ -211,8 +214,9 @@ class Refresh:
             limit=self._limit(unit, want),
             deadline=deadline,
         )
-        got = download(asking, order, max(min_round, -1), max(min_round, 0) + ROUNDS_AHEAD)
-        return None if got is None else self._check(got[0], unit, want, min_round, got[1], verify)
+        newest = max(min_round, 0) + ROUNDS_AHEAD
+        got = download(asking, order, max(min_round, -1), newest)
+        return None if got is None else self._check(got[0], unit, want, min_round, newest, got[1], verify)
 
     def _ask(self, peer: str, request: bytes, limit: int, deadline: Deadline) -> bytes:
         timeout = min(self.cfg.request_timeout, max(deadline.remaining(), MIN_REQUEST_SECONDS))
@@ -222,9 +226,17 @@ class Refresh:
         return self.codecs[want.codec].max_bytes(self.specs[unit])
 
     def _check(
-        self, peer: str, unit: str, want: Want, min_round: int, payload: bytes, verify: Verify | None
+        self,
+        peer: str,
+        unit: str,
+        want: Want,
+        min_round: int,
+        newest: int,
+        payload: bytes,
+        verify: Verify | None,
     ) -> Download | None:
-        """``payload`` of ``unit`` from ``peer``, checked; None when refused or not of a round wanted."""
+        """``payload`` of ``unit`` from ``peer``, checked (of round ``newest`` at most); None when refused or
+        not of a round wanted."""
         decoder = functools.partial(
             decode,
             expected=self.specs[unit],
@@ -234,8 +246,8 @@ class Refresh:
         try:
             tensors = decoder(payload)  # checked now; decoded again when used
             round_ = _round_of(payload)
-            if round_ > max(min_round, 0) + ROUNDS_AHEAD:
-                raise PayloadError(f"it is of round {round_}, far past round {min_round} asked for")
+            if round_ > newest:
+                raise PayloadError(f"it is of round {round_}, far past round {newest - ROUNDS_AHEAD}")
             since = metadata_of(payload).get("since") if want.kind == "change" else None
             problem = verify(unit, tensors) if verify is not None else ""
             if problem:
