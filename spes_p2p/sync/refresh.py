@@ -126,6 +126,7 @@ class Refresh:
         order = list(holders)
         random.Random(f"{self.transport.peer_id}:{unit}:{min_round}").shuffle(order)
         order.sort(key=lambda p: self.failed[p])  # (stable) holders that served lately first
+        newest = max(min_round, 0) + ROUNDS_AHEAD  # (what anyone serves us: not of round 10^9)
 
         def one_pass() -> Download | None:
             nonlocal order, want
@@ -136,11 +137,11 @@ class Refresh:
                     return NOBODY
             elsewhere = False
             if want.kind != "change" and self._limit(unit, want) > CHUNK_BYTES:
-                found = self._chunked(unit, order, want, min_round, deadline, verify)
+                found = self._chunked(unit, order, want, min_round, newest, deadline, verify)
                 if found is not None:
                     return found
             for peer in order:
-                found = self._fetch(peer, unit, want, min_round, False, deadline, verify)
+                found = self._fetch(peer, unit, want, min_round, newest, False, deadline, verify)
                 elsewhere |= found is ELSEWHERE
                 if (
                     found is not None
@@ -152,8 +153,8 @@ class Refresh:
                 want = self.chains.whole(unit, want.chain)
             if order and not deadline.passed():
                 return None  # holders first, while they may still catch up
-            for peer in fallback:  # (a peer's own copy, of any round, but none past the swarm's)
-                found = self._fetch(peer, unit, want, -1, True, deadline, verify, newest_after=min_round)
+            for peer in fallback:  # (a peer's own copy, of any round, but none far past the swarm's)
+                found = self._fetch(peer, unit, want, -1, newest, True, deadline, verify)
                 if found is not None:
                     return found
             return None
@@ -177,13 +178,13 @@ class Refresh:
         unit: str,
         want: Want,
         min_round: int,
+        newest: int,
         any_copy: bool,
         deadline: Deadline,
         verify: Verify | None,
-        newest_after: int | None = None,
     ) -> Download | None:
-        """What we want of ``unit`` from ``peer``, or None when it cannot serve it (yet). What it serves may
-        be at most ``ROUNDS_AHEAD`` rounds past ``newest_after`` (default: ``min_round``)."""
+        """What we want of ``unit`` from ``peer``, of a round from ``min_round`` to ``newest``, or None when
+        it cannot serve it (yet)."""
         # the round to match (refreshes: every peer then gets the same version), or the newest (catch-up)
         request = weights_request(unit, want, max(min_round, -1), any_copy=any_copy)
         try:
@@ -193,7 +194,6 @@ class Refresh:
             with self._lock:
                 self.failed[peer] += 1
             return None
-        newest = max(min_round if newest_after is None else newest_after, 0) + ROUNDS_AHEAD
         return self._check(peer, unit, want, min_round, newest, payload, verify)
 
     def _chunked(
@@ -202,6 +202,7 @@ class Refresh:
         order: list[str],
         want: Want,
         min_round: int,
+        newest: int,
         deadline: Deadline,
         verify: Verify | None,
     ) -> Download | None:
@@ -214,7 +215,6 @@ class Refresh:
             limit=self._limit(unit, want),
             deadline=deadline,
         )
-        newest = max(min_round, 0) + ROUNDS_AHEAD
         got = download(asking, order, max(min_round, -1), newest)
         return None if got is None else self._check(got[0], unit, want, min_round, newest, got[1], verify)
 
