@@ -207,7 +207,8 @@ class RecordKeeping:
         self.me = dht.host.get_id()
         self.keeps, self.relayed = keeps, relayed
         self.store = RecordStore()
-        self._lookups: dict[str, tuple[tuple[ID, ...], float]] = {}  # key -> its closest peers, reused until
+        # key -> its closest peers, reused until, among the peers known then
+        self._lookups: dict[str, tuple[tuple[ID, ...], float, frozenset[ID]]] = {}
         self._settled_until = float("-inf")  # (time.monotonic) the routing table answers lookups until then
         if keeps:
             requests.serve(STORE, self._on_store, SignedEntry.MAX_BYTES, inline=True)
@@ -256,14 +257,16 @@ class RecordKeeping:
     async def _closest(self, key: str) -> list[ID]:
         """The REPLICAS peers closest to ``key`` that Kademlia knows of and that keep records, this one
         included when it does; a lookup is reused for ``LOOKUP_REUSE_SECONDS`` (a swarm reads its few keys
-        several times a round), or ``PARTIAL_REUSE_SECONDS`` when it was cut off. Within ``SETTLED_SECONDS``
-        of a walk that met nobody new, the routing table answers without a walk."""
+        several times a round), or ``PARTIAL_REUSE_SECONDS`` when it was cut off, and only while the routing
+        table has gained no peer (a founder's lookups found only itself: reused while the others joined,
+        it kept its records to itself, and newcomers reading from the closest of them found no swarm).
+        Within ``SETTLED_SECONDS`` of a walk that met nobody new, the routing table answers without a walk."""
         now = time.monotonic()
-        found, until = self._lookups.get(key, ((), now))
-        if now < until:
-            return list(found)
         table = self.dht.routing_table
-        known = {*table.get_peer_ids(), self.me}
+        known = frozenset((*table.get_peer_ids(), self.me))
+        found, until, then = self._lookups.get(key, ((), now, known))
+        if now < until and known <= then:
+            return list(found)
         target, count = key.encode(), 2 * REPLICAS
         found = table.find_local_closest_peers(target, count)
         reuse = LOOKUP_REUSE_SECONDS
@@ -280,18 +283,19 @@ class RecordKeeping:
         closest = sort_peer_ids_by_distance(target, keepers)[:REPLICAS]
         if len(self._lookups) >= MAX_LOOKUPS:
             self._lookups.clear()
-        self._lookups[key] = (tuple(closest), now + reuse)
+        self._lookups[key] = (tuple(closest), now + reuse, frozenset((*table.get_peer_ids(), self.me)))
         return closest
 
     async def _ask(self, peer: ID, name: str, payload: bytes, max_response: int) -> bytes | None:
         """One records request to ``peer``: its answer, or None when it gave none in time."""
-        with trio.move_on_after(ASK_SECONDS):
-            try:
+        # (the try is outside the timeout's scope: a dial cut off by it fails as a group of the dial's error
+        # and the scope's Cancelled, which only the scope strips; inside it, nothing would catch the group)
+        try:
+            with trio.move_on_after(ASK_SECONDS):
                 answer = await self.requests.ask(peer, name, payload, max_response + 1, reuse=True)
-            except Exception as exc:  # an unreachable or slow replica: the others answer
-                logger.debug("%s to %s failed: %s", name, peer, exc)
-                return None
-            return answer[1:] if answer[:1] == OK else None
+                return answer[1:] if answer[:1] == OK else None
+        except Exception as exc:  # an unreachable or slow replica: the others answer
+            logger.debug("%s to %s failed: %s", name, peer, exc)
         return None
 
     def _on_store(self, caller: str, request: bytes) -> bytes:
