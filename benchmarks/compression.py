@@ -293,11 +293,16 @@ def codec_tables(results: dict, row, mib) -> list[str]:
         for length in ("short", "long"):
             if length not in loss:
                 continue
-            heads = ("tokens", "final val loss, mean (min to max)", "refused, banned, resynced, missing")
+            heads = (
+                "tokens",
+                "final val loss, mean (min to max)",
+                "refused, left out, banned, resynced, missing",
+            )
             out += ["", row(f"{length} run: method", *heads), row(*["---"] * 4)]
             for name, runs in loss[length].items():
                 seen = [v for k, v in screening.items() if k.startswith(f"{length}/{name}/")]
-                counts = (sum(s["refused"] for s in seen), sum(len(s["banned"]) for s in seen))
+                counts = (sum(s["refused"] for s in seen), sum(s.get("left_out", 0) for s in seen))
+                counts += (sum(len(s["banned"]) for s in seen),)
                 counts += tuple(sum(s.get(k, 0) for s in seen) for k in ("resynced", "missing"))
                 cells = (f"{runs[0][-1][0]:,}", spread([c[-1][1] for c in runs]), ", ".join(map(str, counts)))
                 out.append(row(name, *cells[:2], cells[2] if seen else ""))

@@ -459,19 +459,27 @@ def bench_codec_loss(out: Path, rounds: int, steps: int, seeds: tuple[int, ...],
 
 
 def screening_of(folder: Path) -> dict:
-    """What went wrong in an honest swarm: the contributions (round, unit, peer) any peer's screening refused,
-    the peers banned (both false alarms here), and the units peers re-synchronized and the participants
-    they went without (each peer's count: a slow peer cut off, whose weights part from its co-holders')."""
+    """What went wrong in an honest swarm: the contributions (round, unit, peer) any peer's screening refused
+    or left out, the peers banned (refusals and bans are false alarms here), and the units peers
+    re-synchronized and the participants they went without (each peer's count: a slow peer cut off, whose
+    weights part from its co-holders')."""
     from spes_p2p.sim.summary import read_rows
 
-    refused, banned, resynced, missing = set(), set(), 0, 0
+    refused, left_out, banned, resynced, missing = set(), set(), set(), 0, 0
     for peer in sorted((folder / "peers").iterdir()):
         for row in read_rows(peer):
             refused |= {(row["round"], u, p) for u, peers in row.get("refused", {}).items() for p in peers}
+            left_out |= {(row["round"], u, p) for u, peers in row.get("left_out", {}).items() for p in peers}
             banned |= set(row.get("banned", []))
             resynced += len(row.get("resynced", []))
             missing += sum(len(peers) for peers in row.get("missing", {}).values())
-    return {"refused": len(refused), "banned": sorted(banned), "resynced": resynced, "missing": missing}
+    return {
+        "refused": len(refused),
+        "left_out": len(left_out),
+        "banned": sorted(banned),
+        "resynced": resynced,
+        "missing": missing,
+    }
 
 
 # codec_loss: a round waits for every participant (up to a minute), so that no peer is cut off for being

@@ -104,14 +104,14 @@ def test_the_fit_over_shapes_gives_back_a_figure_that_is_a_sum_over_tensors_anyw
 
 def test_the_loss_table_reports_what_went_wrong_in_honest_swarms(tmp_path):
     """An honest swarm's refusals and bans are false alarms: counted once per (round, unit, peer) however
-    many co-holders refused it, and shown beside the loss they may have moved, with the re-synchronizations
-    and the participants gone without."""
+    many co-holders refused it (or left it out), and shown beside the loss they may have moved, with the
+    re-synchronizations and the participants gone without."""
     rows = {
         "peer0": [
             {"round": 3, "refused": {"dense/0": ["peer2"], "experts/0": ["peer2"]}, "banned": ["peer2"]}
         ],
         "peer1": [
-            {"round": 3, "refused": {"dense/0": ["peer2"]}},
+            {"round": 3, "refused": {"dense/0": ["peer2"]}, "left_out": {"experts/1": ["peer3"]}},
             {"round": 4, "refused": {}, "resynced": ["dense/0"], "missing": {"dense/0": ["peer2", "peer3"]}},
         ],
     }
@@ -120,11 +120,11 @@ def test_the_loss_table_reports_what_went_wrong_in_honest_swarms(tmp_path):
         text = "".join(json.dumps({"peer": peer, **r}) + "\n" for r in lines)
         (tmp_path / "peers" / peer / "metrics.jsonl").write_text(text)
     seen = bench.screening_of(tmp_path)
-    assert seen == {"refused": 2, "banned": ["peer2"], "resynced": 1, "missing": 2}
+    assert seen == {"refused": 2, "left_out": 1, "banned": ["peer2"], "resynced": 1, "missing": 2}
     curves = {"spes int8": [[(100, 4.0), (200, 3.5)]]}
     results = {"codec_loss": {"short": curves, "screening": {"short/spes int8/0": seen}}}
     table = "\n".join(bench.compression.codec_tables(results, lambda *c: "| " + " | ".join(c) + " |", str))
-    assert "| spes int8 | 200 | 3.500 (3.500 to 3.500) | 2, 1, 1, 2 |" in table
+    assert "| spes int8 | 200 | 3.500 (3.500 to 3.500) | 2, 1, 1, 1, 2 |" in table
 
 
 def test_the_records_table_compares_each_swarm_with_sixteen_peers_and_names_a_failed_one():

@@ -49,7 +49,7 @@ REFUSED = {
     "signflip",
     "subtle",
     "zero",
-    "noise",
+    "noise",  # (as the combined parts it serves: its updates are only left out, below)
     "copy",
     "ownerflip",
 }
@@ -61,7 +61,10 @@ REFUSED |= {"resync", "claimall"}
 EITHER = {"frozenscale", "overclaim"}
 # Free-riders and poison inside the bounds pass every payload check; their co-holders refuse them, and an
 # honest peer bans them at its second refusal in a row (their score falls below the ban: docs/security.md).
-EXCLUDED = {"signflip", "subtle", "zero", "noise", "copy"}
+EXCLUDED = {"signflip", "subtle", "zero", "copy"}
+# Noise agrees with no honest update; neither does an honest peer's update on data that differs from the
+# others', later in a run: it is no evidence against its peer, and is only left out (never counted).
+LEFT_OUT = {"noise"}
 # What a mode costs beyond the noise: claimall's fake holders keep one shard from being trained until its
 # refreshes have failed 3 times and the claims have moved: 3 of its run's 6 rounds (ROUNDS: the others' 4
 # rounds end before the move), measured at +0.01 to +0.05 (a long run dilutes it). (signflip cost +0.13
@@ -107,6 +110,8 @@ def test_one_malicious_peer_neither_stops_nor_steers_the_honest_ones(mode, clean
         assert report["attackers"][name]["banned_by"], report
         attacker_id = next(r["peer"] for r in read_rows(tmp_path / "peers" / name) if "peer" in r)
         assert any(_banned_within(read_rows(tmp_path / "peers" / p), attacker_id, 3) for p in honest)
+    if mode in LEFT_OUT:
+        assert report["attackers"][name]["left_out_by"], report
     if mode == "claimall":  # the shard its fakes claimed went unserved, so honest peers took it over
         last = str(rounds - 1)
         assert honest & set(summary["units"]["experts/1"]["holders"][last])

@@ -59,6 +59,7 @@ class RoundMetrics:
             "missing": {u: r.missing for u, r in job.results.items() if r.missing},
             "apart": {u: r.apart for u, r in job.results.items() if r.apart},  # came, from other weights
             "refused": {u: r.rejected for u, r in job.results.items() if r.rejected},
+            "left_out": {u: r.left_out for u, r in job.results.items() if r.left_out},
             # the validation loss each participant's update took off (screening.screen)
             "scores": {
                 u: {p: round(s, 5) for p, s in r.scores.items()} for u, r in job.results.items() if r.scores

@@ -170,18 +170,29 @@ def _failures(
 
 
 def byzantine(settings: Settings, rows: dict[str, list[dict]], killed: set[str]) -> dict:
-    """Per malicious peer: its attack, how many refusals the honest peers counted, who banned it; and the
-    honest peers' final validation loss (the figure an attack must not move)."""
+    """Per malicious peer: its attack, who banned it and whose screening left some of its updates out;
+    how many refusals the honest peers counted; and the honest peers' final validation loss (the figure an
+    attack must not move)."""
     attackers = {f"peer{i}": mode for i, mode in settings.sim.byzantine_peers.items()}
     if not attackers:
         return {}
     honest = {n: rs[-1] for n, rs in rows.items() if rs and n not in attackers and n not in killed}
     val = [row["val_loss"] for row in honest.values() if "val_loss" in row]
+
+    def left_out_by(name: str) -> list[str]:
+        ids = {name} | {r["peer"] for r in rows.get(name, []) if "peer" in r}
+        return sorted(
+            n
+            for n in honest
+            if any(ids & set(peers) for r in rows[n] for peers in r.get("left_out", {}).values())
+        )
+
     return {
         "attackers": {
             name: {
                 "mode": mode,
                 "banned_by": sorted(n for n, row in honest.items() if name in row.get("banned", [])),
+                "left_out_by": left_out_by(name),
             }
             for name, mode in attackers.items()
         },

@@ -171,10 +171,11 @@ class Exchange(ABC):
     ) -> list[Contribution]:
         """The updates (``whole``, or pieces of one part of a reduce-scatter: screened without the probe,
         as a piece moves the loss by a sliver) that pass their screening (``screening.screen``) as the
-        round combines them; the others are refused, with the reason, and every update's score goes in the
-        result. Each outcome goes into the peer's score (``Guard.score``): only screening's, which every
-        holder decides alike (a peer off the swarm's weights finds the honest ones far off: its refusals
-        of them must not ban them)."""
+        round combines them; the others are refused or left out, with the reason, and every update's score
+        goes in the result. Each refusal and each kept update goes into the peer's score (``Guard.score``):
+        only screening's, which every holder decides alike (a peer off the swarm's weights finds the honest
+        ones far off: its refusals of them must not ban them); what is left out, on no evidence against
+        its peer, does not."""
         screened = screen(updates, job.start, job.probe if whole else None)
         for peer, reason in sorted(screened.refused.items()):
             if peer == self.me:
@@ -182,7 +183,11 @@ class Exchange(ABC):
             else:
                 self.fetcher.refuse(peer, job.unit, reason)
                 self.fetcher.rate(peer, 0.0)
+        for peer, reason in sorted(screened.left_out.items()):
+            whose = "our" if peer == self.me else f"{peer}'s"
+            logger.info("round %d %s: %s update is left out: %s", job.round, job.unit, whose, reason)
         result.rejected = sorted(set(result.rejected) | set(screened.refused) - {self.me})
+        result.left_out = sorted(set(screened.left_out) - {self.me})
         result.scores.update(screened.scores)
         for c in screened.kept:
             if c.peer_id != self.me:
@@ -197,8 +202,8 @@ class Exchange(ABC):
         result.rejected = sorted(set(result.rejected) | set(others))
 
     def close(self, job: UnitJob, result: UnitResult, peers: set[str]) -> UnitResult:
-        """The round's participants are ``peers``: their updates of it are applied. Those it refused are
-        settled too: they came in time, and must not come back as late updates next round."""
+        """The round's participants are ``peers``: their updates of it are applied. Those it refused or
+        left out are settled too: they came in time, and must not come back as late updates next round."""
         result.participants = sorted(peers)
-        self.ledger.settle(peers | set(result.rejected), job.round, job.unit)
+        self.ledger.settle(peers | set(result.rejected) | set(result.left_out), job.round, job.unit)
         return result

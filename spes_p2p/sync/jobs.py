@@ -77,6 +77,7 @@ class UnitResult:
     participants: list[str]  # peers whose updates were aggregated (this one included)
     missing: list[str]  # expected participants that did not answer in time
     rejected: list[str]  # peers whose payloads failed validation, or whose updates were outliers
+    left_out: list[str] = field(default_factory=list)  # peers whose updates screening left out, not refused
     apart: list[str] = field(default_factory=list)  # peers whose updates started from other weights
     resynced: bool = False  # start weights differed, so end weights were averaged instead
     diverged: bool = False  # our update was not finite: not sent; we took the others' result

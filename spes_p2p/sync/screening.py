@@ -2,24 +2,29 @@
 
 The norm bounds of ``aggregate.combine`` catch updates far off in size; what stays inside them is screened
 here. Every rule is a function of what every holder of the unit has alike (the updates, and the loss they
-give on a batch every peer picks alike), never of whose update is ours, so that holders refuse the same
-updates and stay bit-identical:
+give on a batch every peer picks alike), never of whose update is ours, so that holders keep the same
+updates and stay bit-identical. An update that fails a rule is either **refused** (evidence against its
+peer, toward a ban: ``Guard``) or **left out** of the round only (no evidence either way):
 
-1. **free-riders**: an update of zeros that claims tokens is refused; of updates that are copies of each
+1. **free-riders** (refused): an update of zeros that claims tokens; of updates that are copies of each
    other (cosine above ``COPY_COSINE``) the first by peer id counts, the others are refused;
-2. **agreement**: honest updates of one unit from one start point the same way (their cosines lie well
-   above zero; for sparse updates, the cosine over the entries both sent: ``agreement``); an update whose
-   cosine with every other is at most ``AGREE_MIN`` (a sign flip, a poison pointing elsewhere, noise) is
-   refused when some others agree among themselves. When none agree (two
-   updates that point apart, or updates of so few steps that their noise hides their common direction),
-   the one that lowers the validation loss most is kept alone if it takes clearly more off than the next
-   (``TIE``: beyond what holders' measurements differ by); else, and without a probe, only those pointing
-   against all others are refused;
-3. **the loss** (``Probe``: each update applied alone to the unit's start weights, the other units at their
-   start weights too, on the round's probe batch of held-out data): where the best update takes more than
-   the probe's noise off (``NOISE`` of the loss), one that adds ``HARM_FACTOR`` times more than the best
-   takes off is refused. Kept updates keep their token weights: a weight from the probe, which each holder
-   measures on a model whose frozen copies differ slightly, would part the holders' weights every round.
+2. **agreement**: honest updates of one unit from one start point the same way early in a run (cosines of
+   0.24 to 0.65; for sparse updates, the cosine over the entries both sent: ``agreement``). When some agree
+   (cosine above ``AGREE_MIN``), an update that agrees with none is left out, unless the probe finds it
+   taking loss off (``TIE``: beyond what holders' measurements differ by). When none agree (updates of so
+   few steps that their noise hides their common direction, or a run's later rounds on data that differs
+   between peers: honest co-holders' cosines measured -0.03 to 0.02 there), with a probe the updates that
+   take loss off are kept (all when none does: the probe cannot tell them apart); without one, only those
+   pointing against every other are left out. Only an update that points clearly against every other
+   (cosine below ``-AGAINST``: a sign flip of an honest update) while others are kept is refused; one that
+   merely agrees with none may be an honest peer's on other data (two such refusals in a row banned
+   honest peers) or noise, and is only left out;
+3. **the loss** (refused; ``Probe``: each update applied alone to the unit's start weights, the other units
+   at their start weights too, on the round's probe batch of held-out data): where the best update takes
+   more than the probe's noise off (``NOISE`` of the loss), one that adds ``HARM_FACTOR`` times more than
+   the best takes off is refused. Kept updates keep their token weights: a weight from the probe, which
+   each holder measures on a model whose frozen copies differ slightly, would part the holders' weights
+   every round.
 
 Peers whose frozen copies of other units differ slightly measure slightly different losses: a decision at
 the very edge can then differ between holders, and their weights part; the start-weights vote of the next
@@ -45,6 +50,7 @@ NOISE = 2e-4  # of the probe loss: what an honest update of a round's end may ad
 TIE = 2e-5
 HARM_FACTOR = 10.0  # honest updates of a tiny model added up to 8 times what the best of their round took off
 AGREE_MIN = 0.02  # honest co-holders' updates measured 0.24 to 0.65; noise of a million entries ~0.001
+AGAINST = 0.1  # a flip of an honest update: -0.24 to -0.65; honest updates on differing data: -0.03 or more
 
 Tensors = dict[str, torch.Tensor]
 Probe = Callable[[list[Tensors]], list[float]]
@@ -53,17 +59,18 @@ Probe = Callable[[list[Tensors]], list[float]]
 
 @dataclass
 class Screened:
-    """What screening kept, refused (peer -> why) and scored (peer -> the probe loss its update took off,
-    negative when it added some)."""
+    """What screening kept, refused and left out (peer -> why), and scored (peer -> the probe loss its
+    update took off, negative when it added some)."""
 
     kept: list[Contribution]
     refused: dict[str, str] = field(default_factory=dict)
+    left_out: dict[str, str] = field(default_factory=dict)
     scores: dict[str, float] = field(default_factory=dict)
 
 
 def screen(contributions: list[Contribution], start: Tensors, probe: Probe | None) -> Screened:
     """The contributions a round may combine; without a probe (pieces, virtual compute), rules 1 and 2
-    only, and two updates that point against each other are both refused."""
+    only, and of two updates that point against each other neither is kept."""
     out = Screened([])
     rest = _without_free_riders(sorted(contributions, key=lambda c: (c.peer_id, c.round)), out)
     if len(rest) < 2:  # one update has nothing to agree with, nor a better one to be measured against
@@ -103,20 +110,25 @@ def _without_free_riders(ordered: list[Contribution], out: Screened) -> list[Con
 
 
 def _agreeing(ordered: list[Contribution], out: Screened, margin: float | None) -> list[Contribution]:
-    """Rule 2. ``margin``: how much more loss the best update must take off than the next to be told
-    apart from it (None: there is no probe). ``ordered`` holds two updates or more."""
+    """Rule 2. ``margin``: how much loss an update must take off for the probe to tell that it helps (None:
+    there is no probe). ``ordered`` holds two updates or more."""
     closest = {id(c): max(agreement(c.tensors, o.tensors) for o in ordered if o is not c) for c in ordered}
+    helps = lambda c: margin is not None and out.scores[c.peer_id] > margin  # noqa: E731
     if any(a > AGREE_MIN for a in closest.values()):
-        keep = [c for c in ordered if closest[id(c)] > AGREE_MIN]
-    elif margin is not None:  # none agree: the probe tells them apart, when it clearly can
-        ranked = sorted(ordered, key=lambda c: -out.scores[c.peer_id])
-        best, second = (out.scores[c.peer_id] for c in ranked[:2])
-        keep = [ranked[0]] if best > 0 and best - second > margin else ordered
+        keep = [c for c in ordered if closest[id(c)] > AGREE_MIN or helps(c)]
+    elif margin is not None:  # none agree: the probe tells them apart, when it can
+        keep = [c for c in ordered if helps(c)] or ordered
     else:  # none agree, and nothing tells them apart: only what points against all the others goes
         keep = [c for c in ordered if closest[id(c)] >= -AGREE_MIN]
     for c in ordered:
-        if not any(k is c for k in keep):
-            out.refused[c.peer_id] = "its update points away from every other update of the unit"
+        if any(k is c for k in keep):
+            continue
+        if closest[id(c)] < -AGAINST and keep:  # (it points against what was kept: the evidence is on it)
+            out.refused[c.peer_id] = (
+                f"its update points against every other (cosine {closest[id(c)]:.3f} at most)"
+            )
+        else:
+            out.left_out[c.peer_id] = f"its update agrees with no other (cosine {closest[id(c)]:.3f} at most)"
     return keep
 
 
