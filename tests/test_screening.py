@@ -146,3 +146,16 @@ def test_honest_updates_on_differing_data_are_left_out_at_most_never_refused():
     kept, out = decided([update("a", honest(0)), update("b", honest(1)), update("c", -weak(3))])
     assert kept == ["a", "b"] and "c" in out.left_out and not out.refused
     assert decided([update("a", c), update("b", honest(4))], with_probe=False)[0] == ["a", "b"]
+
+
+def test_an_update_that_adds_more_than_ten_times_what_the_best_takes_off_but_little_of_the_loss_stays():
+    """Later in a run, an honest update added 1.0% of the probe batch's loss while the best took 0.1% off:
+    only gross harm is refused, beyond ``HARM_FLOOR`` of the loss too."""
+    from spes_p2p.sync.screening import HARM_FLOOR
+
+    base = probe([])[0]
+    small = 0.0005 * TARGET  # takes 0.1% of the loss off
+    g = torch.Generator().manual_seed(0)
+    noisy = 0.05 * TARGET + 0.194 * torch.randn(N, generator=g)  # agrees, and adds 1.5% of the loss
+    kept, out = decided([update("a", small), update("b", noisy)])
+    assert -HARM_FLOOR * base < out.scores["b"] < -10 * out.scores["a"] < 0 and kept == ["a", "b"]

@@ -22,9 +22,9 @@ peer, toward a ban: ``Guard``) or **left out** of the round only (no evidence ei
 3. **the loss** (refused; ``Probe``: each update applied alone to the unit's start weights, the other units
    at their start weights too, on the round's probe batch of held-out data): where the best update takes
    more than the probe's noise off (``NOISE`` of the loss), one that adds ``HARM_FACTOR`` times more than
-   the best takes off is refused. Kept updates keep their token weights: a weight from the probe, which
-   each holder measures on a model whose frozen copies differ slightly, would part the holders' weights
-   every round.
+   the best takes off, and more than ``HARM_FLOOR`` of the loss, is refused (gross harm only). Kept
+   updates keep their token weights: a weight from the probe, which each holder measures on a model whose
+   frozen copies differ slightly, would part the holders' weights every round.
 
 Peers whose frozen copies of other units differ slightly measure slightly different losses: a decision at
 the very edge can then differ between holders, and their weights part; the start-weights vote of the next
@@ -49,6 +49,9 @@ NOISE = 2e-4  # of the probe loss: what an honest update of a round's end may ad
 # updates of a round 2e-5 to 4e-4 of the loss: a margin of NOISE kept noise beside them)
 TIE = 2e-5
 HARM_FACTOR = 10.0  # honest updates of a tiny model added up to 8 times what the best of their round took off
+# ... and at least this much of the loss: later in a run, on data that differs between peers, an honest
+# update added up to 1.0% of the loss on one probe batch while the best took 0.1% off (10.1 times: refused)
+HARM_FLOOR = 0.05
 AGREE_MIN = 0.02  # honest co-holders' updates measured 0.24 to 0.65; noise of a million entries ~0.001
 AGAINST = 0.1  # a flip of an honest update: -0.24 to -0.65; honest updates on differing data: -0.03 or more
 
@@ -87,9 +90,10 @@ def screen(contributions: list[Contribution], start: Tensors, probe: Probe | Non
     if not best > noise:  # (NaN too) the probe sees no update help: it cannot judge
         out.kept = rest
         return out
+    harm = max(HARM_FACTOR * best, HARM_FLOOR * abs(base))
     for c in rest:
         gain = out.scores[c.peer_id]
-        if gain >= -HARM_FACTOR * best:
+        if gain >= -harm:
             out.kept.append(c)
         else:  # (NaN too)
             out.refused[c.peer_id] = f"it adds {-gain:.5f} to the validation loss (the best: -{best:.5f})"
