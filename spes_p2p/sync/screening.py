@@ -43,10 +43,12 @@ from spes_p2p.sync.aggregate import Contribution, norm_of
 
 COPY_COSINE = 0.99  # copies: honest updates of one unit, trained on different data, lie far below
 NOISE = 2e-4  # of the probe loss: what an honest update of a round's end may add or take off on one batch
-# of the probe loss: what holders' measurements of one update may differ by (their frozen copies of other
-# units differ slightly); the best of updates that agree with none is kept alone only when it takes more
-# than this off beyond the next, so that every holder keeps the same (noise takes ~0 off, and honest
-# updates of a round 2e-5 to 4e-4 of the loss: a margin of NOISE kept noise beside them)
+# of the probe loss: what holders' measurements of one update may differ by early in a run (their frozen
+# copies of other units differ slightly); an update that agrees with none is kept only when it takes more
+# than this off, so that every holder keeps the same (noise takes ~0 off, and honest updates of a round
+# 2e-5 to 4e-4 of the loss: a margin of NOISE kept noise beside them). Later in a run, on data that
+# differs between peers, holders' measurements of one update differed by up to 1% of the loss, each
+# favouring its own update: there holders part, and re-synchronize (docs/benchmarks.md)
 TIE = 2e-5
 HARM_FACTOR = 10.0  # honest updates of a tiny model added up to 8 times what the best of their round took off
 # ... and at least this much of the loss: later in a run, on data that differs between peers, an honest
