@@ -142,8 +142,8 @@ def test_honest_updates_on_differing_data_are_left_out_at_most_never_refused():
     assert kept == ["a"] and "b" in out.left_out and not out.refused
     kept, out = decided([update("a", a), update("b", b)], with_probe=False)
     assert kept == ["a", "b"] and not out.refused  # (no probe: neither points against the other)
-    kept, out = decided([update("a", honest(0)), update("b", honest(1)), update("c", weak(3))])
-    assert kept == ["a", "b", "c"] and not out.refused  # c agrees with none, and takes loss off
+    # beside two that agree: one pointing a little against them (cosine about -0.09, a flip of an honest
+    # update measures -0.24 or less) is left out, not refused
     kept, out = decided([update("a", honest(0)), update("b", honest(1)), update("c", -weak(3))])
     assert kept == ["a", "b"] and "c" in out.left_out and not out.refused
 
