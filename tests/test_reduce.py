@@ -195,6 +195,32 @@ def test_an_owner_that_names_only_itself_is_checked_against_the_pieces():
     assert all(engines[p].transport.guard.total() >= 1 for p in honest)
 
 
+def test_a_lying_owner_s_own_piece_is_not_the_yardstick_of_its_part_combined_elsewhere():
+    """p3 sends a piece 1000 times too large and serves its part 1000 times too large; p0 fetches no piece
+    of p1 or p2 in time, so it combines p3's part from p3's piece and its own. The yardstick of those two
+    norms is p0's own piece, never the lying owner's (with p3's, its piece passed, and p0's weights moved
+    hundreds of times the mean's)."""
+    engines = swarm(patient=True, deadline=1.0)
+    lie_with_scale(engines["p3"])
+    liar_end = {n: START[n] + 1000 * (ENDS["p3"][n] - START[n]) for n in START}
+    member = engines["p0"].transport
+    ask = member.request
+
+    def no_pieces_of_p1_or_p2(peer, name, payload, **kwargs):
+        if peer in ("p1", "p2") and name == RPC_UPDATE and UpdateRequest.decode(payload).kind == "piece":
+            raise TransportError("piece lost")
+        return ask(peer, name, payload, **kwargs)
+
+    member.request = no_pieces_of_p1_or_p2
+    original, ENDS["p3"] = ENDS["p3"], liar_end
+    try:
+        results = exchange(engines)
+    finally:
+        ENDS["p3"] = original
+    assert gap(results["p0"].new_weights, mean_of(["p0", "p1", "p2"])) < 0.05  # (the deltas: about 0.01)
+    assert_identical({p: r for p, r in results.items() if p in ("p1", "p2")})
+
+
 def lie_with_scale(engine):
     post = engine._outbox.post_reduced
     engine._outbox.post_reduced = lambda r, u, kind, part, parts, payload: post(

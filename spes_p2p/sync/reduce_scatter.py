@@ -352,8 +352,10 @@ class ReduceScatter(Exchange):
     ) -> Combined:
         """A part of a row (ours unless ``row``) combined from its pieces, fetched from its members on our
         base (within a deadline of its own unless given one): a part whose owner failed us, or the second
-        part we own. Every peer that does this combines the same pieces as the part's owner does, with the
-        owner's piece as the yardstick as the owner has it, and agrees with it."""
+        part we own. Of fewer than three pieces, the yardstick of their norms is ours, as an owner's own is
+        when it combines (else the smallest), never the owner's: the owner that failed us may be lying, and
+        its own piece, 1000 times too large, would be the yardstick that lets itself through (for a member
+        that fetched no other piece of that part in time)."""
         row = job.row if row is None else row
         members = [p for p in job.grid[row] if p != self.me]
         deadline = deadline or self.gatherer.round_deadline(job.unit)
@@ -361,7 +363,7 @@ class ReduceScatter(Exchange):
         contributions = self.gatherer.pieces(job.round, job.unit, members, job.base, where, deadline)
         own = split.own(self.me, job.round, part) if row == job.row else None
         kept = screen(contributions + ([own] if own else []), {}, None).kept
-        return combine(kept, self.aggregate, owner(job.grid[row], part))
+        return combine(kept, self.aggregate, self.me if own else None)
 
     # ---------------------------------------------------------------------------------- helpers
 
