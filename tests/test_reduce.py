@@ -217,7 +217,8 @@ def test_a_lying_owner_s_own_piece_is_not_the_yardstick_of_its_part_combined_els
         results = exchange(engines)
     finally:
         ENDS["p3"] = original
-    assert gap(results["p0"].new_weights, mean_of(["p0", "p1", "p2"])) < 0.05  # (the deltas: about 0.01)
+    # (any mix of honest pieces lies within 0.1 of their mean, here 0.042; p3's piece moved it 48)
+    assert gap(results["p0"].new_weights, mean_of(["p0", "p1", "p2"])) < 0.2
     assert_identical({p: r for p, r in results.items() if p in ("p1", "p2")})
 
 
