@@ -135,6 +135,17 @@ class Swarm:
         """Signals the peer's whole process group: the peer, its DHT process and its p2pd daemon."""
         os.killpg(self.procs[name].pid, sig)
 
+    def exit_code(self, name: str, timeout: float) -> int:
+        """The peer's exit status; one still running after ``timeout`` fails the test with its log, every
+        thread's stack in it (SIGUSR1)."""
+        try:
+            return self.procs[name].wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.kill(self.procs[name].pid, signal.SIGUSR1)
+            time.sleep(2)
+            log = (self.root / f"{name}.log").read_text()
+            pytest.fail(f"{name} still running after {timeout}s:\n{log[-8000:]}")
+
     def stop_all(self) -> None:
         stop_process_groups(self.procs.values())
 
@@ -186,7 +197,7 @@ def test_three_peers_cover_the_shards_survive_a_kill_and_leave_cleanly(swarm):
     # SIGTERM: the peer releases its claims and exits within a bounded time; it vanishes before its TTL
     leaver = alive[1]
     swarm.kill(leaver, signal.SIGTERM)
-    assert swarm.procs[leaver].wait(timeout=20) == 0
+    assert swarm.exit_code(leaver, timeout=20) == 0
     final = swarm.status(alive[0])
     assert {p["peer_id"] for p in final["peers"]} == {ids[alive[0]]}
     assert "left the swarm" in (swarm.root / f"{leaver}.log").read_text()

@@ -187,6 +187,26 @@ def test_a_virtual_peer_checkpoints_and_resumes(tmp_path, virtual_peers):
         real.start(["experts/0"], 2, checkpoint)
 
 
+def test_a_stopped_peer_lands_its_last_sync_without_catching_up_or_claiming(monkeypatch):
+    """Asked to stop (SIGTERM), a peer lands the sync in flight and leaves: it does not read the swarm to
+    catch up or to re-run its claims first (a DHT read each, seconds on a slow DHT; a download of the whole
+    model if it found itself behind)."""
+    s = simulation({"swarm.backend": "memory", "sim.compute": "virtual=0", "model.dense_blocks": 1, **SMALL})
+    peer = Peer(s, MemoryNetwork(seed=0).join("p0"))
+    peer.join()
+    stop, after_stop = threading.Event(), []
+
+    def stop_after_the_first_round(status) -> None:
+        stop.set()
+        monkeypatch.setattr(peer, "_catch_up_if_behind", lambda: after_stop.append("catch up"))
+        monkeypatch.setattr(peer.member, "rebalance", lambda **kw: after_stop.append("rebalance"))
+
+    peer.run(stop, on_update=stop_after_the_first_round)
+    assert peer.round == 1 and peer.status().last["round"] == 0  # the first round landed, row and all
+    assert after_stop == []
+    peer.close()
+
+
 def test_the_step_time_is_given_or_the_presets_measured_one():
     assert step_seconds(simulation({"sim.compute": "virtual=0.25"})) == 0.25
     tokens = 4 * 64

@@ -8,10 +8,12 @@ A front end (the terminal view of ``spes-join``, or plain log lines) follows alo
 from __future__ import annotations
 
 import contextlib
+import faulthandler
 import json
 import logging
 import os
 import signal
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -193,8 +195,10 @@ def preflight(settings: Settings, identity: bool = True) -> None:
 
 
 def stop_on_signals() -> threading.Event:
-    """SIGINT and SIGTERM ask for a clean stop (the peer leaves in order); a second one stops at once."""
+    """SIGINT and SIGTERM ask for a clean stop (the peer leaves in order); a second one stops at once.
+    SIGUSR1 writes every thread's stack to stderr (where a peer that does not leave is stuck)."""
     stop = threading.Event()
+    faulthandler.register(signal.SIGUSR1, file=sys.__stderr__, all_threads=True)
 
     def handle(signum, frame) -> None:
         if stop.is_set():

@@ -211,7 +211,7 @@ class Peer:
                 on_update(self.status())
         if stop.is_set():
             self.sync.stop_waiting()  # the sync in flight stops waiting and lands with what it has
-        self._land(self.pipeline.take())
+        self._land(self.pipeline.take(), leaving=stop.is_set())
 
     def _train_round(self, stop: threading.Event, rounds: int) -> bool:
         """H local steps, then this round's sync (in the background with overlap). False if stopped, or if
@@ -251,8 +251,10 @@ class Peer:
         if self.pipeline.finished():
             self._land(self.pipeline.take())
 
-    def _land(self, job: RoundJob | None) -> None:
-        """Writes a finished sync into the model and closes the round's books."""
+    def _land(self, job: RoundJob | None, leaving: bool = False) -> None:
+        """Writes a finished sync into the model and closes the round's books; then, unless ``leaving`` (the
+        peer stops: it neither catches up nor claims, and reads nothing more of the swarm), follows the
+        swarm."""
         if job is None:
             return
         if job.error is not None:
@@ -260,7 +262,7 @@ class Peer:
         self.landing.land(job)
         self.data.commit(job.metrics["data"]["trained"])  # (its windows now count as trained)
         self.round = job.round + 1
-        view = self._catch_up_if_behind()
+        view = None if leaving else self._catch_up_if_behind()
         row = self.metrics.row(job, self.local.step, self.local.tokens, self.sync.rejected_payloads)
         row.update(self.footprint.take())
         row["probe_seconds"] = self.local.probing_seconds()  # (screening; training paused meanwhile)
@@ -268,11 +270,12 @@ class Peer:
         if crossed(self.round, self.settings.method.steps_per_round, every) and self.local.compute == "real":
             row["val_loss"] = self.local.evaluate()
         self.member.report(self.round, progress(row, self.member.progress), row["data"]["epoch"])
-        # without overlap a new claim takes effect at once, before every other peer can see it: like a
-        # newcomer's, its first round is not counted (it adopts the others' result)
-        first = self.round + 1 if self.settings.method.overlap else self.round
-        self.member.rebalance(first_round=first, count_from=self.round + 1, view=view)
-        self.sync.forget_before(self.round, self.member.units_held)
+        if not leaving:
+            # without overlap a new claim takes effect at once, before every other peer can see it: like a
+            # newcomer's, its first round is not counted (it adopts the others' result)
+            first = self.round + 1 if self.settings.method.overlap else self.round
+            self.member.rebalance(first_round=first, count_from=self.round + 1, view=view)
+            self.sync.forget_before(self.round, self.member.units_held)
         self._last_row = row
         self._write_outputs(row)
 
