@@ -119,11 +119,11 @@ def _agreeing(ordered: list[Contribution], out: Screened, margin: float | None) 
     """Rule 2. ``margin``: how much loss an update must take off for the probe to tell that it helps (None:
     there is no probe). ``ordered`` holds two updates or more."""
     closest = {id(c): max(agreement(c.tensors, o.tensors) for o in ordered if o is not c) for c in ordered}
-    helps = lambda c: margin is not None and out.scores[c.peer_id] > margin  # noqa: E731
+    helping = {id(c) for c in ordered if margin is not None and out.scores[c.peer_id] > margin}
     if any(a > AGREE_MIN for a in closest.values()):
-        keep = [c for c in ordered if closest[id(c)] > AGREE_MIN or helps(c)]
+        keep = [c for c in ordered if closest[id(c)] > AGREE_MIN or id(c) in helping]
     elif margin is not None:  # none agree: the probe tells them apart, when it can
-        keep = [c for c in ordered if helps(c)] or ordered
+        keep = [c for c in ordered if id(c) in helping] or ordered
     else:  # none agree, and nothing tells them apart: only what points against all the others goes
         keep = [c for c in ordered if closest[id(c)] >= -AGREE_MIN]
     for c in ordered:
