@@ -123,6 +123,7 @@ class Exchange(ABC):
             gathered.refused,
             apart=decision.differ,
             resynced=decision.resync,
+            tied=decision.resync and decision.tied,
             diverged=job.diverged,
         )
         if decision.differ:
