@@ -83,10 +83,11 @@ class FrozenCopies:
         if not is_version_round(job.round, self.every) or self.settings.sync.frozen_refresh != "changes":
             return
         since = job.round - self.every
+        parted_since_last, self._parted = self._parted, {}  # (of units still trained: the others' are moot)
         for unit, result in job.results.items():
             if not self.versioned(unit):
                 continue
-            parted = self._parted.pop(unit, None)
+            parted = parted_since_last.get(unit)
             if parted == "tied":  # every holder averaged the same end weights: the chains start again there
                 self.sync.start_version(unit, job.round, result.new_weights)
                 continue
