@@ -15,7 +15,6 @@ from spes_p2p.sim.summary import read_rows
 from spes_p2p.sync.codecs import TensorSpec
 from spes_p2p.sync.config import SyncConfig
 from spes_p2p.sync.engine import SyncEngine
-from spes_p2p.sync.exchange import Exchange
 from spes_p2p.sync.messages import WeightsRequest
 from spes_p2p.sync.payload import metadata_of, tensors_hash
 from spes_p2p.sync.versions import Want, is_version_round
@@ -344,55 +343,6 @@ def test_holders_that_store_frozen_experts_differently_merge_alike(tmp_path, mon
     for unit in ("experts/0", "experts/1"):
         info = summary["units"][unit]
         assert len(info["holders"]["4"]) == 2 and info["max_holder_difference"] == 0.0, (unit, info)
-
-
-@pytest.mark.parametrize(("peers", "holders", "resyncs"), [(4, 2, 4), (5, 3, 1)])
-def test_holders_that_parted_once_share_one_version_chain_again(
-    peers, holders, resyncs, tmp_path, monkeypatch
-):
-    """One holder of each shard of ``holders`` leaves its co-holders' updates out once (screening may
-    decide so on one side only): it parts from them, re-synchronizes the next round, and the holders
-    share one version chain again: two holders, tied, average the same end weights and start their
-    chains again from them; one of three, outnumbered, takes the others' weights and joins their chain.
-    (Each kept its own chain before: a version is a change from the one before, so the versions stayed
-    apart, every merge on them parted the holders again, and they re-synchronized every round for the
-    rest of the run.)"""
-    screen = Exchange.screen
-
-    def lopsided(self, job, result, updates, whole=True):
-        kept = screen(self, job, result, updates, whole)
-        ours = job.unit.startswith("experts/") and len(updates) == holders
-        if job.round == 1 and ours and self.me == min(c.peer_id for c in updates):
-            return [c for c in kept if c.peer_id == self.me]
-        return kept
-
-    monkeypatch.setattr(Exchange, "screen", lopsided)
-    summary = run(
-        simulation(
-            {
-                "run.out": str(tmp_path),
-                "run.rounds": 4,
-                "merge.interval": 5,  # (a merge every round, on every expert's version)
-                "merge.alpha": 0.5,
-                "merge.horizon": 1000,
-                **SWARM,
-                "sim.peers": peers,
-                "sync.deadline_min": 20.0,  # (every update arrives: a late one would part holders too)
-                "sync.deadline_max": 20.0,
-            }
-        )
-    )
-    assert not summary["failures"]
-    resynced = sorted(
-        (r["round"], unit)
-        for f in (tmp_path / "peers").iterdir()
-        for r in read_rows(f)
-        for unit in r["resynced"]
-    )
-    # once, the round after they parted: both holders of each shard of 2 (tied), the one of 3 outnumbered
-    assert [r for r, _ in resynced] == [2] * resyncs, resynced
-    assert all(len(summary["units"][unit]["holders"]["3"]) == holders for _, unit in resynced)
-    assert all(info["max_holder_difference"] == 0.0 for info in summary["units"].values())
 
 
 @pytest.mark.slow

@@ -54,9 +54,6 @@ class FrozenCopies:
         self.read, self.probe = read, probe
         self.me = member.me
         self.every = settings.method.refresh_every_rounds
-        # units whose weights we re-synchronized since the last version round: "tied" (every holder averaged
-        # the same end weights) or "outnumbered" (we took the leaders' weights)
-        self._parted: dict[str, str] = {}
 
     def merge_due(self, round_: int) -> bool:
         """Merges come due at steps; they run at the next version round (on that round's versions)."""
@@ -73,27 +70,15 @@ class FrozenCopies:
 
     def publish(self, job: RoundJob, view: SwarmView) -> None:
         """The next version of each unit we trained that others keep frozen copies of; a unit whose version
-        chain we lack (we just took it over) joins a co-holder's first. A re-synchronized unit's chain parted
-        from its co-holders' with our weights, and would stay apart (a version is a change from the one
-        before): holders that all averaged the same end weights start their chains again from them; one
-        that took the leaders' weights joins their chain."""
-        for unit, result in job.results.items():
-            if result.resynced:  # (our chain parted from the others' with our weights)
-                self._parted[unit] = "tied" if result.tied else "outnumbered"
+        chain we lack (we just took it over) joins a co-holder's first."""
         if not is_version_round(job.round, self.every) or self.settings.sync.frozen_refresh != "changes":
             return
         since = job.round - self.every
-        parted_since_last, self._parted = self._parted, {}  # (of units still trained: the others' are moot)
         for unit, result in job.results.items():
             if not self.versioned(unit):
                 continue
-            parted = parted_since_last.get(unit)
-            if parted == "tied":  # every holder averaged the same end weights: the chains start again there
-                self.sync.start_version(unit, job.round, result.new_weights)
-                continue
             current = self.sync.version(unit)
-            # a chain we lack, or ours after we took the leaders' weights: from its holders then, or now
-            if current is None or current.round < since or parted:
+            if current is None or current.round < since:  # from its holders then, or now
                 holders = view.participants(unit, since) | view.participants(unit, job.round)
                 self._join(unit, since, sorted(holders - {self.me}))
                 current = self.sync.version(unit)

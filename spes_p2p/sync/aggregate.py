@@ -208,7 +208,6 @@ class Decision:
     resync_from: list[Contribution]  # resync: the other participants whose end weights to average
     ours_leads: bool = True  # our base is among the leading ones (resync: our end weights are averaged too)
     differ: list[str] = field(default_factory=list)  # participants on another base, not averaged in
-    tied: bool = False  # resync: several bases lead, and every leader averages the same end weights
 
 
 def decide(
@@ -229,7 +228,6 @@ def decide(
         [r.contribution for r in received if r.base in leading],
         ours_leads=our_base in leading,
         differ=sorted(r.contribution.peer_id for r in received if r.base not in leading),
-        tied=len(leading) > 1,
     )
 
 

@@ -123,7 +123,6 @@ class Exchange(ABC):
             gathered.refused,
             apart=decision.differ,
             resynced=decision.resync,
-            tied=decision.resync and decision.tied,
             diverged=job.diverged,
         )
         if decision.differ:

@@ -80,7 +80,6 @@ class UnitResult:
     left_out: list[str] = field(default_factory=list)  # peers whose updates screening left out, not refused
     apart: list[str] = field(default_factory=list)  # peers whose updates started from other weights
     resynced: bool = False  # start weights differed, so end weights were averaged instead
-    tied: bool = False  # resynced, every leader to the same end weights (else we took the leaders' result)
     diverged: bool = False  # our update was not finite: not sent; we took the others' result
     download_from: list[str] = field(default_factory=list)  # take this round's result from one of them
     scores: dict[str, float] = field(default_factory=dict)  # peer -> the validation loss its update took off

@@ -13,8 +13,6 @@ rounding, however many rounds pass.
 
 A copy that is not a version (a newcomer's, one that missed a version round, or one whose check failed)
 is replaced by the holders' exact version (``none`` codec) once, and follows the changes from then on.
-Holders that re-synchronized their weights re-synchronize their chains too (``peer.frozen``: a chain once
-parted would stay apart).
 
 Peers that hold frozen copies quantized (int8 or nf4) cannot add a change to the exact version before:
 they hold only its rounding. Each quantized format has a **chain** of its own, which the holders keep beside
